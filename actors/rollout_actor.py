@@ -1,0 +1,72 @@
+"""RolloutActor: owns environments and a policy copy in eval mode; samples chains, returns typed rollouts.
+
+Plain Python, so it can be tested without Ray; learner.main turns it into a Ray actor with
+`ray.remote(num_cpus=..., num_gpus=...)`. It only reads weights (a WeightsPayload published once per
+version by the learner through one `ray.put`) and never writes into them.
+
+Every rollout is a pure function of (weights, seed, iteration, actor index): the envs are reset at the
+start of each call with a seed derived from those three numbers and the sampling noise comes from a
+generator seeded the same way. Episodes still running when the call ends are cut and bootstrapped
+(next_obs + the learner's critic), so resuming from a checkpoint at iteration k reproduces the
+uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import RunConfig
+from common.envs import ChunkedVectorEnv, Layout, layouts
+from common.policy import FlowPolicy
+from common.rollout import collect_rollout, evaluate_layouts, make_envs
+from common.trajectory import RolloutBatch, WeightsPayload
+
+
+def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
+    """A 63-bit seed that differs for every (run seed, iteration, actor)."""
+    return int(np.random.SeedSequence([seed, iteration, actor_index]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+class RolloutActor:
+    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path):
+        torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
+        self.config = config
+        self.actor_index = actor_index
+        self.policy = FlowPolicy.from_pretrained(checkpoint_dir).eval()
+        self.version = -1  # the checkpoint's own weights; any published version replaces them
+        train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
+        self.vec_env = ChunkedVectorEnv(make_envs(config.env, config.actors.envs_per_actor), train_layouts, config.learner.gamma)
+        self.eval_envs = self.vec_env.envs
+
+    def load_weights(self, weights: WeightsPayload | None) -> None:
+        """Load a newer weight version (older or equal versions are ignored)."""
+        if weights is None or weights.version <= self.version:
+            return
+        missing = set(weights.params) - set(dict(self.policy.named_parameters()))
+        if missing:
+            raise KeyError(f"weights version {weights.version} has parameters this policy lacks: {sorted(missing)[:5]}")
+        self.policy.load_state_dict(weights.to_tensors(), strict=False)
+        self.version = weights.version
+
+    def sample(self, weights: WeightsPayload | None, iteration: int) -> RolloutBatch:
+        self.load_weights(weights)
+        seed = rollout_seed(self.config.seed, iteration, self.actor_index)
+        obs = self.vec_env.reset(seed)
+        generator = torch.Generator().manual_seed(seed)
+        batch, _ = collect_rollout(
+            self.policy, self.vec_env, obs, self.config.actors.decisions_per_rollout, generator, self.version, self.actor_index
+        )
+        return batch
+
+    def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout]) -> tuple[int, np.ndarray]:
+        """Deterministic episodes on the given layouts; returns (weight version used, successes)."""
+        self.load_weights(weights)
+        return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
+
+    def pid(self) -> int:
+        return os.getpid()

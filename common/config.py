@@ -1,0 +1,293 @@
+"""Typed run configuration: nested dataclasses, loaded from YAML, overridden from the command line.
+
+Every field is documented where it is declared; `validate()` names the bad field and says how to fix
+it. Unknown keys are errors (a typo such as `clip_epsilon` must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (dotted path) and the fix."""
+
+
+@dataclass
+class PolicyConfig:
+    """The flow policy: architecture, denoising chain and noise bounds."""
+
+    type: str = "mlp_flow"  # backend registered in common.policy.POLICY_TYPES
+    obs_dim: int = 39
+    action_dim: int = 4  # A
+    chunk_size: int = 4  # H: actions per decision, executed whole
+    num_steps: int = 4  # K: Euler steps of the denoising chain
+    hidden_dim: int = 256
+    num_layers: int = 3
+    time_embed_dim: int = 32
+    dropout: float = 0.0  # > 0 only to reproduce the train-mode failure; kept off for RL
+    # Noise injected at every Euler step, in normalised action units, bounded by a tanh into
+    # [log sigma_min^2, log sigma_max^2] (ReinFlow). Bounds are fixed, not learned.
+    sigma_min: float = 0.05
+    sigma_max: float = 0.15
+    # Std of a_0 when sampling stochastically. 1.0 is the flow-matching prior N(0, I); 0 starts every
+    # chain at the prior's mode (then only the injected noise explores and a_0 has no log-prob term).
+    init_noise_std: float = 1.0
+    # How a chain's log-prob is aggregated over its elements: "mean" (per element, ReinFlow; the
+    # default: the ratio's sensitivity does not grow with chunk size) or "sum" (the exact joint log-density).
+    log_prob_normalization: str = "mean"
+
+    def validate(self, path: str = "policy") -> None:
+        _positive(self, path, "obs_dim", "action_dim", "chunk_size", "num_steps", "hidden_dim", "num_layers", "time_embed_dim")
+        _require(0.0 <= self.dropout < 1.0, f"{path}.dropout must be in [0, 1), got {self.dropout}")
+        _require(
+            0.0 < self.sigma_min <= self.sigma_max,
+            f"{path}.sigma_min/sigma_max must satisfy 0 < sigma_min <= sigma_max, got {self.sigma_min}, {self.sigma_max}",
+        )
+        _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
+        _choice(self, path, "log_prob_normalization", ("mean", "sum"))
+
+    @property
+    def action_elements(self) -> int:
+        """D = H * A, the number of action elements in one chunk."""
+        return self.chunk_size * self.action_dim
+
+
+@dataclass
+class EnvConfig:
+    """The task, episode rules, and which Metaworld layouts each phase may see."""
+
+    task: str = "pick-place-v3"
+    max_episode_steps: int = 200
+    stop_on_success: bool = True
+    reward: str = "success"  # "success": 1 when the task first succeeds; "dense": Metaworld's shaped reward
+    # Layouts are fixed by Metaworld's benchmark seed (50 per seed). Keep the three sets disjoint:
+    # demonstrations, RL training and held-out evaluation.
+    demo_benchmark_seed: int = 0
+    train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5])
+    eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
+
+    def validate(self, path: str = "env") -> None:
+        _positive(self, path, "max_episode_steps")
+        _choice(self, path, "reward", ("success", "dense"))
+        _require(len(self.train_benchmark_seeds) > 0, f"{path}.train_benchmark_seeds must not be empty")
+        _require(len(self.eval_benchmark_seeds) > 0, f"{path}.eval_benchmark_seeds must not be empty")
+        overlap = (set(self.train_benchmark_seeds) | {self.demo_benchmark_seed}) & set(self.eval_benchmark_seeds)
+        _require(
+            not overlap,
+            f"{path}.eval_benchmark_seeds {sorted(overlap)} also used for training or demonstrations: "
+            "held-out evaluation needs layouts never trained on",
+        )
+
+
+@dataclass
+class ActorsConfig:
+    """Rollout actors: how many, their envs, and their resources."""
+
+    num_actors: int = 10
+    envs_per_actor: int = 2
+    decisions_per_rollout: int = 50  # chunk decisions per env per iteration
+    num_cpus: float | None = None  # per actor; None: spread the cluster's CPUs evenly over the actors
+    num_gpus: float = 0.0  # per actor, fractional "GPU slices" (e.g. 0.1); 0 on CPU machines
+    max_restarts: int = 3
+
+    def validate(self, path: str = "actors") -> None:
+        _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
+        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
+        _require(self.num_gpus >= 0, f"{path}.num_gpus must be >= 0, got {self.num_gpus}")
+        _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+
+
+@dataclass
+class PPOConfig:
+    """The learner's optimisation: GAE, clipped PPO, schedules."""
+
+    gamma: float = 0.99  # discount per ENV STEP; a chunk of n executed steps is discounted by gamma**n
+    gae_lambda: float = 0.95  # per chunk decision
+    clip_eps: float = 0.02  # on the ratio of per-element-mean chain probabilities (see policy.log_prob_normalization)
+    value_clip: float | None = None  # None: plain MSE; else clip the new value around the old by this much
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    actor_lr: float = 3e-5
+    critic_lr: float = 5e-4
+    update_epochs: int = 8
+    minibatch_size: int = 500  # decisions per optimiser step
+    grad_accum: int = 1  # micro-batches per minibatch (same gradient, less memory)
+    max_grad_norm: float = 1.0
+    target_kl: float | None = 0.1  # stop the epoch loop when the k3 approx-KL exceeds this; None: never
+    lr_warmup_iters: int = 0
+    lr_schedule: str = "cosine"  # "cosine" decays to lr_final_frac * lr over the run; "constant"
+    lr_final_frac: float = 0.1
+    critic_warmup_iters: int = 0  # iterations that train only the critic (the actor's lr is 0)
+    normalize_advantages: bool = True  # over the whole batch, once per iteration
+    ratio_tolerance: float = 1e-5  # |ratio - 1| allowed on the first minibatch before any update
+
+    def validate(self, path: str = "learner") -> None:
+        _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
+        _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
+        _positive(self, path, "update_epochs", "minibatch_size", "grad_accum", "max_grad_norm")
+        _require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
+        _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
+        _choice(self, path, "lr_schedule", ("cosine", "constant"))
+        _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
+        _require(self.minibatch_size % self.grad_accum == 0, f"{path}.minibatch_size must be divisible by {path}.grad_accum")
+        _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+
+
+@dataclass
+class PretrainConfig:
+    """Behaviour cloning from scripted demonstrations (the starting point for RL)."""
+
+    num_demos: int = 5  # one expert episode per layout of env.demo_benchmark_seed
+    demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
+    train_steps: int = 3000
+    batch_size: int = 256
+    lr: float = 1e-3
+    eval_episodes: int = 100  # on env.eval_benchmark_seeds' layouts, deterministic sampling
+    seed: int = 0
+
+    def validate(self, path: str = "pretrain") -> None:
+        _positive(self, path, "num_demos", "train_steps", "batch_size")
+        _require(self.num_demos <= 50, f"{path}.num_demos must be <= 50 (one benchmark seed holds 50 layouts)")
+        _require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")
+        _require(self.lr > 0, f"{path}.lr must be > 0")
+        _require(self.eval_episodes >= 0, f"{path}.eval_episodes must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    """One training run: everything `python -m learner.main` needs."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    actors: ActorsConfig = field(default_factory=ActorsConfig)
+    learner: PPOConfig = field(default_factory=PPOConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    seed: int = 0
+    iterations: int = 100
+    eval_every: int = 10  # iterations between deterministic held-out evaluations (0: only at start and end)
+    eval_episodes: int = 100  # held-out layouts per evaluation
+    checkpoint_every: int = 10
+    run_dir: str = "runs/default"
+    # Policy to fine-tune: a directory written by save_pretrained. None: the cached BC checkpoint built
+    # from `pretrain` (created on first use).
+    init_checkpoint: str | None = None
+    allow_random_init: bool = False  # fine-tune a randomly initialised policy (almost always a mistake)
+    wandb_project: str = "flowrl"
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value.validate(f.name)
+        _positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
+        _require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Short hash of the resolved config, printed in the banner and stored with checkpoints."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(obj: Any, path: str, *names: str) -> None:
+    prefix = f"{path}." if path else ""
+    for name in names:
+        value = getattr(obj, name)
+        _require(value > 0, f"{prefix}{name} must be > 0, got {value}")
+
+
+def _choice(obj: Any, path: str, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    _require(value in allowed, f"{path}.{name} must be one of {allowed}, got {value!r}")
+
+
+def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
+    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, path)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{path} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file at `path` (if any), then `overrides`; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at top level")
+        data = loaded or {}
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        config = from_dict(RunConfig, data)
+    except TypeError as exc:  # a section given a scalar, for instance
+        raise ConfigError(f"{path}: {exc}") from exc
+    config.validate()
+    return config

@@ -1,0 +1,468 @@
+"""Metaworld tasks as gymnasium environments, chunked vector stepping and scripted demonstrations.
+
+A Metaworld "layout" is one of the 50 object/goal configurations that `metaworld.MT1` draws for a
+task from its benchmark seed. Layouts are the unit of generalisation in this project: training and
+evaluation pools are lists of `Layout`s, so an episode's initial state is fully determined by its
+layout (the simulation is deterministic given the layout, whatever the reset seed).
+"""
+
+from __future__ import annotations
+
+import os
+
+# MuJoCo picks its OpenGL backend when it is first imported, so this must precede the metaworld
+# import. EGL gives headless rendering (Mesa llvmpipe on CPU-only machines); a caller's choice wins.
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import functools
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium
+import metaworld
+import mujoco
+import numpy as np
+from gymnasium import spaces
+from metaworld.policies import ENV_POLICY_MAP
+
+Observation = np.ndarray | dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str  # Metaworld environment name, e.g. "pick-place-v3".
+    instruction: str  # Language instruction given to language-conditioned policies.
+
+
+DEFAULT_TASK = "pick-place-v3"
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec("pick-place-v3", "pick up the block and place it at the goal"),
+        TaskSpec("reach-v3", "reach the goal position"),
+        TaskSpec("push-v3", "push the block to the goal"),
+        TaskSpec("door-open-v3", "open the door"),
+        TaskSpec("drawer-open-v3", "open the drawer"),
+        TaskSpec("drawer-close-v3", "close the drawer"),
+        TaskSpec("button-press-topdown-v3", "press the button from the top"),
+        TaskSpec("peg-insert-side-v3", "insert the peg into the hole from the side"),
+        TaskSpec("window-open-v3", "slide the window open"),
+        TaskSpec("window-close-v3", "slide the window closed"),
+    )
+}
+
+REWARD_MODES = ("success", "dense")
+
+
+def _task_spec(task: str) -> TaskSpec:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known tasks: {sorted(TASKS)}")
+    return TASKS[task]
+
+
+@dataclass(frozen=True)
+class Layout:
+    benchmark_seed: int  # Seed of `metaworld.MT1`, which fixes that benchmark's 50 layouts.
+    index: int  # Position in that benchmark's `train_tasks` (0..49).
+
+
+@functools.lru_cache(maxsize=64)
+def _benchmark(task: str, benchmark_seed: int) -> metaworld.MT1:
+    # Building an MT1 benchmark simulates 50 resets (~0.7 s), and every env needs one per seed.
+    return metaworld.MT1(task, seed=benchmark_seed)
+
+
+def layouts(task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
+    """All layouts of `task` for each benchmark seed, seed-major and in benchmark order."""
+    _task_spec(task)
+    return [
+        Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(len(_benchmark(task, seed).train_tasks))
+    ]
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """Camera options for image observations. Camera names are those of Metaworld's scene
+    ("corner", "corner2", "corner3", "corner4", "topview", "gripperPOV", "behindGripper");
+    they are checked against the model when an env is built."""
+
+    width: int = 64
+    height: int = 64
+    camera: str = "corner"
+
+    def __post_init__(self) -> None:
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a size is certainly a mistake.
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ImageConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.camera, str) or not self.camera:
+            raise ValueError(f"ImageConfig.camera must be a non-empty str, got {self.camera!r}")
+
+
+class _CameraRenderer:
+    """Renders RGB frames of one scene camera, with settings chosen for speed on CPU rasterisers.
+
+    Multisampling, shadows and reflections cost about 10x in frame rate on llvmpipe and add little
+    at policy-input resolutions, so they are turned off.
+    """
+
+    def __init__(self, model: mujoco.MjModel, data: mujoco.MjData, config: ImageConfig) -> None:
+        self._camera_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, config.camera)
+        if self._camera_id == -1:
+            known = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
+            raise ValueError(f"ImageConfig.camera {config.camera!r} is not in the scene; known cameras: {known}")
+        # The render context reads the framebuffer size and sample count when it is created.
+        model.vis.global_.offwidth = max(model.vis.global_.offwidth, config.width)
+        model.vis.global_.offheight = max(model.vis.global_.offheight, config.height)
+        model.vis.quality.offsamples = 0
+        try:
+            self._renderer = mujoco.Renderer(model, height=config.height, width=config.width)
+        except mujoco.FatalError as error:
+            # MuJoCo fixes its GL backend at import time, so a mujoco import that ran before this
+            # module set MUJOCO_GL leaves it without a headless backend.
+            raise RuntimeError(
+                "no OpenGL context for rendering: MuJoCo picks its GL backend when first imported, "
+                "which happened before MUJOCO_GL was set. Export MUJOCO_GL=egl, or import "
+                "common.envs before anything that imports mujoco"
+            ) from error
+        self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+        self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        # Several Metaworld cameras ("corner", "corner2", "corner3") are defined with their image-up
+        # axis pointing below the horizon, so their raw frames are upside down. Rotating by 180
+        # degrees is what turning the camera right way up about its optical axis would show; a
+        # vertical flip alone would also mirror the scene. Column 1 of cam_xmat is the up axis.
+        up_axis = data.cam_xmat[self._camera_id].reshape(3, 3)[:, 1]
+        self._upside_down = bool(up_axis[2] < 0.0)
+
+    def render(self, data: mujoco.MjData) -> np.ndarray:
+        self._renderer.update_scene(data, camera=self._camera_id)
+        frame = self._renderer.render()
+        if self._upside_down:
+            frame = np.ascontiguousarray(frame[::-1, ::-1])
+        return frame
+
+    def close(self) -> None:
+        self._renderer.close()
+
+
+class MetaworldTaskEnv(gymnasium.Env):
+    """One Metaworld task as a gymnasium env with a settable layout.
+
+    Observations are the float32 state vector, or {"state", "image"} when `image` is given.
+    Rewards: "success" pays 1.0 on the step where success first becomes true (0 otherwise);
+    "dense" is Metaworld's shaped reward (0..10). Call `close()` to free the render context.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        task: str,
+        max_episode_steps: int = 200,
+        stop_on_success: bool = True,
+        reward: str = "success",
+        image: ImageConfig | None = None,
+    ) -> None:
+        self.task = task
+        self.instruction = _task_spec(task).instruction
+        if reward not in REWARD_MODES:
+            raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
+        self._reward_mode = reward
+        self._stop_on_success = stop_on_success
+
+        self._layout = Layout(benchmark_seed=0, index=0)
+        self._env = _benchmark(task, self._layout.benchmark_seed).train_classes[task]()
+        # Metaworld refuses to step past its own path length, so a longer limit cannot be honoured.
+        if not 1 <= max_episode_steps <= self._env.max_path_length:
+            raise ValueError(f"max_episode_steps must be in [1, {self._env.max_path_length}], got {max_episode_steps}")
+        self._max_episode_steps = max_episode_steps
+        # set_task makes the goal observable, which widens the goal bounds of
+        # `sawyer_observation_space`; Metaworld's `observation_space` attribute keeps the stale ones.
+        self.set_layout(self._layout)
+        self._renderer = None if image is None else _CameraRenderer(self._env.model, self._env.data, image)
+
+        self.action_space = spaces.Box(-1.0, 1.0, shape=self._env.action_space.shape, dtype=np.float32)
+        mw_space = self._env.sawyer_observation_space
+        state_space = spaces.Box(mw_space.low.astype(np.float32), mw_space.high.astype(np.float32), dtype=np.float32)
+        if image is None:
+            self.observation_space = state_space
+        else:
+            image_space = spaces.Box(0, 255, shape=(image.height, image.width, 3), dtype=np.uint8)
+            self.observation_space = spaces.Dict({"state": state_space, "image": image_space})
+
+        self._episode_steps = 0
+        self._succeeded = False
+        self._needs_reset = True
+
+    @property
+    def has_images(self) -> bool:
+        return self._renderer is not None
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def set_layout(self, layout: Layout) -> None:
+        """Use `layout` from the next reset on."""
+        tasks = _benchmark(self.task, layout.benchmark_seed).train_tasks
+        if not 0 <= layout.index < len(tasks):
+            raise ValueError(f"layout index must be in [0, {len(tasks)}), got {layout.index}")
+        self._env.set_task(tasks[layout.index])
+        self._layout = layout
+        self._needs_reset = True
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict]:
+        # The seed only seeds `self.np_random` (gymnasium's contract); the episode itself is a
+        # deterministic function of the layout.
+        super().reset(seed=seed)
+        options = options or {}
+        unknown = set(options) - {"layout"}
+        if unknown:
+            raise ValueError(f"unknown reset options {sorted(unknown)}; supported: ['layout']")
+        if "layout" in options:
+            self.set_layout(options["layout"])
+        state, _ = self._env.reset()
+        self._episode_steps = 0
+        self._succeeded = False
+        self._needs_reset = False
+        return self._observation(state), {"layout": self._layout}
+
+    def step(self, action: np.ndarray) -> tuple[Observation, float, bool, bool, dict]:
+        if self._needs_reset:
+            raise RuntimeError("call reset() before step(): the episode has ended or the layout changed")
+        action = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
+        if action.shape != self.action_space.shape:
+            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        state, dense_reward, _, _, mw_info = self._env.step(action)
+        self._episode_steps += 1
+
+        success = bool(mw_info["success"])
+        first_success = success and not self._succeeded
+        self._succeeded |= success
+        reward = float(dense_reward) if self._reward_mode == "dense" else float(first_success)
+        terminated = success and self._stop_on_success
+        truncated = self._episode_steps >= self._max_episode_steps
+        self._needs_reset = terminated or truncated
+        return self._observation(state), reward, terminated, truncated, {**mw_info, "success": success}
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self._env.close()
+
+    def _observation(self, state: np.ndarray) -> Observation:
+        state = state.astype(np.float32)
+        if self._renderer is None:
+            return state
+        return {"state": state, "image": self._renderer.render(self._env.data)}
+
+
+class ScriptedExpert:
+    """Metaworld's hand-written policy for a task, acting on state observations."""
+
+    def __init__(self, task: str) -> None:
+        _task_spec(task)
+        self._policy = ENV_POLICY_MAP[task]()
+
+    def act(self, state_obs: np.ndarray) -> np.ndarray:
+        with warnings.catch_warnings():
+            # The policies use proportional gains that often saturate; the env clips anyway, and
+            # the warning would otherwise fire on most steps.
+            warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high")
+            action = self._policy.get_action(np.asarray(state_obs, dtype=np.float64))
+        return np.clip(action, -1.0, 1.0).astype(np.float32)
+
+
+@dataclass
+class ChunkStep:
+    """Result of executing one action chunk in every env of a `ChunkedVectorEnv`."""
+
+    next_obs: np.ndarray  # (N, obs_dim) observation after the chunk; the final one if the episode ended.
+    obs: np.ndarray  # (N, obs_dim) observation for the next chunk; the reset one if the episode ended.
+    reward: np.ndarray  # (N,) float32, sum_i gamma**i * r_i over the executed steps.
+    discount: np.ndarray  # (N,) float32, gamma**steps: the factor for the value of next_obs.
+    steps: np.ndarray  # (N,) int, env steps executed (< H when the episode ended mid-chunk).
+    terminated: np.ndarray  # (N,) bool
+    truncated: np.ndarray  # (N,) bool
+    success: np.ndarray  # (N,) bool, success was reported at some step of this chunk.
+    episode_returns: list[float]  # Undiscounted returns of the episodes that ended in this chunk.
+    episode_successes: list[bool]
+    episode_lengths: list[int]
+
+
+@dataclass
+class ChunkOutcome:
+    """What executing one action chunk in one env produced."""
+
+    final_obs: np.ndarray  # Observation after the last executed step.
+    discounted_reward: float  # sum_i gamma**i * r_i
+    reward_sum: float  # Undiscounted, for episode returns.
+    steps: int  # Steps executed, < H when the episode ended mid-chunk.
+    terminated: bool
+    truncated: bool
+    success: bool
+
+
+def execute_chunk(env: MetaworldTaskEnv, actions: np.ndarray, gamma: float) -> ChunkOutcome:
+    """Steps `env` through `actions` (H, A), stopping at the end of the episode; does not reset."""
+    if len(actions) == 0:
+        raise ValueError("actions must hold at least one step")
+    discounted_reward = reward_sum = 0.0
+    success = terminated = truncated = False
+    for i, action in enumerate(actions):
+        obs, reward, terminated, truncated, info = env.step(action)
+        discounted_reward += gamma**i * reward
+        reward_sum += reward
+        success |= info["success"]
+        if terminated or truncated:
+            break
+    return ChunkOutcome(obs, discounted_reward, reward_sum, i + 1, terminated, truncated, success)
+
+
+class ChunkedVectorEnv:
+    """N MetaworldTaskEnv stepped in one process, a whole action chunk at a time.
+
+    An env whose episode ends mid-chunk stops executing the rest of that chunk (the remaining
+    actions belong to no episode) and is reset at once (same-step autoreset at chunk level), so no
+    transition ever mixes two episodes and nothing needs masking. Every reset draws the env's
+    layout uniformly from `layout_pool` with the generator seeded in `reset(seed)`.
+    """
+
+    def __init__(self, envs: list[MetaworldTaskEnv], layout_pool: Sequence[Layout], gamma: float) -> None:
+        if not envs:
+            raise ValueError("envs must not be empty")
+        if not layout_pool:
+            raise ValueError("layout_pool must not be empty")
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        if any(env.has_images for env in envs):
+            raise NotImplementedError("ChunkedVectorEnv supports state observations only; step image envs through MetaworldTaskEnv")
+        self.envs = envs
+        self.num_envs = len(envs)
+        self.single_observation_space = envs[0].observation_space
+        self.single_action_space = envs[0].action_space
+        self._layout_pool = list(layout_pool)
+        self._gamma = gamma
+        self._rng: np.random.Generator | None = None
+        self._episode_returns = np.zeros(self.num_envs)
+        self._episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
+        self._episode_successes = np.zeros(self.num_envs, dtype=bool)
+
+    def reset(self, seed: int) -> np.ndarray:
+        """Starts a fresh episode in every env; returns the (N, obs_dim) observations."""
+        self._rng = np.random.default_rng(seed)
+        self._episode_returns[:] = 0.0
+        self._episode_lengths[:] = 0
+        self._episode_successes[:] = False
+        return np.stack([self._reset_env(env) for env in self.envs])
+
+    def step_chunk(self, actions: np.ndarray) -> ChunkStep:
+        """Executes `actions` (N, H, A) and auto-resets the envs whose episode ended."""
+        if self._rng is None:
+            raise RuntimeError("call reset(seed) before step_chunk()")
+        expected = (self.num_envs, self.single_action_space.shape[0])
+        if actions.ndim != 3 or actions.shape[1] == 0 or (actions.shape[0], actions.shape[2]) != expected:
+            raise ValueError(f"actions must have shape (N={expected[0]}, H>=1, A={expected[1]}), got {actions.shape}")
+
+        outcomes = [execute_chunk(env, env_actions, self._gamma) for env, env_actions in zip(self.envs, actions, strict=True)]
+        next_obs = np.stack([outcome.final_obs for outcome in outcomes])
+        obs = next_obs.copy()
+        episode_returns: list[float] = []
+        episode_successes: list[bool] = []
+        episode_lengths: list[int] = []
+        for i, outcome in enumerate(outcomes):
+            self._episode_returns[i] += outcome.reward_sum
+            self._episode_lengths[i] += outcome.steps
+            self._episode_successes[i] |= outcome.success
+            if outcome.terminated or outcome.truncated:
+                episode_returns.append(float(self._episode_returns[i]))
+                episode_successes.append(bool(self._episode_successes[i]))
+                episode_lengths.append(int(self._episode_lengths[i]))
+                self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
+                obs[i] = self._reset_env(self.envs[i])
+
+        steps = np.array([outcome.steps for outcome in outcomes], dtype=np.int64)
+        return ChunkStep(
+            next_obs=next_obs,
+            obs=obs,
+            reward=np.array([outcome.discounted_reward for outcome in outcomes], dtype=np.float32),
+            discount=np.array([self._gamma**n for n in steps], dtype=np.float32),
+            steps=steps,
+            terminated=np.array([outcome.terminated for outcome in outcomes]),
+            truncated=np.array([outcome.truncated for outcome in outcomes]),
+            success=np.array([outcome.success for outcome in outcomes]),
+            episode_returns=episode_returns,
+            episode_successes=episode_successes,
+            episode_lengths=episode_lengths,
+        )
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+    def _reset_env(self, env: MetaworldTaskEnv) -> np.ndarray:
+        layout = self._layout_pool[self._rng.integers(len(self._layout_pool))]
+        obs, _ = env.reset(options={"layout": layout})
+        return obs
+
+
+@dataclass
+class Episode:
+    observations: np.ndarray  # (T, obs_dim) float32, the state each action was chosen in.
+    actions: np.ndarray  # (T, A) float32, the executed (noisy, clipped) actions.
+    success: bool
+    layout: Layout
+
+
+def collect_demonstrations(
+    task: str,
+    layouts: Sequence[Layout],
+    action_noise: float,
+    seed: int,
+    max_episode_steps: int = 200,
+) -> list[Episode]:
+    """One scripted-expert episode per layout, with N(0, action_noise^2) added to every action.
+
+    The noise widens the state distribution beyond the expert's narrow tube; the stored actions are
+    the executed ones, so every (observation, action) pair is consistent with the dynamics.
+    Deterministic in its arguments.
+    """
+    if action_noise < 0:
+        raise ValueError(f"action_noise must be >= 0, got {action_noise}")
+    env = MetaworldTaskEnv(task, max_episode_steps=max_episode_steps, stop_on_success=True)
+    expert = ScriptedExpert(task)
+    rng = np.random.default_rng(seed)
+    episodes = []
+    for episode_index, layout in enumerate(layouts):
+        # Gymnasium convention: seed the first reset only; later resets continue its generator.
+        obs, _ = env.reset(seed=seed if episode_index == 0 else None, options={"layout": layout})
+        observations, actions = [], []
+        done = success = False
+        while not done:
+            noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
+            action = np.clip(expert.act(obs) + noise, -1.0, 1.0).astype(np.float32)
+            observations.append(obs)
+            actions.append(action)
+            obs, _, terminated, truncated, info = env.step(action)
+            success = info["success"]
+            done = terminated or truncated
+        episodes.append(Episode(np.stack(observations), np.stack(actions), success, layout))
+    env.close()
+    return episodes
+
+
+def evaluate_expert(
+    task: str,
+    layouts: Sequence[Layout],
+    action_noise: float = 0.0,
+    seed: int = 0,
+    max_episode_steps: int = 200,
+) -> float:
+    """Fraction of `layouts` on which the (optionally noisy) scripted expert succeeds."""
+    episodes = collect_demonstrations(task, layouts, action_noise, seed, max_episode_steps)
+    return float(np.mean([episode.success for episode in episodes]))

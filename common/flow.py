@@ -1,0 +1,143 @@
+"""The noise-injected denoising chain: time grid, sampling, and exact chain log-probs.
+
+The chain of one decision is a_0 -> a_1 -> ... -> a_K, shape (K+1, H, A) per sample, with
+    a_0 ~ N(0, s^2 I)                      s = policy.config.init_noise_std (term omitted when s = 0)
+    a_{k+1} ~ N(a_k + v(a_k, t_k) dt, sigma(t_k)^2)   k = 0 .. K-1,  t_k = k / K,  dt = 1 / K
+and a_K is the executed (normalised) action chunk. Every transition is an explicit Gaussian, so the
+probability of a recorded chain is exact: no likelihood estimate is needed for PPO.
+
+`time_grid` is the ONLY place the denoising times are defined; `transition` is the only place a
+transition's mean and std are computed. Sampling and scoring both go through them, which is what makes
+a freshly sampled chain score with ratio exactly 1 (a public ReinFlow release sampled on
+linspace(0, 1, K) and scored on linspace(0, 1 - dt, K), and its ratio check failed for K > 1).
+
+Log-prob aggregation (policy.config.log_prob_normalization):
+  "sum"  : the joint log-density of the chain, summed over every Gaussian element.
+  "mean" : that sum divided by the number of Gaussian elements (K*H*A, plus H*A for a_0) -- the default,
+           as in ReinFlow. The PPO ratio is then the geometric mean of per-element ratios, so the clip
+           range means the same thing whatever the chunk size; with "sum" a tiny shift of the mean moves
+           the log-ratio by a factor of H*A more (see common.diagnostics.ratio_sensitivity).
+Either way, `log_prob_per_element` is reported. It is POSITIVE whenever sigma is small (a Gaussian
+density exceeds 1 near its mean once sigma < 1/sqrt(2 pi) ~ 0.4): that is normal, not an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from common.policy import FlowPolicy
+
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+def time_grid(num_steps: int, device: torch.device | None = None) -> tuple[Tensor, float]:
+    """Denoising times t_k = k / K for k = 0 .. K-1 (0 = noise, 1 = action) and the Euler step dt = 1 / K."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    return torch.arange(num_steps, device=device, dtype=torch.float32) / num_steps, 1.0 / num_steps
+
+
+def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}."""
+    times, dt = time_grid(policy.num_steps, action.device)
+    t = times[k].expand(action.shape[0])
+    mean = action + policy.velocity(action, t, features) * dt
+    return mean, policy.sigma(t, features)
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Elementwise log N(x; mean, std^2)."""
+    return -0.5 * ((x - mean) / std) ** 2 - torch.log(std) - 0.5 * LOG_2PI
+
+
+def gaussian_entropy(std: Tensor) -> Tensor:
+    """Elementwise entropy of N(., std^2)."""
+    return torch.log(std) + 0.5 * (LOG_2PI + 1.0)
+
+
+@dataclass
+class ChainLogProb:
+    log_prob: Tensor  # (B,) aggregated as the policy's config says ("mean" or "sum")
+    log_prob_per_element: Tensor  # (B,) always the per-element mean
+    entropy: Tensor  # (B,) mean per-element entropy of the K transitions
+    mean: Tensor  # (B, K, H, A) transition means
+    std: Tensor  # (B, K, H, A) transition stds
+
+
+@dataclass
+class ChainSample:
+    chain: Tensor  # (B, K+1, H, A); chain[:, -1] is the normalised action chunk
+    scores: ChainLogProb  # the behaviour log-probs, computed while sampling
+
+
+def num_log_prob_elements(policy: FlowPolicy) -> int:
+    """Gaussian elements in one chain's log-prob: K transitions of H*A, plus a_0 when it is random."""
+    per_chunk = policy.chunk_size * policy.action_dim
+    return per_chunk * (policy.num_steps + (1 if policy.config.init_noise_std > 0 else 0))
+
+
+def _score(policy: FlowPolicy, chain: Tensor, means: Tensor, stds: Tensor) -> ChainLogProb:
+    """Aggregate the chain's Gaussian log-densities given its transition means/stds (B, K, H, A)."""
+    total = gaussian_log_prob(chain[:, 1:], means, stds).flatten(1).sum(-1)
+    init_std = policy.config.init_noise_std
+    if init_std > 0:
+        a0 = chain[:, 0]
+        total = total + gaussian_log_prob(a0, torch.zeros_like(a0), torch.full_like(a0, init_std)).flatten(1).sum(-1)
+    per_element = total / num_log_prob_elements(policy)
+    log_prob = per_element if policy.config.log_prob_normalization == "mean" else total
+    entropy = gaussian_entropy(stds).flatten(1).mean(-1)
+    return ChainLogProb(log_prob, per_element, entropy, means, stds)
+
+
+def sample_chain(
+    policy: FlowPolicy,
+    features: Any,
+    batch_size: int,
+    *,
+    deterministic: bool = False,
+    generator: torch.Generator | None = None,
+    device: torch.device | None = None,
+) -> ChainSample:
+    """Run the K Euler steps with injected noise and record the whole chain.
+
+    deterministic=True starts at a_0 = 0 and injects no noise: the evaluation policy. The returned
+    scores are still those of the stochastic policy (useful as a diagnostic, never for PPO).
+    """
+    shape = (batch_size, policy.chunk_size, policy.action_dim)
+    init_std = 0.0 if deterministic else policy.config.init_noise_std
+    action = torch.randn(shape, generator=generator, device=device) * init_std
+    chain, means, stds = [action], [], []
+    for k in range(policy.num_steps):
+        mean, std = transition(policy, features, action, k)
+        action = mean if deterministic else mean + std * torch.randn(shape, generator=generator, device=device)
+        chain.append(action)
+        means.append(mean)
+        stds.append(std)
+    chain_t = torch.stack(chain, dim=1)
+    return ChainSample(chain_t, _score(policy, chain_t, torch.stack(means, 1), torch.stack(stds, 1)))
+
+
+def chain_log_prob(policy: FlowPolicy, features: Any, chain: Tensor) -> ChainLogProb:
+    """Exact log-prob of recorded chains (B, K+1, H, A) under the policy's current weights."""
+    expected = (policy.num_steps + 1, policy.chunk_size, policy.action_dim)
+    if tuple(chain.shape[1:]) != expected:
+        raise ValueError(f"chain has shape {tuple(chain.shape)}, expected (B, {expected}) for this policy (K+1, H, A)")
+    means, stds = zip(*(transition(policy, features, chain[:, k], k) for k in range(policy.num_steps)))
+    return _score(policy, chain, torch.stack(means, 1), torch.stack(stds, 1))
+
+
+def transition_kl(p: ChainLogProb, q: ChainLogProb, normalization: str = "mean") -> Tensor:
+    """Analytic KL(p || q) (B,) between the Gaussian transitions of two policies on the same chains.
+
+    Summed over the K transitions and H*A elements ("sum") or averaged per element ("mean"). The a_0
+    prior is shared by both policies and contributes nothing.
+    """
+    var_ratio = (p.std / q.std) ** 2
+    kl = 0.5 * (var_ratio + ((p.mean - q.mean) / q.std) ** 2 - 1.0 - torch.log(var_ratio))
+    kl = kl.flatten(1)
+    return kl.mean(-1) if normalization == "mean" else kl.sum(-1)

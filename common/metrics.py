@@ -1,0 +1,113 @@
+"""Metrics shared by the driver, wandb and the Ray dashboard: one set of keys, one console format.
+
+Keys are namespaced like CleanRL's (`rollout/`, `losses/`, `ppo/`, `logprob/`, `eval/`, `time/`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from common.trajectory import RolloutBatch
+
+
+def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, float]:
+    """Statistics of one iteration's rollouts (several actors' batches concatenated)."""
+    finished = len(batch.episode_successes)
+    return {
+        "rollout/env_steps": float(batch.env_steps),
+        "rollout/decisions": float(batch.num_decisions * batch.num_envs),
+        "rollout/episodes": float(finished),
+        "rollout/success_rate": float(batch.episode_successes.mean()) if finished else math.nan,
+        "rollout/episode_return": float(batch.episode_returns.mean()) if finished else math.nan,
+        "rollout/episode_length": float(batch.episode_lengths.mean()) if finished else math.nan,
+        "rollout/reward_per_decision": float(batch.rewards.mean()),
+        "rollout/behaviour_logprob_per_element": float(batch.log_probs_per_element.mean()),
+        "rollout/weight_version_lag": float(learner_version - batch.weight_version),
+        "time/sample_seconds": batch.sample_seconds,
+    }
+
+
+CONSOLE_FIELDS = (
+    ("it", "iteration", "{:.0f}"),
+    ("steps", "rollout/total_env_steps", "{:.0f}"),
+    ("succ", "rollout/success_rate", "{:.2f}"),
+    ("ret", "rollout/episode_return", "{:.2f}"),
+    ("eval", "eval/success_rate", "{:.2f}"),
+    ("kl", "losses/approx_kl", "{:.2e}"),
+    ("clip", "losses/clipfrac", "{:.2f}"),
+    ("ratio", None, None),
+    ("logp/el", "logprob/per_element", "{:+.3f}"),
+    ("gnorm", "losses/actor_grad_norm", "{:.2f}"),
+    ("vgnorm", "losses/critic_grad_norm", "{:.2f}"),
+    ("sps", "time/env_steps_per_second", "{:.0f}"),
+    ("lag", "rollout/weight_version_lag", "{:.0f}"),
+)
+
+
+def console_line(metrics: dict[str, float]) -> str:
+    """One line per iteration with the quantities that reveal an exploding run first."""
+    parts = []
+    for label, key, fmt in CONSOLE_FIELDS:
+        if key is None:
+            low, high = metrics.get("ppo/ratio_min"), metrics.get("ppo/ratio_max")
+            if low is not None:
+                parts.append(f"ratio [{low:.3f},{high:.3f}]")
+            continue
+        value = metrics.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts)
+
+
+class MetricsLog:
+    """Append-only JSON-lines log of every iteration's metrics (survives crashes line by line)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}) + "\n")
+
+    def read(self) -> list[dict]:
+        """Rows in order; after a resume, the latest row of each iteration wins."""
+        if not self.path.is_file():
+            return []
+        rows: dict[int, dict] = {}
+        for line in self.path.read_text().splitlines():
+            row = json.loads(line)
+            rows[int(row["iteration"])] = row
+        return [rows[k] for k in sorted(rows)]
+
+
+def plot_learning_curve(rows: list[dict], path: str | Path, title: str) -> Path:
+    """Training and held-out evaluation success against env steps, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.array([r.get("rollout/total_env_steps", 0) for r in rows], dtype=float)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = np.array([np.nan if r.get("rollout/success_rate") is None else r["rollout/success_rate"] for r in rows], dtype=float)
+    ax.plot(steps, train, alpha=0.4, label="rollout success (stochastic, train layouts)")
+    evals = [(s, r["eval/success_rate"], r["eval/success_low"], r["eval/success_high"]) for s, r in zip(steps, rows) if r.get("eval/success_rate") is not None]
+    if evals:
+        e = np.array(evals)
+        ax.errorbar(e[:, 0], e[:, 1], yerr=[e[:, 1] - e[:, 2], e[:, 3] - e[:, 1]], fmt="o-", capsize=3,
+                    label="held-out success (deterministic, 95% CI)")  # fmt: skip
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

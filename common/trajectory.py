@@ -1,0 +1,97 @@
+"""The typed rollout record actors send to the learner, and the versioned weights sent back.
+
+Both are plain numpy so they travel through Ray's object store without pickling torch tensors
+(numpy arrays come back as zero-copy, READ-ONLY views of shared memory: never write into them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.diagnostics import check_finite_arrays
+
+
+@dataclass
+class RolloutBatch:
+    """T chunk decisions in each of N envs, all sampled with one weight version. Shapes below."""
+
+    obs: np.ndarray  # (T, N, obs_dim) float32   state the chunk was chosen in
+    next_obs: np.ndarray  # (T, N, obs_dim) float32   state after the chunk (final state if the episode ended)
+    chains: np.ndarray  # (T, N, K+1, H, A) float32 the whole denoising chain, normalised units
+    actions: np.ndarray  # (T, N, H, A) float32      executed env actions (de-normalised, clipped)
+    rewards: np.ndarray  # (T, N) float32            sum_i gamma^i r_i over the chunk's executed steps
+    discounts: np.ndarray  # (T, N) float32          gamma ** executed steps
+    terminated: np.ndarray  # (T, N) bool
+    truncated: np.ndarray  # (T, N) bool
+    values: np.ndarray  # (T, N) float32             behaviour critic V(obs)
+    log_probs: np.ndarray  # (T, N) float32          behaviour chain log-prob (policy's normalisation)
+    log_probs_per_element: np.ndarray  # (T, N) float32
+    episode_returns: np.ndarray  # (E,) float32      episodes that ended during this rollout
+    episode_successes: np.ndarray  # (E,) bool
+    episode_lengths: np.ndarray  # (E,) int64
+    weight_version: int
+    actor_index: int
+    sample_seconds: float
+    env_steps: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
+                    "values", "log_probs", "log_probs_per_element")  # fmt: skip
+
+    @property
+    def num_decisions(self) -> int:
+        return self.rewards.shape[0]
+
+    @property
+    def num_envs(self) -> int:
+        return self.rewards.shape[1]
+
+    def validate(self) -> None:
+        """Shapes agree and every float is finite; raises ValueError / NonFiniteError naming the field."""
+        leading = (self.num_decisions, self.num_envs)
+        for name in self.PER_DECISION:
+            array = getattr(self, name)
+            if array.shape[:2] != leading:
+                raise ValueError(f"RolloutBatch.{name} has shape {array.shape}, expected leading dims {leading}")
+        check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Join batches of the same length along the env axis (actor order is kept)."""
+        if len({b.num_decisions for b in batches}) != 1:
+            raise ValueError(f"rollouts have different lengths {[b.num_decisions for b in batches]}")
+        per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in RolloutBatch.PER_DECISION}
+        per_episode = {n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")}
+        return RolloutBatch(
+            **per_decision,
+            **per_episode,
+            weight_version=min(b.weight_version for b in batches),
+            actor_index=-1,
+            sample_seconds=max(b.sample_seconds for b in batches),
+            env_steps=sum(b.env_steps for b in batches),
+        )
+
+    def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Copies as torch tensors (copies, because the arrays may be read-only shared memory)."""
+        return {n: torch.from_numpy(np.array(getattr(self, n))) for n in names}
+
+
+@dataclass(frozen=True)
+class WeightsPayload:
+    """One published weight version: the parameters actors need, as numpy arrays."""
+
+    version: int
+    params: dict[str, np.ndarray]
+
+    @staticmethod
+    def from_state(version: int, state: dict[str, torch.Tensor]) -> WeightsPayload:
+        return WeightsPayload(version, {k: v.detach().cpu().numpy().copy() for k, v in state.items()})
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        # np.array(copy) rather than torch.from_numpy on the shared, read-only buffer: torch would
+        # hand out a writable tensor over memory every actor reads.
+        return {k: torch.from_numpy(np.array(v)) for k, v in self.params.items()}
+

@@ -1,0 +1,183 @@
+"""The chain math against independent computations (torch.distributions, Monte Carlo, plain loops)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch.distributions import Normal
+
+from common.config import PolicyConfig
+from common.diagnostics import (
+    NonDeterministicPolicyError,
+    RatioSensitivityWarning,
+    assert_deterministic,
+    check_ratio_is_one,
+    check_ratio_sensitivity,
+)
+from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, time_grid, transition_kl
+from common.policy import MLPFlowPolicy
+
+
+def make_policy(num_steps: int = 4, **overrides) -> MLPFlowPolicy:
+    torch.manual_seed(0)
+    config = PolicyConfig(obs_dim=6, action_dim=3, chunk_size=2, num_steps=num_steps, hidden_dim=32, num_layers=2, **overrides)
+    return MLPFlowPolicy(config).eval()
+
+
+def independent_log_prob(policy: MLPFlowPolicy, obs: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:
+    """Summed log-density of chains, written from the definition with torch.distributions."""
+    features = policy.encode(obs)
+    num_steps = policy.num_steps
+    total = Normal(0.0, policy.config.init_noise_std).log_prob(chain[:, 0]).sum((-1, -2))
+    for k in range(num_steps):
+        t = torch.full((chain.shape[0],), k / num_steps)
+        mean = chain[:, k] + policy.velocity(chain[:, k], t, features) / num_steps
+        std = policy.sigma(t, features)
+        total = total + Normal(mean, std).log_prob(chain[:, k + 1]).sum((-1, -2))
+    return total
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 4, 10])
+@pytest.mark.parametrize("normalization", ["sum", "mean"])
+def test_chain_log_prob_matches_torch_distributions(num_steps: int, normalization: str) -> None:
+    policy = make_policy(num_steps, log_prob_normalization=normalization)
+    obs = torch.randn(7, 6)
+    with torch.no_grad():
+        chain = sample_chain(policy, policy.encode(obs), 7, generator=torch.Generator().manual_seed(1)).chain
+        expected_sum = independent_log_prob(policy, obs, chain)
+        scored = chain_log_prob(policy, policy.encode(obs), chain)
+    elements = (num_steps + 1) * 2 * 3
+    assert num_log_prob_elements(policy) == elements
+    torch.testing.assert_close(scored.log_prob_per_element, expected_sum / elements, rtol=1e-5, atol=1e-5)
+    expected = expected_sum if normalization == "sum" else expected_sum / elements
+    torch.testing.assert_close(scored.log_prob, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_zero_init_noise_drops_the_a0_term() -> None:
+    policy = make_policy(3, init_noise_std=0.0)
+    obs = torch.randn(5, 6)
+    with torch.no_grad():
+        sample = sample_chain(policy, policy.encode(obs), 5, generator=torch.Generator().manual_seed(2))
+        assert torch.all(sample.chain[:, 0] == 0)
+        policy.config = dataclasses.replace(policy.config, init_noise_std=1.0)
+        with_prior = chain_log_prob(policy, policy.encode(obs), sample.chain).log_prob_per_element * (4 * 6)
+    # The a_0 = 0 term under N(0, 1) is -0.5 log(2 pi) per element; removing it recovers the K-step sum.
+    torch.testing.assert_close(sample.scores.log_prob_per_element * (3 * 6), with_prior + 6 * 0.5 * torch.log(torch.tensor(2 * torch.pi)))
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 4, 10])
+def test_fresh_chain_scores_with_ratio_one(num_steps: int) -> None:
+    """The behaviour log-prob recorded while sampling equals the learner's rescoring (one time grid)."""
+    policy = make_policy(num_steps, log_prob_normalization="sum")
+    obs = torch.randn(64, 6)
+    with torch.no_grad():
+        sample = sample_chain(policy, policy.encode(obs), 64, generator=torch.Generator().manual_seed(3))
+        # Rescore in a different batch composition (minibatches of 5) to mimic the learner.
+        rescored = torch.cat([chain_log_prob(policy, policy.encode(obs[i : i + 5]), sample.chain[i : i + 5]).log_prob for i in range(0, 64, 5)])
+    assert (rescored - sample.scores.log_prob).abs().max() < 1e-6 * max(1.0, float(rescored.abs().max()))
+
+
+def test_time_grid_is_the_single_source() -> None:
+    times, dt = time_grid(4)
+    assert times.tolist() == [0.0, 0.25, 0.5, 0.75] and dt == 0.25
+    # ReinFlow issue #5: scoring on linspace(0, 1 - dt, K) after sampling on linspace(0, 1, K) breaks ratio = 1.
+    assert not torch.equal(times, torch.linspace(0, 1, 4))
+
+
+def test_deterministic_sampling_is_noise_free_and_repeatable() -> None:
+    policy = make_policy(4)
+    obs = torch.randn(3, 6)
+    with torch.no_grad():
+        a = sample_chain(policy, policy.encode(obs), 3, deterministic=True, generator=torch.Generator().manual_seed(1)).chain
+        b = sample_chain(policy, policy.encode(obs), 3, deterministic=True, generator=torch.Generator().manual_seed(2)).chain
+    assert torch.equal(a, b)
+    assert torch.all(a[:, 0] == 0)
+
+
+def test_sigma_is_bounded() -> None:
+    policy = make_policy(2, sigma_min=0.08, sigma_max=0.14)
+    with torch.no_grad():
+        for layer in policy.noise_net:
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.mul_(100.0)  # push the tanh into saturation both ways
+        sigma = policy.sigma(torch.rand(256), policy.encode(torch.randn(256, 6) * 10))
+    assert sigma.min() >= 0.08 - 1e-6 and sigma.max() <= 0.14 + 1e-6
+    assert sigma.max() - sigma.min() > 0.04  # both ends reached: the bound is a bound, not a constant
+
+
+def test_transition_kl_matches_torch_distributions() -> None:
+    p, q = make_policy(3), make_policy(3)
+    with torch.no_grad():
+        for param in q.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        obs = torch.randn(4, 6)
+        chain = sample_chain(p, p.encode(obs), 4, generator=torch.Generator().manual_seed(0)).chain
+        sp, sq = chain_log_prob(p, p.encode(obs), chain), chain_log_prob(q, q.encode(obs), chain)
+        expected = torch.distributions.kl_divergence(Normal(sp.mean, sp.std), Normal(sq.mean, sq.std)).flatten(1)
+        torch.testing.assert_close(transition_kl(sp, sq, "sum"), expected.sum(-1))
+        torch.testing.assert_close(transition_kl(sp, sq, "mean"), expected.mean(-1))
+        assert torch.all(transition_kl(sp, sp) == 0)
+        # Entropy: mean per-element entropy of the transitions.
+        torch.testing.assert_close(sp.entropy, Normal(sp.mean, sp.std).entropy().flatten(1).mean(-1))
+
+
+def test_positive_per_element_log_prob_is_normal_for_small_sigma() -> None:
+    policy = make_policy(4, sigma_min=0.05, sigma_max=0.1, init_noise_std=0.0)
+    obs = torch.randn(32, 6)
+    with torch.no_grad():
+        sample = sample_chain(policy, policy.encode(obs), 32, generator=torch.Generator().manual_seed(0))
+    # Density above 1 near the mean when sigma < 0.4: positive log-probs, by design, not an error.
+    assert sample.scores.log_prob_per_element.mean() > 0
+
+
+def test_dropout_in_train_mode_is_detected() -> None:
+    policy = make_policy(4, dropout=0.3)
+    obs = torch.randn(16, 6)
+    with torch.no_grad():
+        chain = sample_chain(policy.eval(), policy.encode(obs), 16, generator=torch.Generator().manual_seed(0)).chain
+
+    def evaluate() -> torch.Tensor:
+        return chain_log_prob(policy, policy.encode(obs), chain).log_prob
+
+    policy.train()
+    with pytest.raises(NonDeterministicPolicyError, match=r"velocity_net\.\d+ \(Dropout, p=0\.3"):
+        assert_deterministic(policy, evaluate)
+    with torch.no_grad():
+        logratio = evaluate() - evaluate()
+    with pytest.raises(NonDeterministicPolicyError, match="eval mode"):
+        check_ratio_is_one(logratio, policy, 1e-5)
+
+    policy.eval()
+    assert_deterministic(policy, evaluate)
+    with torch.no_grad():
+        assert check_ratio_is_one(evaluate() - evaluate(), policy, 1e-5) == 0.0
+
+
+def test_ratio_sensitivity_warning() -> None:
+    # SmolVLA-sized chunk (50 x 6 = 300 elements), sigma = 0.1, log-probs summed: warns.
+    with pytest.warns(RatioSensitivityWarning, match="log_prob_normalization='mean'"):
+        move = check_ratio_sensitivity(300, 0.1, "sum", clip_eps=0.2)
+    assert move > 20
+    # ReinFlow's setting: per-element mean, H*A = 4 x 7 = 28, sigma in [0.08, 0.14]: silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RatioSensitivityWarning)
+        for sigma in (0.08, 0.14):
+            assert check_ratio_sensitivity(28, sigma, "mean", clip_eps=0.01) < 1.0
+
+
+def test_ratio_sensitivity_prediction_matches_a_measured_shift() -> None:
+    """The warning's formula predicts the log-ratio move of an actual mean shift towards the samples."""
+    torch.manual_seed(0)
+    mean, sigma, shift = torch.zeros(20000, 300), 0.1, 0.01
+    samples = mean + sigma * torch.randn_like(mean)
+    moved = mean + shift * torch.sign(samples - mean)
+    logratio = (Normal(moved, sigma).log_prob(samples) - Normal(mean, sigma).log_prob(samples)).sum(-1)
+    from common.diagnostics import ratio_sensitivity
+
+    predicted = ratio_sensitivity(300, sigma, "sum", shift)  # first order in the shift
+    second_order = 300 * shift**2 / (2 * sigma**2)
+    assert abs(float(logratio.mean()) - (predicted - second_order)) / predicted < 0.01
+    assert abs(float(logratio.mean()) - predicted) / predicted < 0.1
