@@ -37,7 +37,7 @@ class RolloutActor:
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
         self.config = config
         self.actor_index = actor_index
-        self.policy = FlowPolicy.from_pretrained(checkpoint_dir).eval()
+        self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).eval()
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
         self.vec_env = ChunkedVectorEnv(make_envs(config.env, config.actors.envs_per_actor), train_layouts, config.learner.gamma)

@@ -56,6 +56,13 @@ class PolicyConfig:
         _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         _choice(self, path, "log_prob_normalization", ("mean", "sum"))
 
+    # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
+    # checkpoint it loads (the architecture always comes from the checkpoint itself).
+    SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization", "dropout")
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.SAMPLING_FIELDS}
+
     @property
     def action_elements(self) -> int:
         """D = H * A, the number of action elements in one chunk."""
@@ -127,7 +134,7 @@ class PPOConfig:
     lr_warmup_iters: int = 0
     lr_schedule: str = "cosine"  # "cosine" decays to lr_final_frac * lr over the run; "constant"
     lr_final_frac: float = 0.1
-    critic_warmup_iters: int = 0  # iterations that train only the critic (the actor's lr is 0)
+    critic_warmup_iters: int = 3  # iterations that train only the critic (the actor's lr is 0)
     normalize_advantages: bool = True  # over the whole batch, once per iteration
     ratio_tolerance: float = 1e-5  # |ratio - 1| allowed on the first minibatch before any update
 
@@ -169,16 +176,19 @@ class PretrainConfig:
 class RunConfig:
     """One training run: everything `python -m learner.main` needs."""
 
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # RL samples chains from a_0 = 0 (the prior's mode, which deterministic evaluation also starts
+    # from): the injected noise alone explores, so improving the stochastic policy moves the evaluated
+    # one directly. Sampling from a_0 ~ N(0, I) stays available (policy.init_noise_std: 1.0).
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(init_noise_std=0.0))
     env: EnvConfig = field(default_factory=EnvConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
     learner: PPOConfig = field(default_factory=PPOConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     seed: int = 0
-    iterations: int = 100
-    eval_every: int = 10  # iterations between deterministic held-out evaluations (0: only at start and end)
+    iterations: int = 250  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 1M env steps
+    eval_every: int = 25  # iterations between deterministic held-out evaluations (0: only at start and end)
     eval_episodes: int = 100  # held-out layouts per evaluation
-    checkpoint_every: int = 10
+    checkpoint_every: int = 25
     run_dir: str = "runs/default"
     # Policy to fine-tune: a directory written by save_pretrained. None: the cached BC checkpoint built
     # from `pretrain` (created on first use).
@@ -253,6 +263,11 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
         return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{path} must be float, got {value!r}") from None
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
         raise ConfigError(f"{path} must be {hint.__name__}, got {value!r}")
     return value

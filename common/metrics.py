@@ -96,7 +96,11 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     train = np.array([np.nan if r.get("rollout/success_rate") is None else r["rollout/success_rate"] for r in rows], dtype=float)
     ax.plot(steps, train, alpha=0.4, label="rollout success (stochastic, train layouts)")
-    evals = [(s, r["eval/success_rate"], r["eval/success_low"], r["eval/success_high"]) for s, r in zip(steps, rows) if r.get("eval/success_rate") is not None]
+    evals = [
+        (s, r["eval/success_rate"], r["eval/success_low"], r["eval/success_high"])
+        for s, r in zip(steps, rows)
+        if r.get("eval/success_rate") is not None
+    ]
     if evals:
         e = np.array(evals)
         ax.errorbar(e[:, 0], e[:, 1], yerr=[e[:, 1] - e[:, 2], e[:, 3] - e[:, 1]], fmt="o-", capsize=3,

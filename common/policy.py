@@ -152,9 +152,8 @@ def mlp(in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.
     modules: list[nn.Module] = []
     width = in_dim
     for _ in range(layers):
-        modules += [nn.Linear(width, hidden), nn.Mish()]
-        if dropout > 0:
-            modules.append(nn.Dropout(dropout))
+        # Dropout is always present (p = 0 is a no-op) so checkpoints load whatever p a run asks for.
+        modules += [nn.Linear(width, hidden), nn.Mish(), nn.Dropout(dropout)]
         width = hidden
     modules.append(nn.Linear(width, out_dim))
     return nn.Sequential(*modules)

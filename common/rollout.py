@@ -48,8 +48,7 @@ def decide(policy: FlowPolicy, obs: np.ndarray, *, deterministic: bool, generato
 
 def make_envs(env_config: EnvConfig, count: int) -> list[MetaworldTaskEnv]:
     return [
-        MetaworldTaskEnv(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward)
-        for _ in range(count)
+        MetaworldTaskEnv(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward) for _ in range(count)
     ]
 
 

@@ -64,7 +64,9 @@ class RolloutBatch:
         if len({b.num_decisions for b in batches}) != 1:
             raise ValueError(f"rollouts have different lengths {[b.num_decisions for b in batches]}")
         per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in RolloutBatch.PER_DECISION}
-        per_episode = {n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")}
+        per_episode = {
+            n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")
+        }
         return RolloutBatch(
             **per_decision,
             **per_episode,
@@ -94,4 +96,3 @@ class WeightsPayload:
         # np.array(copy) rather than torch.from_numpy on the shared, read-only buffer: torch would
         # hand out a writable tensor over memory every actor reads.
         return {k: torch.from_numpy(np.array(v)) for k, v in self.params.items()}
-

@@ -51,6 +51,30 @@ def require_pretrained(policy: FlowPolicy, allow_random_init: bool) -> None:
         )
 
 
+def _head(values: Tensor | np.ndarray, count: int = 6) -> str:
+    flat = np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64).ravel()
+    return "[" + ", ".join(f"{v:+.4g}" for v in flat[:count]) + (", ...]" if len(flat) > count else "]")
+
+
+def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
+    """Every per-decision quantity of one iteration, for --single-batch: shape, moments, first values."""
+    quantities = {
+        "rewards": batch.rewards, "discounts": batch.discounts, "terminated": batch.terminated, "truncated": batch.truncated,
+        "behaviour log-prob (actor)": batch.log_probs, "old log-prob (learner)": data.old_log_probs,
+        "per-element log-prob (actor)": batch.log_probs_per_element, "values": data.old_values,
+        "advantages": data.advantages, "returns": data.returns,
+    }  # fmt: skip
+    lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
+    for name, values in quantities.items():
+        array = np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64)
+        lines.append(
+            f"  {name:<30} shape {str(array.shape):<10} mean {array.mean():+.4g} std {array.std():.4g} "
+            f"min {array.min():+.4g} max {array.max():+.4g} first {_head(array)}"
+        )
+    lines += [f"  {key:<30} {value:.6g}" for key, value in data.metrics.items()]
+    return "\n".join(lines)
+
+
 @dataclass
 class PreparedBatch:
     """A rollout flattened to B = T * N decisions, with the learner's own old log-probs and values."""
@@ -123,6 +147,8 @@ class Learner:
         cfg, policy = self.cfg, self.policy
         policy.eval()
         data = self.prepare(batch)
+        if verbose:
+            print(describe(batch, data), flush=True)
         train_actor = self.iteration >= cfg.critic_warmup_iters
         scale = lr_scale(self.iteration, self.config.iterations, cfg)
         self.optimizer.param_groups[0]["lr"] = cfg.actor_lr * scale if train_actor else 0.0
@@ -147,6 +173,8 @@ class Learner:
                     new = chain_log_prob(policy, features, data.chains[micro])
                     if first_ratio_deviation is None:  # before any optimiser step: must be exactly 1
                         first_ratio_deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
+                    if verbose:
+                        print(f"  new log-prob {_head(new.log_prob)}  ratio {_head((new.log_prob - data.old_log_probs[micro]).exp())}")
 
                     # policy loss
                     pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, data.old_log_probs[micro], data.advantages[micro], cfg.clip_eps)
@@ -161,7 +189,7 @@ class Learner:
                     check_finite_tensors({"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy}, "learner.update")
                     loss.backward()
                     for key, value in {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy, **pg_metrics, **v_metrics}.items():
-                        mb_metrics.setdefault(key, []).append(float(value))
+                        mb_metrics.setdefault(key, []).append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))
                 check_finite_gradients(policy, "learner.update")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
@@ -174,7 +202,9 @@ class Learner:
                 for key, value in mb_summary.items():
                     history.setdefault(key, []).append(value)
                 if verbose:
-                    print(f"  epoch {epoch} minibatch {start // minibatch_size}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_summary.items()))
+                    print(
+                        f"  epoch {epoch} minibatch {start // minibatch_size}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_summary.items())
+                    )
                 if cfg.target_kl is not None and train_actor and mb_summary["approx_kl"] > cfg.target_kl:
                     stopped_early = True
                     break

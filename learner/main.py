@@ -49,10 +49,8 @@ class LearnerActor:
 
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None):
         torch.manual_seed(config.seed)
-        if resume_dir is not None:
-            policy = FlowPolicy.from_pretrained(resume_dir)
-        elif checkpoint_dir is not None:
-            policy = FlowPolicy.from_pretrained(checkpoint_dir)
+        if resume_dir or checkpoint_dir:
+            policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
         else:
             policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
         self.learner = Learner(config, policy)
@@ -103,7 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="run seed")
     parser.add_argument("--run-dir", help="where checkpoints, metrics and the curve go (run_dir)")
     parser.add_argument("--checkpoint", help="policy directory to fine-tune (default: the cached BC checkpoint)")
-    parser.add_argument("--allow-random-init", action="store_true", help="fine-tune a randomly initialised policy (almost always a mistake)")
+    parser.add_argument(
+        "--allow-random-init", action="store_true", help="fine-tune a randomly initialised policy (almost always a mistake)"
+    )
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--resume", action="store_true", help="continue from run_dir's latest checkpoint")
     parser.add_argument("--single-batch", action="store_true", help="one rollout and one update, printing every intermediate quantity")
@@ -156,13 +156,15 @@ def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, 
         report = checkpoint / REPORT_FILE
         if report.is_file():
             data = json.loads(report.read_text())
-            lines.append(f"  pre-training     : {data['demos']} demos, held-out success {data['eval_success_rate']:.2f} ({data['eval_layouts']})")
+            lines.append(
+                f"  pre-training     : {data['demos']} demos, held-out success {data['eval_success_rate']:.2f} ({data['eval_layouts']})"
+            )
     if resume_dir is not None:
         lines.append(f"resuming from      : {resume_dir}")
-    policy_cfg = config.policy
+    p = config.policy
     lines.append(
-        f"log-prob           : {policy_cfg.log_prob_normalization} over {policy_cfg.num_steps} steps x {policy_cfg.chunk_size}x{policy_cfg.action_dim}"
-        f" elements; sigma in [{policy_cfg.sigma_min}, {policy_cfg.sigma_max}]; clip {config.learner.clip_eps}"
+        f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
+        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
     )
     lines.append("=" * 78)
     return "\n".join(lines)
@@ -218,8 +220,10 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
                                 config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
 
-    learner = ray.remote(LearnerActor).options(num_cpus=learner_cpus, num_gpus=0).remote(
-        config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir)
+    learner = (
+        ray.remote(LearnerActor)
+        .options(num_cpus=learner_cpus, num_gpus=0)
+        .remote(config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
     )
     actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
     if actor_checkpoint is None:  # random-init runs: actors need some weights to start from; the learner's
@@ -247,9 +251,9 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         t0 = time.perf_counter()
         successes, versions = evaluate(actors, weights_ref, eval_layouts)
         rate, low, high = success_interval(successes)
-        print(f"[eval:{label}] held-out success {rate:.3f} (95% CI {low:.3f}-{high:.3f}) on {len(successes)} layouts,"
-              f" weights v{sorted(versions)}, {time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
-        return {"eval/success_rate": rate, "eval/success_low": low, "eval/success_high": high, "eval/episodes": float(len(successes))}
+        result = {"eval/success_rate": rate, "eval/success_low": low, "eval/success_high": high, "eval/episodes": float(len(successes))}
+        print(f"[eval:{label}] held-out {format_eval(result)}, weights v{sorted(versions)}, {time.perf_counter() - t0:.1f}s", flush=True)
+        return result
 
     if start_iteration == 0 and not single_batch:
         summary["initial_eval"] = run_eval("initial policy")
@@ -307,13 +311,20 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     return summary
 
 
+def format_eval(result: dict[str, float]) -> str:
+    return (
+        f"success {result['eval/success_rate']:.3f} (95% CI {result['eval/success_low']:.3f}-{result['eval/success_high']:.3f})"
+        f" on {int(result['eval/episodes'])} layouts"
+    )
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     print("=" * 78)
     initial, final = summary.get("initial_eval"), summary.get("final_eval")
     if initial:
-        print(f"initial policy : {initial['eval/success_rate']:.3f} (95% CI {initial['eval/success_low']:.3f}-{initial['eval/success_high']:.3f})")
+        print(f"initial policy : {format_eval(initial)}")
     if final:
-        print(f"after RL       : {final['eval/success_rate']:.3f} (95% CI {final['eval/success_low']:.3f}-{final['eval/success_high']:.3f})")
+        print(f"after RL       : {format_eval(final)}")
     if "success_gain" in summary:
         print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
     print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_session']:.0f}s; curve: {summary.get('curve')}")

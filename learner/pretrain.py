@@ -32,6 +32,8 @@ from common.policy import MLPFlowPolicy, build_policy
 from common.rollout import evaluate_layouts, make_envs, success_interval
 
 REPORT_FILE = "pretrain.json"
+# Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
+RECIPE_VERSION = 2
 
 
 def chunk_dataset(episodes: list[Episode], chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,8 +127,12 @@ def cache_root() -> Path:
 
 
 def bc_cache_key(config: RunConfig) -> str:
-    """The checkpoint depends on the policy, the task's episode rules and the pre-training recipe."""
+    """The checkpoint depends on the policy's architecture, the task's episode rules and the pre-training
+    recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load."""
     relevant = {name: dataclasses.asdict(getattr(config, name)) for name in ("policy", "env", "pretrain")}
+    for name in config.policy.SAMPLING_FIELDS:
+        del relevant["policy"][name]
+    relevant["recipe_version"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 

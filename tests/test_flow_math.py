@@ -76,7 +76,9 @@ def test_fresh_chain_scores_with_ratio_one(num_steps: int) -> None:
     with torch.no_grad():
         sample = sample_chain(policy, policy.encode(obs), 64, generator=torch.Generator().manual_seed(3))
         # Rescore in a different batch composition (minibatches of 5) to mimic the learner.
-        rescored = torch.cat([chain_log_prob(policy, policy.encode(obs[i : i + 5]), sample.chain[i : i + 5]).log_prob for i in range(0, 64, 5)])
+        rescored = torch.cat(
+            [chain_log_prob(policy, policy.encode(obs[i : i + 5]), sample.chain[i : i + 5]).log_prob for i in range(0, 64, 5)]
+        )
     assert (rescored - sample.scores.log_prob).abs().max() < 1e-6 * max(1.0, float(rescored.abs().max()))
 
 

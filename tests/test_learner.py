@@ -1,0 +1,134 @@
+"""The learner and rollout actor without Ray: ratio == 1, real updates, NaN guards, exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors.rollout_actor import RolloutActor
+from common.diagnostics import NonDeterministicPolicyError, NonFiniteError
+from common.policy import FlowPolicy
+from common.trajectory import RolloutBatch
+from learner.learner import Learner, lr_scale
+from tests.conftest import tiny_config
+
+
+@pytest.fixture()
+def setup(tmp_path, bc_checkpoint):
+    config = tiny_config(tmp_path)
+    actor = RolloutActor(config, 0, bc_checkpoint)
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    return config, actor, learner
+
+
+def params(policy) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in policy.state_dict().items()}
+
+
+def test_update_changes_weights_with_ratio_one_first(setup) -> None:
+    config, actor, learner = setup
+    actor.load_weights(learner.broadcast())
+    batch = actor.sample(None, iteration=0)
+    assert batch.chains.shape == (8, 2, 5, 4, 4) and batch.weight_version == 0
+    before = params(learner.policy)
+    metrics = learner.update(batch)
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert metrics["logprob/behaviour_gap_max"] < 1e-4  # actor and learner score the same chains alike
+    changed = [k for k, v in learner.policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert any(k.startswith("velocity_net") for k in changed) and any(k.startswith("critic_net") for k in changed)
+    assert not any(k.startswith("obs_") or k.startswith("action_") for k in changed)  # normalisation is fixed
+    assert learner.version == 1
+    actor.load_weights(learner.broadcast())
+    assert actor.version == 1
+    assert torch.equal(actor.policy.velocity_net[0].weight, learner.policy.velocity_net[0].weight)
+
+
+def test_rollouts_are_reproducible_per_iteration(setup) -> None:
+    _, actor, learner = setup
+    weights = learner.broadcast()
+    a, b, c = actor.sample(weights, 3), actor.sample(weights, 3), actor.sample(weights, 4)
+    np.testing.assert_array_equal(a.chains, b.chains)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
+    assert not np.array_equal(a.chains, c.chains)
+
+
+def test_policy_left_in_train_mode_with_dropout_fails_fast(tmp_path, bc_checkpoint) -> None:
+    config = tiny_config(tmp_path)
+    actor = RolloutActor(config, 0, bc_checkpoint)
+    batch = actor.sample(None, 0)
+    # The seed report's bug: a wrapper whose eval() does not reach the dropout layers.
+    policy = FlowPolicy.from_pretrained(bc_checkpoint, dropout=0.2)
+    learner = Learner(config, policy)
+    policy.train()
+    policy.eval = lambda: policy  # type: ignore[method-assign]
+    before = params(policy)
+    with pytest.raises(NonDeterministicPolicyError, match=r"velocity_net\.\d+ \(Dropout, p=0\.2, train mode\)"):
+        learner.update(batch)
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # nothing was stepped
+
+
+def test_nan_reward_is_refused_before_any_step(setup) -> None:
+    _, actor, learner = setup
+    batch = actor.sample(None, 0)
+    rewards = batch.rewards.copy()
+    rewards[0, 0] = np.nan
+    batch.rewards = rewards
+    with pytest.raises(NonFiniteError, match="rewards"):
+        batch.validate()
+    before = params(learner.policy)
+    with pytest.raises(NonFiniteError, match="advantages"):
+        learner.update(batch)
+    assert all(torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+
+
+def test_nan_gradient_skips_the_step(setup, monkeypatch) -> None:
+    _, actor, learner = setup
+    batch = actor.sample(None, 0)
+    before = params(learner.policy)
+    original = torch.Tensor.backward
+
+    def poisoned_backward(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        next(learner.policy.velocity_net.parameters()).grad.fill_(float("nan"))
+
+    monkeypatch.setattr(torch.Tensor, "backward", poisoned_backward)
+    with pytest.raises(NonFiniteError, match="non-finite gradients in \\['velocity_net.0.weight'"):
+        learner.update(batch)
+    assert all(torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+
+
+def test_checkpoint_resume_reproduces_weights(setup, tmp_path, bc_checkpoint) -> None:
+    config, actor, learner = setup
+    batches = []
+    for it in range(3):
+        batches.append(actor.sample(learner.broadcast(), it))
+        learner.update(batches[-1])
+        if it == 0:
+            learner.save_checkpoint(tmp_path / "k1")
+    resumed = Learner(config, FlowPolicy.from_pretrained(tmp_path / "k1"))
+    resumed.load_trainer_state(tmp_path / "k1")
+    assert (resumed.iteration, resumed.version) == (1, 1)
+    fresh_actor = RolloutActor(config, 0, tmp_path / "k1")
+    for it in (1, 2):
+        batch = fresh_actor.sample(resumed.broadcast(), it)
+        np.testing.assert_array_equal(batch.chains, batches[it].chains)
+        resumed.update(batch)
+    for name, tensor in learner.policy.state_dict().items():
+        assert torch.equal(tensor, resumed.policy.state_dict()[name]), name
+
+
+def test_lr_schedule(setup) -> None:
+    config, _, _ = setup
+    cfg = config.learner
+    cfg.lr_warmup_iters, cfg.lr_final_frac = 2, 0.1
+    assert lr_scale(0, 10, cfg) == 0.5 and lr_scale(1, 10, cfg) == 1.0
+    assert lr_scale(2, 10, cfg) == pytest.approx(1.0) and lr_scale(10, 10, cfg) == pytest.approx(0.1)
+
+
+def test_concat_keeps_actor_order(setup) -> None:
+    _, actor, learner = setup
+    a, b = actor.sample(None, 0), actor.sample(None, 1)
+    joined = RolloutBatch.concat([a, b])
+    assert joined.num_envs == 4 and joined.env_steps == a.env_steps + b.env_steps
+    np.testing.assert_array_equal(joined.chains[:, 2:], b.chains)

@@ -1,0 +1,65 @@
+"""Checkpoints: safetensors round trip, clear errors, and the refusal to fine-tune random weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.config import PolicyConfig
+from common.diagnostics import RandomInitError
+from common.policy import CheckpointError, FlowPolicy, MLPFlowPolicy
+from learner.learner import require_pretrained
+
+
+def small_policy(**overrides) -> MLPFlowPolicy:
+    torch.manual_seed(0)
+    return MLPFlowPolicy(PolicyConfig(hidden_dim=32, num_layers=2, **overrides))
+
+
+def test_round_trip_is_bit_exact(tmp_path) -> None:
+    policy = small_policy()
+    policy.set_normalization(torch.randn(39), torch.rand(39) + 0.5, torch.randn(4), torch.rand(4) + 0.5)
+    policy.save_pretrained(tmp_path / "ckpt")
+    loaded = FlowPolicy.from_pretrained(tmp_path / "ckpt")
+    assert isinstance(loaded, MLPFlowPolicy) and not loaded.training
+    assert loaded.loaded_from == str((tmp_path / "ckpt").resolve())
+    for (name, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_missing_and_mismatched_checkpoints_are_named(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        FlowPolicy.from_pretrained(tmp_path)
+    small_policy().save_pretrained(tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config["hidden_dim"] = 64
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="wrong_shape"):
+        FlowPolicy.from_pretrained(tmp_path / "a")
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="could not be read as safetensors"):
+        FlowPolicy.from_pretrained(tmp_path / "a")
+    config["type"] = "smolvla_typo"
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="policy.type must be one of|unknown policy type"):
+        FlowPolicy.from_pretrained(tmp_path / "a")
+
+
+def test_random_init_is_refused_unless_allowed(tmp_path) -> None:
+    policy = small_policy()
+    with pytest.raises(RandomInitError, match="--allow-random-init"):
+        require_pretrained(policy, allow_random_init=False)
+    require_pretrained(policy, allow_random_init=True)
+    policy.save_pretrained(tmp_path / "c")
+    require_pretrained(FlowPolicy.from_pretrained(tmp_path / "c"), allow_random_init=False)
+
+
+def test_broadcast_state_holds_only_trainable_parameters() -> None:
+    policy = small_policy()
+    for p in policy.velocity_net.parameters():
+        p.requires_grad_(False)  # a frozen backbone is not re-sent after every update
+    names = set(policy.broadcast_state())
+    assert names and not any(n.startswith("velocity_net.") for n in names)
+    assert "obs_mean" not in names

@@ -1,0 +1,49 @@
+"""Behaviour-cloning pre-training: the loss falls, the checkpoint round-trips, the cache is keyed by config."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from common.envs import Episode, Layout
+from common.policy import FlowPolicy
+from learner.pretrain import REPORT_FILE, bc_cache_key, chunk_dataset, ensure_bc_checkpoint, pretrain
+from tests.conftest import tiny_config
+
+
+def test_chunk_dataset_pads_with_the_last_action() -> None:
+    actions = np.arange(3 * 2, dtype=np.float32).reshape(3, 2)
+    episode = Episode(np.zeros((3, 5), np.float32), actions, True, Layout(0, 0))
+    obs, chunks = chunk_dataset([episode], chunk_size=4)
+    assert obs.shape == (3, 5) and chunks.shape == (3, 4, 2)
+    np.testing.assert_array_equal(chunks[0], actions[[0, 1, 2, 2]])
+    np.testing.assert_array_equal(chunks[2], actions[[2, 2, 2, 2]])
+
+
+def test_short_pretraining_reduces_the_loss_and_round_trips(tmp_path) -> None:
+    config = tiny_config(tmp_path, **{"pretrain.train_steps": 800, "pretrain.eval_episodes": 3})
+    report = pretrain(config, tmp_path / "bc", progress=False)
+    assert report["loss_last_100"] < 0.6 * report["loss_first_100"]
+    assert report["eval_episodes"] == 3 and 0.0 <= report["eval_success_rate"] <= 1.0
+    assert json.loads((tmp_path / "bc" / REPORT_FILE).read_text())["demos"] == 2
+    first = FlowPolicy.from_pretrained(tmp_path / "bc")
+    first.save_pretrained(tmp_path / "again")
+    second = FlowPolicy.from_pretrained(tmp_path / "again")
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(tensor, second.state_dict()[name]), name
+    assert not torch.equal(first.obs_std, torch.ones_like(first.obs_std))  # normalisation stats were saved
+
+
+def test_bc_cache_is_created_once_and_keyed_by_config(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = tiny_config(tmp_path, **{"pretrain.train_steps": 5})
+    path = ensure_bc_checkpoint(config)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_bc_checkpoint(config) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    other = tiny_config(tmp_path, **{"pretrain.train_steps": 6})
+    assert bc_cache_key(other) != bc_cache_key(config)
+    for unrelated in ({"learner.clip_eps": 0.1}, {"policy.sigma_max": 0.3}, {"policy.init_noise_std": 0.0}):
+        assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5}, **unrelated)) == bc_cache_key(config)
+    assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5, "policy.hidden_dim": 48})) != bc_cache_key(config)
