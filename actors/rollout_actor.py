@@ -37,7 +37,9 @@ class RolloutActor:
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
         self.config = config
         self.actor_index = actor_index
-        self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).eval()
+        # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.
+        self.device = torch.device("cuda" if config.actors.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
         self.vec_env = ChunkedVectorEnv(make_envs(config.env, config.actors.envs_per_actor), train_layouts, config.learner.gamma)
@@ -50,14 +52,14 @@ class RolloutActor:
         missing = set(weights.params) - set(dict(self.policy.named_parameters()))
         if missing:
             raise KeyError(f"weights version {weights.version} has parameters this policy lacks: {sorted(missing)[:5]}")
-        self.policy.load_state_dict(weights.to_tensors(), strict=False)
+        self.policy.load_state_dict(weights.to_tensors(), strict=False)  # copies into the actor's own tensors
         self.version = weights.version
 
     def sample(self, weights: WeightsPayload | None, iteration: int) -> RolloutBatch:
         self.load_weights(weights)
         seed = rollout_seed(self.config.seed, iteration, self.actor_index)
         obs = self.vec_env.reset(seed)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         batch, _ = collect_rollout(
             self.policy, self.vec_env, obs, self.config.actors.decisions_per_rollout, generator, self.version, self.actor_index
         )

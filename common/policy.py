@@ -55,6 +55,11 @@ class FlowPolicy(nn.Module, ABC):
     def num_steps(self) -> int:
         return self.config.num_steps
 
+    @property
+    def obs_device(self) -> torch.device:
+        """Where observations must be placed for encode()."""
+        return next(self.parameters()).device
+
     @abstractmethod
     def encode(self, obs: Tensor) -> Any:
         """obs (B, obs_dim) -> features consumed by velocity/sigma/value."""

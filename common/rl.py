@@ -76,7 +76,10 @@ def value_loss(values: Tensor, returns: Tensor, old_values: Tensor, value_clip: 
         clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
         v_loss = 0.5 * torch.maximum(unclipped, (clipped - returns) ** 2).mean()
     with torch.no_grad():
-        explained_var = 1.0 - (returns - values).var() / returns.var().clamp_min(1e-8)
+        if returns.numel() > 1:
+            explained_var = 1.0 - (returns - values).var() / returns.var().clamp_min(1e-8)
+        else:
+            explained_var = torch.tensor(float("nan"))
     return v_loss, {"explained_variance": explained_var}
 
 

@@ -35,14 +35,15 @@ class Decision:
 def decide(policy: FlowPolicy, obs: np.ndarray, *, deterministic: bool, generator: torch.Generator | None = None) -> Decision:
     """Encode the observations once, sample the denoising chain, and read the critic."""
     check_finite_arrays({"obs": obs}, "environment output")
-    features = policy.encode(torch.as_tensor(obs, dtype=torch.float32))
-    sample = sample_chain(policy, features, len(obs), deterministic=deterministic, generator=generator)
+    device = policy.obs_device
+    features = policy.encode(torch.as_tensor(obs, dtype=torch.float32, device=device))
+    sample = sample_chain(policy, features, len(obs), deterministic=deterministic, generator=generator, device=device)
     return Decision(
-        chain=sample.chain.numpy(),
-        env_actions=policy.to_env_action(sample.chain[:, -1]).numpy(),
-        log_prob=sample.scores.log_prob.numpy(),
-        log_prob_per_element=sample.scores.log_prob_per_element.numpy(),
-        value=policy.value(features).numpy(),
+        chain=sample.chain.cpu().numpy(),
+        env_actions=policy.to_env_action(sample.chain[:, -1]).cpu().numpy(),
+        log_prob=sample.scores.log_prob.cpu().numpy(),
+        log_prob_per_element=sample.scores.log_prob_per_element.cpu().numpy(),
+        value=policy.value(features).cpu().numpy(),
     )
 
 

@@ -212,6 +212,8 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=include_dashboard, log_to_driver=True)
     resources = ray.cluster_resources()
+    if config.actors.num_gpus > 0 and resources.get("GPU", 0) == 0:
+        raise ConfigError(f"actors.num_gpus={config.actors.num_gpus} but the Ray cluster has no GPU: set actors.num_gpus=0 for CPU actors")
     learner_cpus = min(0.5, resources.get("CPU", 1) / 4)
     cpus_per_actor = config.actors.num_cpus or round(max(0.01, (resources.get("CPU", 1) - learner_cpus) / config.actors.num_actors), 4)
     print(banner(config, checkpoint, resume_dir, resources, cpus_per_actor), flush=True)

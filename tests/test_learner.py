@@ -132,3 +132,16 @@ def test_concat_keeps_actor_order(setup) -> None:
     joined = RolloutBatch.concat([a, b])
     assert joined.num_envs == 4 and joined.env_steps == a.env_steps + b.env_steps
     np.testing.assert_array_equal(joined.chains[:, 2:], b.chains)
+
+
+def test_critic_warmup_leaves_the_actor_untouched(tmp_path, bc_checkpoint) -> None:
+    config = tiny_config(tmp_path, **{"learner.critic_warmup_iters": 1})
+    actor = RolloutActor(config, 0, bc_checkpoint)
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    before = params(learner.policy)
+    metrics = learner.update(actor.sample(None, 0))
+    changed = {k for k, v in learner.policy.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("critic_net") for k in changed)
+    assert metrics["ppo/actor_lr"] == 0.0
+    learner.update(actor.sample(None, 1))
+    assert not torch.equal(learner.policy.velocity_net[0].weight, before["velocity_net.0.weight"])

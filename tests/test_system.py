@@ -24,7 +24,7 @@ def local_ray():
 def tiny_args(run_dir, bc_checkpoint, iterations: int, *extra: str) -> list[str]:
     sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=8", "env.max_episode_steps=40",
             "learner.minibatch_size=16", "learner.update_epochs=2", "eval_every=1", "eval_episodes=4",
-            "checkpoint_every=1", "learner.lr_schedule=constant"]  # fmt: skip
+            "checkpoint_every=1", "learner.lr_schedule=constant", "learner.critic_warmup_iters=0"]  # fmt: skip
     argv = ["--num-actors", "2", "--iterations", str(iterations), "--run-dir", str(run_dir), "--checkpoint", str(bc_checkpoint)]
     for item in sets:
         argv += ["--set", item]
