@@ -26,6 +26,7 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         "rollout/episode_length": float(batch.episode_lengths.mean()) if finished else math.nan,
         "rollout/reward_per_decision": float(batch.rewards.mean()),
         "rollout/behaviour_logprob_per_element": float(batch.log_probs_per_element.mean()),
+        "rollout/weight_version": float(batch.weight_version),
         "rollout/weight_version_lag": float(learner_version - batch.weight_version),
         "time/sample_seconds": batch.sample_seconds,
     }
@@ -85,8 +86,9 @@ class MetricsLog:
         return [rows[k] for k in sorted(rows)]
 
 
-def plot_learning_curve(rows: list[dict], path: str | Path, title: str) -> Path:
-    """Training and held-out evaluation success against env steps, written as a PNG."""
+def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_eval: dict | None = None) -> Path:
+    """Training and held-out evaluation success against env steps, written as a PNG.
+    `initial_eval` (the starting policy's evaluation) is drawn at step 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,10 +97,11 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str) -> Path:
     steps = np.array([r.get("rollout/total_env_steps", 0) for r in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(7, 4))
     train = np.array([np.nan if r.get("rollout/success_rate") is None else r["rollout/success_rate"] for r in rows], dtype=float)
-    ax.plot(steps, train, alpha=0.4, label="rollout success (stochastic, train layouts)")
+    ax.plot(steps, train, alpha=0.4, label="rollout success, finished episodes (stochastic, train layouts)")
+    points = ([(0.0, initial_eval)] if initial_eval else []) + list(zip(steps, rows))
     evals = [
         (s, r["eval/success_rate"], r["eval/success_low"], r["eval/success_high"])
-        for s, r in zip(steps, rows)
+        for s, r in points
         if r.get("eval/success_rate") is not None
     ]
     if evals:

@@ -121,7 +121,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if args.allow_random_init:
         overrides.append("allow_random_init=true")
     if args.single_batch:
-        overrides += ["iterations=1", "learner.update_epochs=1"]
+        overrides += ["iterations=1", "learner.update_epochs=1", "learner.critic_warmup_iters=0"]
     return load_config(args.config, overrides)
 
 
@@ -234,6 +234,7 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         num_cpus=cpus_per_actor, num_gpus=config.actors.num_gpus, max_restarts=config.actors.max_restarts
     )
     actors = [remote_actor.remote(config, i, actor_checkpoint) for i in range(config.actors.num_actors)]
+    ray.get([actor.pid.remote() for actor in actors])  # wait until every actor is up: timings start clean
     start_iteration, _ = ray.get(learner.progress.remote())
     weights_ref = ray.get(learner.publish.remote())[0]
     print(f"[start] {len(actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
@@ -306,7 +307,9 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         summary["success_gain"] = final_eval["eval/success_rate"] - summary["initial_eval"]["eval/success_rate"]
     summary_path.write_text(json.dumps(summary, indent=2))
     if rows and not single_batch:
-        summary["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", f"{config.env.task}: PPO fine-tuning"))
+        summary["curve"] = str(
+            plot_learning_curve(rows, run_dir / "learning_curve.png", f"{config.env.task}: PPO fine-tuning", summary.get("initial_eval"))
+        )
         print_summary(summary)
     if wandb_run is not None:
         wandb_run.finish()

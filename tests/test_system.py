@@ -41,9 +41,10 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
-    for row in rows:
+    for version, row in enumerate(rows):
         assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5  # ratio == 1 before each iteration's first step
-        assert row["rollout/weight_version_lag"] == 0  # actors sampled with the newest weights
+        assert row["rollout/weight_version"] == version  # iteration 2's rollouts used the weights of update 1
+        assert row["rollout/weight_version_lag"] == 0
         assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
         assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000002"
