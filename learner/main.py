@@ -31,11 +31,11 @@ import yaml
 
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, RunConfig, load_config
-from common.diagnostics import check_ratio_sensitivity
+from common.diagnostics import RandomInitError, check_ratio_sensitivity
 from common.envs import layouts
 from common.flow import num_log_prob_elements
 from common.metrics import MetricsLog, console_line, plot_learning_curve, rollout_metrics
-from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy
+from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, build_policy
 from common.rollout import success_interval
 from common.trajectory import RolloutBatch
 from learner.learner import Learner
@@ -197,6 +197,8 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     wall_start = time.perf_counter()
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume, or pick another --run-dir")
     resume_dir = latest_checkpoint(run_dir) if resume else None
     if resume and resume_dir is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (looked for the '{LATEST_FILE}' pointer)")
@@ -244,11 +246,11 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     wandb_run = None if single_batch else init_wandb(config, run_dir, resume)
-    summary: dict[str, Any] = {}
     summary_path = run_dir / "summary.json"
-    if resume and summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-    total_env_steps = summary.get("env_steps", 0)
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.is_file() else {}
+    # Resuming after a crash: the metrics log (written every iteration) knows the step count at the checkpoint.
+    resumed_rows = [r for r in metrics_log.read() if r["iteration"] == start_iteration]
+    total_env_steps = int(resumed_rows[0]["rollout/total_env_steps"]) if resumed_rows else 0
 
     def run_eval(label: str) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -260,6 +262,7 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
 
     if start_iteration == 0 and not single_batch:
         summary["initial_eval"] = run_eval("initial policy")
+        summary_path.write_text(json.dumps(summary, indent=2))  # kept if the run is interrupted
     last_saved = start_iteration
     iteration = start_iteration
     try:
@@ -348,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         run(config, resume=args.resume, single_batch=args.single_batch, address=args.address, include_dashboard=not args.no_dashboard)
     except KeyboardInterrupt:
         return 130
+    except (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # bad input: a clear message, no traceback, nothing written
+        return 2
     return 0
 
 

@@ -59,6 +59,14 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
+def test_a_second_run_never_overwrites_the_first(tmp_path, bc_checkpoint, capsys) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    assert main(tiny_args(run_dir, bc_checkpoint, 2)) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     assert main(tiny_args(straight, bc_checkpoint, 2, "--set", "eval_every=0")) == 0
@@ -75,5 +83,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint) -> Non
 def test_bad_flags_fail_with_a_named_field(tmp_path, capsys) -> None:
     assert main(["--set", "learner.clip_epsilon=0.1", "--run-dir", str(tmp_path)]) == 2
     assert "learner.clip_epsilon" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
-        main(["--resume", "--run-dir", str(tmp_path / "empty"), "--checkpoint", str(tmp_path)])
+    assert main(["--resume", "--run-dir", str(tmp_path / "empty"), "--checkpoint", str(tmp_path)]) == 2
+    assert "no checkpoint under" in capsys.readouterr().err
+    assert main(["--run-dir", str(tmp_path / "r"), "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "has no model.safetensors" in capsys.readouterr().err
