@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,24 @@ class FlowPolicy(nn.Module, ABC):
         policy.load_state_dict(state)
         policy.loaded_from = str(directory.resolve())
         return policy.eval()
+
+
+def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
+    so a crash at any point leaves either the old directory or the new one, never half of either."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
 
 
 def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:

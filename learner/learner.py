@@ -13,8 +13,6 @@ iteration checks ratio == 1 and raises NonDeterministicPolicyError otherwise.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from torch import Tensor
 from common.config import PPOConfig, RunConfig
 from common.diagnostics import RandomInitError, check_finite_gradients, check_finite_tensors, check_ratio_is_one
 from common.flow import chain_log_prob
-from common.policy import FlowPolicy
+from common.policy import FlowPolicy, write_directory_atomically
 from common.rl import gae, normalize, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
 
@@ -159,7 +157,7 @@ class Learner:
         minibatch_size = min(cfg.minibatch_size, batch_size)
         micro_size = max(1, minibatch_size // cfg.grad_accum)
         history: dict[str, list[float]] = {}
-        first_ratio_deviation = None
+        first_ratio_deviation = 0.0  # max |ratio - 1| over the first minibatch
         optimizer_steps = 0
         stopped_early = False
         for epoch in range(cfg.update_epochs):
@@ -171,8 +169,9 @@ class Learner:
                 for micro in mb_inds.split(micro_size):
                     features = policy.encode(data.obs[micro])
                     new = chain_log_prob(policy, features, data.chains[micro])
-                    if first_ratio_deviation is None:  # before any optimiser step: must be exactly 1
-                        first_ratio_deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
+                    if optimizer_steps == 0:  # no step yet this iteration: same weights as the old log-probs
+                        deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
+                        first_ratio_deviation = max(first_ratio_deviation, deviation)
                     if verbose:
                         print(f"  new log-prob {_head(new.log_prob)}  ratio {_head((new.log_prob - data.old_log_probs[micro]).exp())}")
 
@@ -205,6 +204,7 @@ class Learner:
                     print(
                         f"  epoch {epoch} minibatch {start // minibatch_size}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_summary.items())
                     )
+                # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
                 if cfg.target_kl is not None and train_actor and mb_summary["approx_kl"] > cfg.target_kl:
                     stopped_early = True
                     break
@@ -233,17 +233,14 @@ class Learner:
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Policy (save_pretrained) + optimiser/iteration state, written to a temp dir then renamed."""
-        directory = Path(directory)
-        tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_pretrained(tmp)
         state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
                  "config_fingerprint": self.config.fingerprint()}  # fmt: skip
-        torch.save(state, tmp / TRAINER_STATE_FILE)
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-        return directory
+
+        def write(tmp: Path) -> None:
+            self.policy.save_pretrained(tmp)
+            torch.save(state, tmp / TRAINER_STATE_FILE)
+
+        return write_directory_atomically(directory, write)
 
     def load_trainer_state(self, directory: str | Path) -> None:
         """Restore optimiser, iteration and version (the policy itself is loaded with from_pretrained)."""

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 from common.config import RunConfig, load_config
 from common.envs import Episode, collect_demonstrations, layouts
-from common.policy import MLPFlowPolicy, build_policy
+from common.policy import MLPFlowPolicy, build_policy, write_directory_atomically
 from common.rollout import evaluate_layouts, make_envs, success_interval
 
 REPORT_FILE = "pretrain.json"
@@ -107,19 +106,13 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
         "seconds": {"demos": demo_seconds, "train": train_seconds, "total": time.perf_counter() - start},
         "config": {"policy": dataclasses.asdict(config.policy), "env": dataclasses.asdict(env_cfg), "pretrain": dataclasses.asdict(cfg)},
     }
-    save_atomically(policy, report, Path(out_dir))
+
+    def write(directory: Path) -> None:
+        policy.save_pretrained(directory)
+        (directory / REPORT_FILE).write_text(json.dumps(report, indent=2))
+
+    write_directory_atomically(out_dir, write)
     return report
-
-
-def save_atomically(policy: MLPFlowPolicy, report: dict, out_dir: Path) -> None:
-    """Write into a sibling temporary directory, then rename: a crash never leaves a half checkpoint."""
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
 
 
 def cache_root() -> Path:

@@ -63,3 +63,21 @@ def test_broadcast_state_holds_only_trainable_parameters() -> None:
     names = set(policy.broadcast_state())
     assert names and not any(n.startswith("velocity_net.") for n in names)
     assert "obs_mean" not in names
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path) -> None:
+    from common.policy import write_directory_atomically
+
+    target = tmp_path / "ckpt"
+    write_directory_atomically(target, lambda d: (d / "a.txt").write_text("v1"))
+
+    def crash(directory):
+        (directory / "a.txt").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_directory_atomically(target, crash)
+    assert (target / "a.txt").read_text() == "v1"
+    write_directory_atomically(target, lambda d: (d / "a.txt").write_text("v2"))
+    assert (target / "a.txt").read_text() == "v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # leftovers from the crash are cleaned up
