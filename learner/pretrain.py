@@ -32,7 +32,7 @@ from common.rollout import evaluate_layouts, make_envs, success_interval
 
 REPORT_FILE = "pretrain.json"
 # Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 def chunk_dataset(episodes: list[Episode], chunk_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -81,3 +81,17 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path) -> None:
     write_directory_atomically(target, lambda d: (d / "a.txt").write_text("v2"))
     assert (target / "a.txt").read_text() == "v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # leftovers from the crash are cleaned up
+
+
+def test_out_of_distribution_states_saturate_instead_of_exploding() -> None:
+    from common.policy import OBS_CLIP
+
+    policy = small_policy()
+    obs = torch.zeros(100, 39)
+    obs[:, 10] = 1.0 + 0.003 * torch.randn(100)  # a quaternion element that barely moves in the demos
+    policy.set_normalization(obs.mean(0), obs.std(0), torch.zeros(4), torch.ones(4))
+    tipped = obs[:1].clone()
+    tipped[0, 10] = 0.5  # the block knocked over during RL
+    features = policy.encode(tipped)
+    assert features.abs().max() <= OBS_CLIP
+    assert features[0, 10] == -OBS_CLIP
