@@ -191,26 +191,20 @@ def init_wandb(config: RunConfig, run_dir: Path, resume: bool):
     return run
 
 
-def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, address: str | None = None,
-        include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Train; returns the summary (also written to run_dir/summary.json)."""
-    wall_start = time.perf_counter()
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume, or pick another --run-dir")
-    resume_dir = latest_checkpoint(run_dir) if resume else None
-    if resume and resume_dir is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (looked for the '{LATEST_FILE}' pointer)")
-    if config.init_checkpoint is not None:
-        checkpoint = Path(config.init_checkpoint)
-    elif config.allow_random_init:
-        checkpoint = None
-    else:
-        checkpoint = ensure_bc_checkpoint(config)
-    if checkpoint is not None and not (checkpoint / WEIGHTS_FILE).is_file():
+def resolve_init_checkpoint(config: RunConfig) -> Path | None:
+    """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use)."""
+    if config.init_checkpoint is None:
+        return None if config.allow_random_init else ensure_bc_checkpoint(config)
+    checkpoint = Path(config.init_checkpoint)
+    if not (checkpoint / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"init checkpoint {checkpoint} has no {WEIGHTS_FILE}: expected a directory written by save_pretrained")
+    return checkpoint
 
+
+def start_workers(
+    config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, address: str | None, include_dashboard: bool
+) -> tuple[Any, list[Any]]:
+    """Start or join Ray, print the banner, and bring up the learner and the rollout actors."""
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=include_dashboard, log_to_driver=True)
     resources = ray.cluster_resources()
@@ -230,20 +224,38 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         .remote(config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
     )
     actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
-    if actor_checkpoint is None:  # random-init runs: actors need some weights to start from; the learner's
-        actor_checkpoint = ray.get(learner.save.remote(str(run_dir / "checkpoints" / "random_init")))
+    if actor_checkpoint is None:  # random-init run: actors start from the learner's random weights, saved for them
+        actor_checkpoint = ray.get(learner.save.remote(str(Path(config.run_dir) / "checkpoints" / "random_init")))
     remote_actor = ray.remote(RolloutActor).options(
         num_cpus=cpus_per_actor, num_gpus=config.actors.num_gpus, max_restarts=config.actors.max_restarts
     )
     actors = [remote_actor.remote(config, i, actor_checkpoint) for i in range(config.actors.num_actors)]
     ray.get([actor.pid.remote() for actor in actors])  # wait until every actor is up: timings start clean
-    start_iteration, _ = ray.get(learner.progress.remote())
-    weights_ref = ray.get(learner.publish.remote())[0]
-    print(f"[start] {len(actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
+    return learner, actors
+
+
+def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, address: str | None = None,
+        include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Train; returns the summary (also written to run_dir/summary.json)."""
+    wall_start = time.perf_counter()
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume, or pick another --run-dir")
+    resume_dir = latest_checkpoint(run_dir) if resume else None
+    if resume and resume_dir is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (looked for the '{LATEST_FILE}' pointer)")
+    checkpoint = resolve_init_checkpoint(config)
 
     eval_layouts = layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
     if len(eval_layouts) < config.eval_episodes:
         raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
+
+    learner, actors = start_workers(config, checkpoint, resume_dir, address, include_dashboard)
+    start_iteration, _ = ray.get(learner.progress.remote())
+    weights_ref = ray.get(learner.publish.remote())[0]
+    print(f"[start] {len(actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
+
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     wandb_run = None if single_batch else init_wandb(config, run_dir, resume)
     summary_path = run_dir / "summary.json"

@@ -87,3 +87,11 @@ def test_bad_flags_fail_with_a_named_field(tmp_path, capsys) -> None:
     assert "no checkpoint under" in capsys.readouterr().err
     assert main(["--run-dir", str(tmp_path / "r"), "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "has no model.safetensors" in capsys.readouterr().err
+
+
+def test_random_init_runs_only_when_explicitly_allowed(tmp_path, capsys) -> None:
+    argv = ["--num-actors", "1", "--iterations", "1", "--set", "eval_every=0", "--set", "eval_episodes=2",
+            "--set", "actors.decisions_per_rollout=4", "--set", "learner.minibatch_size=8", "--set", "policy.hidden_dim=32"]  # fmt: skip
+    assert main([*argv, "--run-dir", str(tmp_path / "a"), "--allow-random-init"]) == 0
+    assert (tmp_path / "a" / "checkpoints" / "random_init" / "model.safetensors").is_file()
+    assert (tmp_path / "a" / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
