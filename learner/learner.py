@@ -49,8 +49,12 @@ def require_pretrained(policy: FlowPolicy, allow_random_init: bool) -> None:
         )
 
 
+def _numpy(values: Tensor | np.ndarray) -> np.ndarray:
+    return np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64)
+
+
 def _head(values: Tensor | np.ndarray, count: int = 6) -> str:
-    flat = np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64).ravel()
+    flat = _numpy(values).ravel()
     return "[" + ", ".join(f"{v:+.4g}" for v in flat[:count]) + (", ...]" if len(flat) > count else "]")
 
 
@@ -64,7 +68,7 @@ def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
     }  # fmt: skip
     lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
     for name, values in quantities.items():
-        array = np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64)
+        array = _numpy(values)
         lines.append(
             f"  {name:<30} shape {str(array.shape):<10} mean {array.mean():+.4g} std {array.std():.4g} "
             f"min {array.min():+.4g} max {array.max():+.4g} first {_head(array)}"
@@ -188,7 +192,7 @@ class Learner:
                     check_finite_tensors({"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy}, "learner.update")
                     loss.backward()
                     for key, value in {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy, **pg_metrics, **v_metrics}.items():
-                        mb_metrics.setdefault(key, []).append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))
+                        mb_metrics.setdefault(key, []).append(float(value.detach()))
                 check_finite_gradients(policy, "learner.update")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)

@@ -245,7 +245,8 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     resume_dir = latest_checkpoint(run_dir) if resume else None
     if resume and resume_dir is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (looked for the '{LATEST_FILE}' pointer)")
-    checkpoint = resolve_init_checkpoint(config)
+    # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
+    checkpoint = None if resume_dir else resolve_init_checkpoint(config)
 
     eval_layouts = layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
     if len(eval_layouts) < config.eval_episodes:
@@ -317,7 +318,7 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     final_eval = {k: rows[-1][k] for k in rows[-1] if k.startswith("eval/")} if rows else {}
     summary.update({"iterations": config.iterations, "env_steps": total_env_steps, "final_eval": final_eval,
                     "wall_seconds_this_session": time.perf_counter() - wall_start, "config_fingerprint": config.fingerprint(),
-                    "init_checkpoint": None if checkpoint is None else str(checkpoint)})  # fmt: skip
+                    "init_checkpoint": str(checkpoint) if checkpoint else summary.get("init_checkpoint")})  # fmt: skip
     if "initial_eval" in summary and final_eval:
         summary["success_gain"] = final_eval["eval/success_rate"] - summary["initial_eval"]["eval/success_rate"]
     summary_path.write_text(json.dumps(summary, indent=2))
