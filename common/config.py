@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class PolicyConfig:
     """The flow policy: architecture, denoising chain and noise bounds."""
 
-    type: str = "mlp_flow"  # backend registered in common.policy.POLICY_TYPES
+    type: str = "mlp_flow"  # backend registered in common.policy.base.POLICY_TYPES
     obs_dim: int = 39
     action_dim: int = 4  # A
     chunk_size: int = 4  # H: actions per decision, executed whole

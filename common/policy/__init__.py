@@ -1,0 +1,23 @@
+"""Flow policies: the backend-independent interface (base) and one module per backend.
+
+`from common.policy import FlowPolicy, build_policy, ...` is the public surface; backends are looked up by
+`policy.type` through `POLICY_TYPES` and imported only when used.
+"""
+
+from common.policy.base import (
+    CONFIG_FILE,
+    POLICY_TYPES,
+    WEIGHTS_FILE,
+    CheckpointError,
+    FlowPolicy,
+    build_policy,
+    policy_class,
+    read_policy_config,
+    write_directory_atomically,
+)
+from common.policy.mlp import OBS_CLIP, OBS_STD_FLOOR, MLPFlowPolicy
+
+__all__ = [
+    "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",
+    "OBS_STD_FLOOR", "build_policy", "policy_class", "read_policy_config", "write_directory_atomically",
+]
