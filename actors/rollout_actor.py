@@ -23,7 +23,7 @@ import torch
 from common.config import RunConfig
 from common.envs import ChunkedVectorEnv, Layout, layouts
 from common.policy import FlowPolicy
-from common.rollout import collect_rollout, evaluate_layouts, make_envs
+from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, evaluate_layouts, make_envs
 from common.trajectory import RolloutBatch, WeightsPayload
 
 
@@ -42,7 +42,12 @@ class RolloutActor:
         self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
-        self.vec_env = ChunkedVectorEnv(make_envs(config.env, config.actors.envs_per_actor), train_layouts, config.learner.gamma)
+        # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
+        envs = make_envs(config.env, config.actors.envs_per_actor, camera_configs(self.policy.config))
+        if config.learner.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
+            self.vec_env = GroupVectorEnv(envs, train_layouts, config.learner.gamma, config.learner.group_size)
+        else:
+            self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.learner.gamma)
         self.eval_envs = self.vec_env.envs
 
     def load_weights(self, weights: WeightsPayload | None) -> None:

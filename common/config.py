@@ -23,6 +23,45 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class SmolVLAConfig:
+    """policy.smolvla: the SmolVLA backend (common.policy.smolvla); read only when policy.type is "smolvla"."""
+
+    # Local directory holding the SmolVLM backbone's config, processor and tokenizer (a SmolVLA checkpoint
+    # names a hub id, e.g. HuggingFaceTB/SmolVLM2-500M-Video-Instruct: this path replaces it; nothing is
+    # downloaded). "": the tiny SmolVLM built offline for policy.image_size (common.policy.tiny_vlm).
+    vlm_path: str = ""
+    # A lerobot SmolVLA checkpoint directory (its config.json + model.safetensors, e.g. a local copy of
+    # lerobot/smolvla_base) whose weights initialise the model; every tensor must be in it. "": random init.
+    lerobot_checkpoint: str = ""
+    # lerobot's SmolVLA architecture (its defaults are smolvla_base's).
+    num_vlm_layers: int = 16  # first layers of the VLM's text model kept; <= its number of layers
+    num_expert_layers: int = -1  # <= 0: as many as num_vlm_layers
+    self_attn_every_n_layers: int = 2
+    expert_width_multiplier: float = 0.75
+    max_state_dim: int = 32  # the state is zero-padded to this width; >= policy.obs_dim
+    max_action_dim: int = 32  # actions are zero-padded to this width; >= policy.action_dim
+    tokenizer_max_length: int = 48  # instruction tokens, padded/truncated to this length
+    # What trains (requires_grad; only these are broadcast to actors). The VLM is frozen unless asked.
+    train_action_proj: bool = True  # action_in_proj and action_out_proj
+    train_time_mlp: bool = True  # action_time_mlp_in/out
+    train_expert: bool = False  # the whole action expert transformer
+    train_noise_head: bool = True  # ReinFlow noise head
+    train_critic: bool = True
+    train_state_proj: bool = False  # feeds the VLM prefix: training it re-encodes every minibatch
+    train_vlm: bool = False  # the VLM backbone (vision + text): re-encodes every minibatch
+
+    def validate(self, path: str = "policy.smolvla") -> None:
+        _positive(self, path, "num_vlm_layers", "self_attn_every_n_layers", "max_state_dim", "max_action_dim", "tokenizer_max_length")
+        width = self.expert_width_multiplier
+        _require(0 < width <= 1, f"{path}.expert_width_multiplier must be in (0, 1], got {width}")
+        _require(
+            not self.lerobot_checkpoint or bool(self.vlm_path),
+            f"{path}.lerobot_checkpoint is set but {path}.vlm_path is empty: a SmolVLA checkpoint names its VLM by hub "
+            "id; set vlm_path to a local directory holding that backbone's config, processor and tokenizer",
+        )
+
+
+@dataclass
 class PolicyConfig:
     """The flow policy: architecture, denoising chain and noise bounds."""
 
@@ -45,9 +84,19 @@ class PolicyConfig:
     # How a chain's log-prob is aggregated over its elements: "mean" (per element, ReinFlow; the
     # default: the ratio's sensitivity does not grow with chunk size) or "sum" (the exact joint log-density).
     log_prob_normalization: str = "mean"
+    # Camera frames the policy reads: square image_size x image_size RGB from each of `cameras` (Metaworld
+    # camera names), rendered once per chunk decision. 0: a state-only policy (the MLP); no frames rendered.
+    image_size: int = 0
+    cameras: list[str] = field(default_factory=lambda: ["corner"])
+    smolvla: SmolVLAConfig = field(default_factory=SmolVLAConfig)
 
     def validate(self, path: str = "policy") -> None:
         _positive(self, path, "obs_dim", "action_dim", "chunk_size", "num_steps", "hidden_dim", "num_layers", "time_embed_dim")
+        _require(self.image_size >= 0, f"{path}.image_size must be >= 0 (0: no images), got {self.image_size}")
+        _require(
+            self.image_size == 0 or (len(self.cameras) > 0 and len(set(self.cameras)) == len(self.cameras)),
+            f"{path}.cameras must list distinct camera names (e.g. [corner]) when image_size > 0, got {self.cameras}",
+        )
         _require(0.0 <= self.dropout < 1.0, f"{path}.dropout must be in [0, 1), got {self.dropout}")
         _require(
             0.0 < self.sigma_min <= self.sigma_max,
@@ -55,6 +104,14 @@ class PolicyConfig:
         )
         _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         _choice(self, path, "log_prob_normalization", ("mean", "sum"))
+        self.smolvla.validate(f"{path}.smolvla")
+        if self.type == "smolvla":
+            _require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type smolvla (it reads camera frames), got 0")
+            _require(
+                self.obs_dim <= self.smolvla.max_state_dim and self.action_dim <= self.smolvla.max_action_dim,
+                f"{path}.obs_dim ({self.obs_dim}) / action_dim ({self.action_dim}) must not exceed {path}.smolvla.max_state_dim "
+                f"({self.smolvla.max_state_dim}) / max_action_dim ({self.smolvla.max_action_dim}): raise those, or use fewer state dims",
+            )
 
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
@@ -105,12 +162,15 @@ class ActorsConfig:
     decisions_per_rollout: int = 50  # chunk decisions per env per iteration
     num_cpus: float | None = None  # per actor; None: spread the cluster's CPUs evenly over the actors
     num_gpus: float = 0.0  # per actor, fractional "GPU slices" (e.g. 0.1); 0 on CPU machines
+    # Custom Ray resources per actor, e.g. {rollout_gpu: 0.1}: pins actors to the node types that declare
+    # them (cluster/*.yaml), so placement is decided by config, not code.
+    resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
 
     def validate(self, path: str = "actors") -> None:
         _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
         _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
-        _require(self.num_gpus >= 0, f"{path}.num_gpus must be >= 0, got {self.num_gpus}")
+        _ray_resources(path, self.num_gpus, self.resources)
         _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
 
 
@@ -137,8 +197,31 @@ class PPOConfig:
     critic_warmup_iters: int = 3  # iterations that train only the critic (the actor's lr is 0)
     normalize_advantages: bool = True  # over the whole batch, once per iteration
     ratio_tolerance: float = 1e-5  # |ratio - 1| allowed on the first minibatch before any update
+    # "ppo": advantages from GAE and a critic. "grpo": critic-free; each initial state is rolled out
+    # group_size times (envs_per_actor a multiple of it) and every episode's return is compared with its
+    # group's (common.rl.grpo_advantages). GRPO trains and broadcasts no critic, skips critic_warmup_iters
+    # and normalize_advantages (the group comparison is the normalisation), and masks episodes the rollout cut off.
+    algo: str = "ppo"
+    group_size: int = 4  # G, rollouts per initial state (grpo)
+    grpo_std_normalization: bool = True  # (R - mean) / (std + eps); false: R - mean (Dr. GRPO)
+    # KL(policy || reference) per log-prob element, added to the actor loss times kl_beta; the reference is
+    # the frozen starting policy. 0: off, and no reference is built. Estimators: common.rl.kl_to_reference.
+    kl_beta: float = 0.0
+    kl_estimator: str = "exact"  # "exact" (analytic, per transition), "k1", "k2" or "k3"
+    # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
+    # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
+    # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
+    behaviour_gap_warn: float | None = 1e-3
+    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
+    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
+    # custom resource such as {learner_slot: 1} that only the intended node type declares.
+    num_cpus: float | None = None
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
 
     def validate(self, path: str = "learner") -> None:
+        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
+        _ray_resources(path, self.num_gpus, self.resources)
         _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
         _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
         _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
@@ -149,14 +232,23 @@ class PPOConfig:
         _choice(self, path, "lr_schedule", ("cosine", "constant"))
         _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
         _require(self.minibatch_size % self.grad_accum == 0, f"{path}.minibatch_size must be divisible by {path}.grad_accum")
+        _choice(self, path, "algo", ("ppo", "grpo"))
+        _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
+        _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
+        _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+        _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
 
 
 @dataclass
 class PretrainConfig:
     """Behaviour cloning from scripted demonstrations (the starting point for RL)."""
 
-    num_demos: int = 5  # one expert episode per layout of env.demo_benchmark_seed
+    # One expert episode per layout of env.demo_benchmark_seed. None: chosen per task so the BC policy's held-out
+    # success lands in [target_success_min, target_success_max], leaving room for RL (learner.pretrain.DEMO_LADDER).
+    num_demos: int | None = None
+    target_success_min: float = 0.2
+    target_success_max: float = 0.7
     demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
     train_steps: int = 3000
     batch_size: int = 256
@@ -165,8 +257,19 @@ class PretrainConfig:
     seed: int = 0
 
     def validate(self, path: str = "pretrain") -> None:
-        _positive(self, path, "num_demos", "train_steps", "batch_size")
-        _require(self.num_demos <= 50, f"{path}.num_demos must be <= 50 (one benchmark seed holds 50 layouts)")
+        _positive(self, path, "train_steps", "batch_size")
+        _require(
+            self.num_demos is None or 1 <= self.num_demos <= 50,
+            f"{path}.num_demos must be in [1, 50] (one benchmark seed holds 50 layouts) or null (chosen per task), got {self.num_demos}",
+        )
+        _require(
+            0 <= self.target_success_min < self.target_success_max <= 1,
+            f"{path}.target_success_min/max must satisfy 0 <= min < max <= 1, got {self.target_success_min}, {self.target_success_max}",
+        )
+        _require(
+            self.num_demos is not None or self.eval_episodes >= 20,
+            f"{path}.num_demos null picks the count from held-out success: {path}.eval_episodes must be >= 20 (100 recommended)",
+        )
         _require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")
         _require(self.lr > 0, f"{path}.lr must be > 0")
         _require(self.eval_episodes >= 0, f"{path}.eval_episodes must be >= 0")
@@ -203,6 +306,18 @@ class RunConfig:
                 value.validate(f.name)
         _positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         _require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        if self.learner.algo == "grpo":
+            _require(
+                self.actors.envs_per_actor % self.learner.group_size == 0,
+                f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of learner.group_size "
+                f"({self.learner.group_size}) with learner.algo=grpo: a group's rollouts live in one actor's envs",
+            )
+            _require(
+                self.actors.decisions_per_rollout * self.policy.chunk_size >= self.env.max_episode_steps,
+                f"actors.decisions_per_rollout * policy.chunk_size ({self.actors.decisions_per_rollout * self.policy.chunk_size}) "
+                f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with learner.algo=grpo, or no failed "
+                "episode ever completes and every group that holds one is masked",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -224,13 +339,28 @@ def _positive(obj: Any, path: str, *names: str) -> None:
         _require(value > 0, f"{prefix}{name} must be > 0, got {value}")
 
 
+def _ray_resources(path: str, num_gpus: float, resources: dict[str, float]) -> None:
+    """Ray accepts fractions below 1 and whole numbers above; CPU/GPU have their own fields."""
+    for name, amount in {"num_gpus": num_gpus, **{f"resources.{k}": v for k, v in resources.items()}}.items():
+        _require(amount >= 0 and (amount <= 1 or float(amount).is_integer()),
+                 f"{path}.{name} must be >= 0 and, above 1, a whole number (Ray's rule), got {amount}")  # fmt: skip
+    reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
+    _require(not reserved, f"{path}.resources must not name {reserved}: use {path}.num_cpus / {path}.num_gpus")
+
+
 def _choice(obj: Any, path: str, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     _require(value in allowed, f"{path}.{name} must be one of {allowed}, got {value!r}")
 
 
-def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name."""
+def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name.
+
+    Fields absent from `data` keep their values in `base` (default: `cls()`), and nested sections start
+    from the enclosing default's section, not from the section class's own defaults: RunConfig's policy
+    samples from a_0 = 0 while PolicyConfig() keeps the N(0, I) prior, and `--set policy.sigma_max=0.2`
+    must change sigma_max alone, never silently reset init_noise_std.
+    """
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -238,17 +368,18 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
-    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
-    return cls(**kwargs)
+    base = cls() if base is None else base
+    kwargs = {name: _coerce(hints[name], value, _join(path, name), getattr(base, name)) for name, value in data.items()}
+    return dataclasses.replace(base, **kwargs)
 
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _coerce(hint: Any, value: Any, path: str) -> Any:
+def _coerce(hint: Any, value: Any, path: str, default: Any = None) -> Any:
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, path)
+        return from_dict(hint, value, path, default if isinstance(default, hint) else None)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -256,6 +387,11 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_coerce(key_hint, k, f"{path}.{k}"): _coerce(value_hint, v, f"{path}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path} must be a list, got {value!r}")

@@ -9,6 +9,8 @@ says what to change:
   NonFiniteError               NaN/Inf in a loss, gradient, rollout or environment output; raised
                                BEFORE the optimiser step, so the weights are never corrupted.
   RandomInitError              fine-tuning a policy that was never loaded from a checkpoint.
+  BehaviourGapWarning          the actors' behaviour log-probs and the learner's recomputation of them on
+                               the same weights disagree (different precisions or devices, or a bug).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class NonDeterministicPolicyError(RuntimeError):
 
 class RatioSensitivityWarning(UserWarning):
     """The configuration makes the PPO ratio hypersensitive to small policy changes."""
+
+
+class BehaviourGapWarning(UserWarning):
+    """Behaviour log-probs from the actors differ from the learner's on the same weight version."""
 
 
 class NonFiniteError(FloatingPointError):

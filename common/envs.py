@@ -27,7 +27,9 @@ import numpy as np
 from gymnasium import spaces
 from metaworld.policies import ENV_POLICY_MAP
 
-Observation = np.ndarray | dict[str, np.ndarray]
+from common.observation import Observation
+
+GymObservation = np.ndarray | dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,9 @@ class _CameraRenderer:
 class MetaworldTaskEnv(gymnasium.Env):
     """One Metaworld task as a gymnasium env with a settable layout.
 
-    Observations are the float32 state vector, or {"state", "image"} when `image` is given.
+    Observations are the float32 state vector, or {"state", "image"} when `image` is given (a frame
+    rendered after every step). `cameras` are rendered only on demand, by `render_cameras()`: a policy
+    acting once per action chunk needs one frame per decision, not one per step.
     Rewards: "success" pays 1.0 on the step where success first becomes true (0 otherwise);
     "dense" is Metaworld's shaped reward (0..10). Call `close()` to free the render context.
     """
@@ -166,6 +170,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         stop_on_success: bool = True,
         reward: str = "success",
         image: ImageConfig | None = None,
+        cameras: Sequence[ImageConfig] = (),
     ) -> None:
         self.task = task
         self.instruction = _task_spec(task).instruction
@@ -184,6 +189,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         # `sawyer_observation_space`; Metaworld's `observation_space` attribute keeps the stale ones.
         self.set_layout(self._layout)
         self._renderer = None if image is None else _CameraRenderer(self._env.model, self._env.data, image)
+        self._cameras = [_CameraRenderer(self._env.model, self._env.data, camera) for camera in cameras]
 
         self.action_space = spaces.Box(-1.0, 1.0, shape=self._env.action_space.shape, dtype=np.float32)
         mw_space = self._env.sawyer_observation_space
@@ -203,6 +209,16 @@ class MetaworldTaskEnv(gymnasium.Env):
         return self._renderer is not None
 
     @property
+    def num_cameras(self) -> int:
+        return len(self._cameras)
+
+    def render_cameras(self) -> np.ndarray:
+        """The current scene from every camera of `cameras`: (C, H, W, 3) uint8, right way up."""
+        if not self._cameras:
+            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+        return np.stack([camera.render(self._env.data) for camera in self._cameras])
+
+    @property
     def layout(self) -> Layout:
         return self._layout
 
@@ -215,7 +231,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._layout = layout
         self._needs_reset = True
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict]:
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[GymObservation, dict]:
         # The seed only seeds `self.np_random` (gymnasium's contract); the episode itself is a
         # deterministic function of the layout.
         super().reset(seed=seed)
@@ -231,7 +247,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._needs_reset = False
         return self._observation(state), {"layout": self._layout}
 
-    def step(self, action: np.ndarray) -> tuple[Observation, float, bool, bool, dict]:
+    def step(self, action: np.ndarray) -> tuple[GymObservation, float, bool, bool, dict]:
         if self._needs_reset:
             raise RuntimeError("call reset() before step(): the episode has ended or the layout changed")
         action = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
@@ -253,9 +269,12 @@ class MetaworldTaskEnv(gymnasium.Env):
         if self._renderer is not None:
             self._renderer.close()
             self._renderer = None
+        for camera in self._cameras:
+            camera.close()
+        self._cameras = []
         self._env.close()
 
-    def _observation(self, state: np.ndarray) -> Observation:
+    def _observation(self, state: np.ndarray) -> GymObservation:
         state = state.astype(np.float32)
         if self._renderer is None:
             return state
@@ -282,8 +301,8 @@ class ScriptedExpert:
 class ChunkStep:
     """Result of executing one action chunk in every env of a `ChunkedVectorEnv`."""
 
-    next_obs: np.ndarray  # (N, obs_dim) observation after the chunk; the final one if the episode ended.
-    obs: np.ndarray  # (N, obs_dim) observation for the next chunk; the reset one if the episode ended.
+    next_obs: Observation  # (N, ...) after the chunk; the final one if the episode ended (state, and frames with cameras).
+    obs: Observation  # (N, ...) for the next chunk; the reset one if the episode ended.
     reward: np.ndarray  # (N,) float32, sum_i gamma**i * r_i over the executed steps.
     discount: np.ndarray  # (N,) float32, gamma**steps: the factor for the value of next_obs.
     steps: np.ndarray  # (N,) int, env steps executed (< H when the episode ended mid-chunk).
@@ -331,6 +350,9 @@ class ChunkedVectorEnv:
     actions belong to no episode) and is reset at once (same-step autoreset at chunk level), so no
     transition ever mixes two episodes and nothing needs masking. Every reset draws the env's
     layout uniformly from `layout_pool` with the generator seeded in `reset(seed)`.
+
+    Observations are `Observation` records: the (N, obs_dim) state and, when the envs were built with
+    `cameras`, the (N, C, H, W, 3) uint8 frames, rendered once per chunk (after it, and after a reset).
     """
 
     def __init__(self, envs: list[MetaworldTaskEnv], layout_pool: Sequence[Layout], gamma: float) -> None:
@@ -341,7 +363,11 @@ class ChunkedVectorEnv:
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         if any(env.has_images for env in envs):
-            raise NotImplementedError("ChunkedVectorEnv supports state observations only; step image envs through MetaworldTaskEnv")
+            raise NotImplementedError(
+                "ChunkedVectorEnv renders frames once per chunk: build its envs with cameras=[ImageConfig(...)], not image=..."
+            )
+        if len({env.num_cameras for env in envs}) != 1:
+            raise ValueError(f"every env needs the same cameras, got camera counts {[env.num_cameras for env in envs]}")
         self.envs = envs
         self.num_envs = len(envs)
         self.single_observation_space = envs[0].observation_space
@@ -353,13 +379,14 @@ class ChunkedVectorEnv:
         self._episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
         self._episode_successes = np.zeros(self.num_envs, dtype=bool)
 
-    def reset(self, seed: int) -> np.ndarray:
-        """Starts a fresh episode in every env; returns the (N, obs_dim) observations."""
+    def reset(self, seed: int) -> Observation:
+        """Starts a fresh episode in every env; returns the N observations."""
         self._rng = np.random.default_rng(seed)
         self._episode_returns[:] = 0.0
         self._episode_lengths[:] = 0
         self._episode_successes[:] = False
-        return np.stack([self._reset_env(env) for env in self.envs])
+        states = np.stack([self._reset_env(env) for env in self.envs])
+        return Observation(states, self._frames())
 
     def step_chunk(self, actions: np.ndarray) -> ChunkStep:
         """Executes `actions` (N, H, A) and auto-resets the envs whose episode ended."""
@@ -370,8 +397,8 @@ class ChunkedVectorEnv:
             raise ValueError(f"actions must have shape (N={expected[0]}, H>=1, A={expected[1]}), got {actions.shape}")
 
         outcomes = [execute_chunk(env, env_actions, self._gamma) for env, env_actions in zip(self.envs, actions, strict=True)]
-        next_obs = np.stack([outcome.final_obs for outcome in outcomes])
-        obs = next_obs.copy()
+        next_obs = Observation(np.stack([outcome.final_obs for outcome in outcomes]), self._frames())  # before any reset
+        obs = Observation(**{name: array.copy() for name, array in next_obs.present().items()})
         episode_returns: list[float] = []
         episode_successes: list[bool] = []
         episode_lengths: list[int] = []
@@ -384,7 +411,9 @@ class ChunkedVectorEnv:
                 episode_successes.append(bool(self._episode_successes[i]))
                 episode_lengths.append(int(self._episode_lengths[i]))
                 self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
-                obs[i] = self._reset_env(self.envs[i])
+                obs.state[i] = self._reset_env(self.envs[i])
+                if obs.images is not None:
+                    obs.images[i] = self.envs[i].render_cameras()
 
         steps = np.array([outcome.steps for outcome in outcomes], dtype=np.int64)
         return ChunkStep(
@@ -405,6 +434,10 @@ class ChunkedVectorEnv:
         for env in self.envs:
             env.close()
 
+    def _frames(self) -> np.ndarray | None:
+        """(N, C, H, W, 3) uint8 frames of the current scenes, or None when the envs have no cameras."""
+        return np.stack([env.render_cameras() for env in self.envs]) if self.envs[0].num_cameras else None
+
     def _reset_env(self, env: MetaworldTaskEnv) -> np.ndarray:
         layout = self._layout_pool[self._rng.integers(len(self._layout_pool))]
         obs, _ = env.reset(options={"layout": layout})
@@ -417,6 +450,7 @@ class Episode:
     actions: np.ndarray  # (T, A) float32, the executed (noisy, clipped) actions.
     success: bool
     layout: Layout
+    frames: np.ndarray | None = None  # (T, C, H, W, 3) uint8, the cameras' view of each state (with cameras only).
 
 
 def collect_demonstrations(
@@ -425,33 +459,37 @@ def collect_demonstrations(
     action_noise: float,
     seed: int,
     max_episode_steps: int = 200,
+    cameras: Sequence[ImageConfig] = (),
 ) -> list[Episode]:
     """One scripted-expert episode per layout, with N(0, action_noise^2) added to every action.
 
     The noise widens the state distribution beyond the expert's narrow tube; the stored actions are
     the executed ones, so every (observation, action) pair is consistent with the dynamics.
+    With `cameras`, every state's frames are rendered too (rendering never changes the simulation).
     Deterministic in its arguments.
     """
     if action_noise < 0:
         raise ValueError(f"action_noise must be >= 0, got {action_noise}")
-    env = MetaworldTaskEnv(task, max_episode_steps=max_episode_steps, stop_on_success=True)
+    env = MetaworldTaskEnv(task, max_episode_steps=max_episode_steps, stop_on_success=True, cameras=cameras)
     expert = ScriptedExpert(task)
     rng = np.random.default_rng(seed)
     episodes = []
     for episode_index, layout in enumerate(layouts):
         # Gymnasium convention: seed the first reset only; later resets continue its generator.
         obs, _ = env.reset(seed=seed if episode_index == 0 else None, options={"layout": layout})
-        observations, actions = [], []
+        observations, actions, frames = [], [], []
         done = success = False
         while not done:
             noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
             action = np.clip(expert.act(obs) + noise, -1.0, 1.0).astype(np.float32)
             observations.append(obs)
             actions.append(action)
+            if cameras:
+                frames.append(env.render_cameras())
             obs, _, terminated, truncated, info = env.step(action)
             success = info["success"]
             done = terminated or truncated
-        episodes.append(Episode(np.stack(observations), np.stack(actions), success, layout))
+        episodes.append(Episode(np.stack(observations), np.stack(actions), success, layout, np.stack(frames) if cameras else None))
     env.close()
     return episodes
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.rollout import success_interval
 from common.trajectory import RolloutBatch
 
 
@@ -70,6 +71,16 @@ class MetricsLog:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_torn_tail()
+
+    def _drop_torn_tail(self) -> None:
+        """A crash mid-write leaves a last line without its newline; cut it, so the next row starts a fresh line."""
+        if not self.path.is_file():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with self.path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
 
     def write(self, metrics: dict[str, float]) -> None:
         with self.path.open("a") as f:
@@ -80,8 +91,14 @@ class MetricsLog:
         if not self.path.is_file():
             return []
         rows: dict[int, dict] = {}
-        for line in self.path.read_text().splitlines():
-            row = json.loads(line)
+        lines = self.path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # torn by a crash mid-write: that iteration is redone on resume
+                    break
+                raise ValueError(f"{self.path}:{number} is not a JSON line: the metrics log is corrupt") from None
             rows[int(row["iteration"])] = row
         return [rows[k] for k in sorted(rows)]
 
@@ -110,6 +127,54 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
                     label="held-out success (deterministic, 95% CI)")  # fmt: skip
     ax.set_xlabel("env steps")
     ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
+    """Held-out success with its Wilson 95% interval, overall and per layout group (Metaworld benchmark seed),
+    so that a collapse on one group shows even when the overall rate holds. successes (L,) bool, layouts (L,)."""
+    def interval(prefix: str, values: np.ndarray) -> dict[str, float]:
+        rate, low, high = success_interval(values)
+        return {f"{prefix}success_rate": rate, f"{prefix}success_low": low, f"{prefix}success_high": high,
+                f"{prefix}episodes": float(len(values))}  # fmt: skip
+
+    result = interval("eval/", successes)
+    seeds = np.array([layout.benchmark_seed for layout in layouts])
+    for seed in sorted(set(seeds.tolist())):
+        result |= interval(f"eval/group_seed{seed}/", successes[seeds == seed])
+    return result
+
+
+def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Path, title: str) -> Path:
+    """Held-out success against env steps for every seed, and their mean. curves: seed -> (initial eval, metrics rows).
+    The mean is taken at the evaluations every seed shares (same iterations), drawn at the seeds' mean env steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    per_seed: dict[int, dict[int, tuple[float, float]]] = {}  # seed -> iteration -> (env steps, success)
+    for seed, (initial, rows) in sorted(curves.items()):
+        points = {0: (0.0, initial["eval/success_rate"])} if initial else {}
+        points |= {int(r["iteration"]): (float(r["rollout/total_env_steps"]), r["eval/success_rate"]) for r in rows
+                   if r.get("eval/success_rate") is not None}  # fmt: skip
+        per_seed[seed] = points
+        xy = np.array([points[i] for i in sorted(points)])
+        ax.plot(xy[:, 0], xy[:, 1], "o-", alpha=0.45, markersize=3, label=f"seed {seed}")
+    shared = sorted(set.intersection(*(set(points) for points in per_seed.values())))
+    if len(per_seed) > 1 and shared:
+        mean = np.array([np.mean([per_seed[s][i] for s in per_seed], axis=0) for i in shared])
+        ax.plot(mean[:, 0], mean[:, 1], "k-", linewidth=2.5, label=f"mean of {len(per_seed)} seeds")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("held-out success (deterministic)")
     ax.set_ylim(0, 1)
     ax.set_title(title)
     ax.grid(alpha=0.3)

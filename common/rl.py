@@ -1,4 +1,5 @@
-"""RL math as pure functions of tensors: GAE over chunk decisions, PPO losses, KL estimators.
+"""RL math as pure functions of tensors: GAE over chunk decisions, PPO losses, GRPO group advantages,
+KL estimators and the KL-to-reference term.
 
 Each function documents its argument shapes and returns plain tensors or `(loss, metrics)`.
 Vocabulary (used everywhere in the project):
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from common.flow import ChainLogProb, transition_kl
 
 
 def gae(
@@ -106,3 +109,142 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 def normalize(x: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - x.mean()) / (x.std() + eps)
+
+
+KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3}
+
+
+def kl_to_reference(policy: ChainLogProb, reference: ChainLogProb, num_elements: int, estimator: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL(policy || reference) per chain and per log-prob element (B,), for chains sampled by the policy.
+
+    `policy` and `reference` score the same recorded chains (B, K+1, H, A) (common.flow.chain_log_prob).
+    Normalisation: the KL is measured on the chain's exact JOINT log-density (the "sum" aggregation,
+    whatever policy.log_prob_normalization says), then divided by `num_elements`
+    (common.flow.num_log_prob_elements), so it is per element like `log_prob_per_element`; k1 per element
+    is exactly the difference of the two per-element log-probs. The division makes the coefficient beta
+    mean the same thing at any chunk size. Feeding per-element-MEAN log-probs to k2/k3 instead would not
+    estimate KL at all: with x = joint log-ratio, k3(x / D) ~ (x / D)^2 / 2, about KL / D^2, D times too small.
+      k1, k2, k3  sample-based, on log r = joint log-ratio reference - policy (see `k3`). k3 of a long
+                  chain is high-variance: exp(log r) of a joint log-ratio over thousands of elements
+                  overflows long before the per-element KL is large.
+      exact       the analytic KL between the two policies' Gaussian transitions at every recorded step
+                  (common.flow.transition_kl), summed over the chain: zero variance, always >= 0. A flow
+                  chain allows it because every transition is an explicit Gaussian.
+    Returns (kl (B,), metrics with its mean and max).
+    """
+    if estimator == "exact":
+        kl = transition_kl(policy, reference, "sum") / num_elements
+    elif estimator in KL_ESTIMATORS:
+        joint_logp = policy.log_prob_per_element * num_elements
+        joint_logp_ref = reference.log_prob_per_element * num_elements
+        kl = KL_ESTIMATORS[estimator](joint_logp, joint_logp_ref) / num_elements
+    else:
+        raise ValueError(f"estimator must be one of {[*KL_ESTIMATORS, 'exact']}, got {estimator!r}")
+    with torch.no_grad():
+        metrics = {"kl_ref": kl.mean(), "kl_ref_max": kl.max()}
+    return kl, metrics
+
+
+# GRPO (critic-free). G envs of one actor form a group: they reset to the same sequence of initial states
+# (layouts), so the k-th episodes of a group's members are G rollouts of one initial state. Each episode's
+# return is compared with its group's, (R - mean) / (std + eps), or R - mean in the Dr. GRPO variant, and
+# that advantage applies to every decision of the episode.
+
+
+def episode_returns(rewards: Tensor, discounts: Tensor, terminated: Tensor, truncated: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Split each env's decisions into episodes and give every decision its episode's return.
+
+    Inputs (T, N) as in `gae`; every env starts a fresh episode at t = 0 (each rollout resets its envs).
+    Returns, each (T, N):
+      episode_index  int64: which of its env's episodes (0, 1, ...) the decision belongs to
+      complete       bool: that episode ended (terminated or truncated) within the rollout. An episode cut
+                     off by the rollout's end has no return: mask it out.
+      returns        the episode's discounted return from its first state, sum_s gamma^s r_s over its env
+                     steps (exactly what PPO maximises; learner.gamma = 1 gives the plain sum). Chunk rewards
+                     are already discounted within the chunk, and `discounts` (gamma^steps) chain them.
+                     For an incomplete episode it is the partial sum, meaningless: use `complete`.
+    """
+    ends = terminated | truncated
+    num_steps = rewards.shape[0]
+    to_go = torch.zeros_like(rewards)  # return from decision t to the end of its episode
+    running = torch.zeros_like(rewards[0])
+    for t in reversed(range(num_steps)):
+        running = rewards[t] + discounts[t] * (~ends[t]).float() * running
+        to_go[t] = running
+    returns = torch.empty_like(rewards)
+    returns[0] = to_go[0]
+    for t in range(1, num_steps):
+        returns[t] = torch.where(ends[t - 1], to_go[t], returns[t - 1])  # a new episode starts after an end
+    ends_long = ends.long()
+    episode_index = ends_long.cumsum(0) - ends_long  # ends strictly before t
+    complete = ends_long.flip(0).cumsum(0).flip(0) > 0  # an end at or after t
+    return episode_index, complete, returns
+
+
+def group_advantages(returns: Tensor, std_normalization: bool, eps: float = 1e-4) -> tuple[Tensor, dict[str, Tensor]]:
+    """Group-relative advantages of episode returns (num_groups, G) -> (num_groups, G).
+
+    (R - mean) / (std + eps) with std_normalization (GRPO; the sample std, Bessel-corrected), else R - mean
+    (Dr. GRPO, which keeps the reward's scale). Groups whose returns are all equal carry no signal: their
+    advantages are exactly 0 (not 0 / eps noise) and they are counted in metrics["groups_all_equal"].
+    """
+    if returns.ndim != 2 or returns.shape[1] < 2:
+        raise ValueError(f"returns must be (num_groups, G >= 2), got shape {tuple(returns.shape)}")
+    centred = returns - returns.mean(1, keepdim=True)
+    std = returns.std(1, keepdim=True)
+    advantages = centred / (std + eps) if std_normalization else centred
+    all_equal = (returns == returns[:, :1]).all(1)
+    advantages = torch.where(all_equal[:, None], torch.zeros_like(advantages), advantages)
+    metrics = {"groups_all_equal": all_equal.sum(), "group_return_std": std.mean() if len(std) else torch.tensor(float("nan"))}
+    return advantages, metrics
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    discounts: Tensor,
+    terminated: Tensor,
+    truncated: Tensor,
+    group_size: int,
+    std_normalization: bool,
+    eps: float = 1e-4,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-decision GRPO advantages of a rollout whose env n belongs to group n // group_size.
+
+    Inputs (T, N) as in `gae`, N a multiple of group_size; the k-th episodes of a group's members must share
+    their initial state (the rollout's job). The group-episode (g, k) counts only when all G members
+    completed their k-th episode; otherwise all its decisions are masked (a partial group would compare
+    the short episodes, often the successes, among themselves).
+    Returns (advantages (T, N), mask (T, N) bool: decisions that belong in the loss, metrics).
+    """
+    num_decisions, num_envs = rewards.shape
+    if num_envs % group_size:
+        raise ValueError(f"{num_envs} envs do not split into groups of {group_size}")
+    num_groups = num_envs // group_size
+    episode_index, complete, returns = episode_returns(rewards, discounts, terminated, truncated)
+    num_episodes = int(episode_index.max()) + 1
+    env_ids = torch.arange(num_envs).expand(num_decisions, num_envs)
+    # (N, E) tables: every decision of an episode writes the same value, so repeated writes agree.
+    table_returns = torch.zeros(num_envs, num_episodes, dtype=rewards.dtype)
+    table_complete = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
+    table_started = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
+    table_returns[env_ids, episode_index] = returns
+    table_complete[env_ids, episode_index] = complete
+    table_started[env_ids, episode_index] = True
+    group_complete = table_complete.view(num_groups, group_size, num_episodes).all(1)  # (num_groups, E)
+    group_started = table_started.view(num_groups, group_size, num_episodes).any(1)
+    group_returns = table_returns.view(num_groups, group_size, num_episodes).transpose(1, 2)  # (num_groups, E, G)
+    valid_advantages, metrics = group_advantages(group_returns[group_complete], std_normalization, eps)
+    table_advantages = torch.zeros_like(group_returns)
+    table_advantages[group_complete] = valid_advantages
+    table_advantages = table_advantages.transpose(1, 2).reshape(num_envs, num_episodes)
+    table_mask = group_complete.repeat_interleave(group_size, 0)  # (N, E)
+    advantages = table_advantages[env_ids, episode_index]
+    mask = table_mask[env_ids, episode_index]
+    metrics.update({
+        "groups": group_complete.sum(),
+        "groups_incomplete": (group_started & ~group_complete).sum(),
+        "episodes_cut_off": (table_started & ~table_complete).sum(),
+        "masked_decision_frac": 1.0 - mask.float().mean(),
+        "episode_return": group_returns[group_complete].mean() if group_complete.any() else torch.tensor(float("nan")),
+    })  # fmt: skip
+    return advantages, mask, metrics

@@ -5,6 +5,7 @@ Ray-free, so the same code runs inside a RolloutActor, in pre-training's final e
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.config import EnvConfig
+from common.config import EnvConfig, PolicyConfig
 from common.diagnostics import check_finite_arrays
-from common.envs import ChunkedVectorEnv, Layout, MetaworldTaskEnv, execute_chunk
+from common.envs import ChunkedVectorEnv, ImageConfig, Layout, MetaworldTaskEnv, execute_chunk
 from common.flow import sample_chain
+from common.observation import Observation
 from common.policy import FlowPolicy
 from common.trajectory import RolloutBatch
 
@@ -32,12 +34,12 @@ class Decision:
 
 
 @torch.no_grad()
-def decide(policy: FlowPolicy, obs: np.ndarray, *, deterministic: bool, generator: torch.Generator | None = None) -> Decision:
+def decide(policy: FlowPolicy, obs: Observation, *, deterministic: bool, generator: torch.Generator | None = None) -> Decision:
     """Encode the observations once, sample the denoising chain, and read the critic."""
-    check_finite_arrays({"obs": obs}, "environment output")
+    check_finite_arrays({"obs": obs.state}, "environment output")
     device = policy.obs_device
-    features = policy.encode(torch.as_tensor(obs, dtype=torch.float32, device=device))
-    sample = sample_chain(policy, features, len(obs), deterministic=deterministic, generator=generator, device=device)
+    features = policy.encode(obs.to_torch(device))
+    sample = sample_chain(policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=device)
     return Decision(
         chain=sample.chain.cpu().numpy(),
         env_actions=policy.to_env_action(sample.chain[:, -1]).cpu().numpy(),
@@ -47,10 +49,59 @@ def decide(policy: FlowPolicy, obs: np.ndarray, *, deterministic: bool, generato
     )
 
 
-def make_envs(env_config: EnvConfig, count: int) -> list[MetaworldTaskEnv]:
+def camera_configs(policy_config: PolicyConfig) -> list[ImageConfig]:
+    """The cameras a policy reads (none for image_size 0), square frames of policy.image_size."""
+    if policy_config.image_size == 0:
+        return []
+    return [ImageConfig(policy_config.image_size, policy_config.image_size, camera) for camera in policy_config.cameras]
+
+
+class GroupVectorEnv(ChunkedVectorEnv):
+    """A ChunkedVectorEnv whose envs form GRPO groups: envs n with the same n // group_size reset to the same
+    sequence of layouts, so the k-th episodes of a group's members are rollouts of one initial state (an
+    episode is a deterministic function of its layout; only the policy's noise tells them apart).
+
+    Each group draws its layouts from its own generator, seeded by (reset seed, group): the k-th layout of
+    a group is the same whenever its members reach their k-th episode, however long their earlier ones ran.
+    """
+
+    def __init__(self, envs: list[MetaworldTaskEnv], layout_pool: Sequence[Layout], gamma: float, group_size: int) -> None:
+        if group_size < 1 or len(envs) % group_size:
+            raise ValueError(f"{len(envs)} envs do not split into groups of {group_size}")
+        super().__init__(envs, layout_pool, gamma)
+        self.group_size = group_size
+        self._env_index = {id(env): i for i, env in enumerate(envs)}
+
+    def reset(self, seed: int) -> Observation:
+        num_groups = self.num_envs // self.group_size
+        self._group_rngs = [np.random.default_rng([seed, group]) for group in range(num_groups)]
+        self._group_layouts: list[list[Layout]] = [[] for _ in range(num_groups)]
+        self._episodes_started = np.zeros(self.num_envs, dtype=np.int64)
+        return super().reset(seed)
+
+    def _reset_env(self, env: MetaworldTaskEnv) -> np.ndarray:
+        index = self._env_index[id(env)]
+        group, episode = index // self.group_size, self._episodes_started[index]
+        self._episodes_started[index] += 1
+        sequence = self._group_layouts[group]
+        while len(sequence) <= episode:
+            sequence.append(self._layout_pool[self._group_rngs[group].integers(len(self._layout_pool))])
+        obs, _ = env.reset(options={"layout": sequence[episode]})
+        return obs
+
+
+def make_envs(env_config: EnvConfig, count: int, cameras: Sequence[ImageConfig] = ()) -> list[MetaworldTaskEnv]:
     return [
-        MetaworldTaskEnv(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward) for _ in range(count)
+        MetaworldTaskEnv(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward, cameras=cameras)
+        for _ in range(count)
     ]
+
+
+def instruction_tokens(policy: FlowPolicy, envs: Sequence[MetaworldTaskEnv]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Each env's instruction tokenized by the policy, once per env (it never changes): ids (N, L) int64
+    and mask (N, L) bool, or (None, None) for a policy that reads no language."""
+    tokens = policy.tokenize([env.instruction for env in envs])
+    return (None, None) if tokens is None else tokens
 
 
 def collect_rollout(
@@ -62,21 +113,28 @@ def collect_rollout(
     weight_version: int,
     actor_index: int,
 ) -> tuple[RolloutBatch, np.ndarray]:
-    """Step every env for `num_decisions` chunk decisions; returns the record and the last observations."""
+    """Step every env for `num_decisions` chunk decisions; returns the record and the last observations.
+
+    The record carries frames (obs.images) when the envs have cameras and the instruction's tokens when
+    the policy reads language; each env's instruction is tokenized once, here, not per decision."""
     start = time.perf_counter()
-    per_step: dict[str, list[np.ndarray]] = {name: [] for name in RolloutBatch.PER_DECISION}
+    token_ids, token_mask = instruction_tokens(policy, vec_env.envs)
+    per_step: dict[str, list[np.ndarray]] = {}
     returns, successes, lengths = [], [], []
     env_steps = 0
     for _ in range(num_decisions):
+        obs = dataclasses.replace(obs, tokens=token_ids, token_mask=token_mask)
         decision = decide(policy, obs, deterministic=False, generator=generator)
         step = vec_env.step_chunk(decision.env_actions)
         row = {
-            "obs": obs, "next_obs": step.next_obs, "chains": decision.chain, "actions": decision.env_actions,
+            "obs": obs.state, "next_obs": step.next_obs.state, "chains": decision.chain, "actions": decision.env_actions,
             "rewards": step.reward, "discounts": step.discount, "terminated": step.terminated, "truncated": step.truncated,
             "values": decision.value, "log_probs": decision.log_prob, "log_probs_per_element": decision.log_prob_per_element,
+            "images": obs.images, "next_images": step.next_obs.images, "tokens": token_ids, "token_mask": token_mask,
         }  # fmt: skip
         for name, value in row.items():
-            per_step[name].append(value)
+            if value is not None:
+                per_step.setdefault(name, []).append(value)
         returns += step.episode_returns
         successes += step.episode_successes
         lengths += step.episode_lengths
@@ -91,6 +149,7 @@ def collect_rollout(
         actor_index=actor_index,
         sample_seconds=time.perf_counter() - start,
         env_steps=env_steps,
+        actor_precision=policy.precision,
     )
     batch.validate()
     return batch, obs
@@ -100,18 +159,25 @@ def evaluate_layouts(policy: FlowPolicy, envs: list[MetaworldTaskEnv], layouts: 
     """One deterministic episode per layout (a_0 = 0, no injected noise); returns success (L,) bool.
 
     Layouts are run in groups of len(envs), the envs of a group stepped in lock-step, one chunk each.
+    Frames (when the envs have cameras) are rendered once per chunk, the instruction tokenized once per env.
     """
     successes = np.zeros(len(layouts), dtype=bool)
+    token_ids, token_mask = instruction_tokens(policy, envs)
     for group_start in range(0, len(layouts), len(envs)):
         group = list(layouts[group_start : group_start + len(envs)])
-        obs = np.stack([env.reset(options={"layout": layout})[0] for env, layout in zip(envs, group)])
+        group_envs = envs[: len(group)]
+        states = np.stack([env.reset(options={"layout": layout})[0] for env, layout in zip(group_envs, group)])
+        frames = np.stack([env.render_cameras() for env in group_envs]) if envs[0].num_cameras else None
+        obs = Observation(states, frames, *(None if ids is None else ids[: len(group)] for ids in (token_ids, token_mask)))
         active = np.ones(len(group), dtype=bool)
         while active.any():
             index = np.flatnonzero(active)
-            actions = decide(policy, obs[index], deterministic=True).env_actions
+            actions = decide(policy, obs.index(index), deterministic=True).env_actions
             for i, chunk in zip(index, actions):
                 outcome = execute_chunk(envs[i], chunk, gamma=1.0)
-                obs[i] = outcome.final_obs
+                obs.state[i] = outcome.final_obs
+                if obs.images is not None:
+                    obs.images[i] = envs[i].render_cameras()
                 successes[group_start + i] |= outcome.success
                 active[i] = not (outcome.terminated or outcome.truncated)
     return successes

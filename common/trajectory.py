@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from common.diagnostics import check_finite_arrays
+from common.observation import Observation
 
 
 @dataclass
@@ -37,9 +38,17 @@ class RolloutBatch:
     sample_seconds: float
     env_steps: int
     extra: dict[str, float] = field(default_factory=dict)
+    # Per decision like the arrays above, present only when the policy reads them (None otherwise);
+    # compact on purpose: frames stay uint8 and the instruction travels as token ids.
+    images: np.ndarray | None = None  # (T, N, C, H, W, 3) uint8  camera frames the chunk was chosen on
+    next_images: np.ndarray | None = None  # (T, N, C, H, W, 3) uint8  frames after the chunk (as next_obs)
+    tokens: np.ndarray | None = None  # (T, N, L) int64           the env's instruction as token ids
+    token_mask: np.ndarray | None = None  # (T, N, L) bool        True on real tokens
+    actor_precision: str = ""  # the behaviour policy's parameter dtype(s) and device, e.g. "bfloat16 on cuda:0"
 
     PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
                     "values", "log_probs", "log_probs_per_element")  # fmt: skip
+    OPTIONAL_PER_DECISION = ("images", "next_images", "tokens", "token_mask")
 
     @property
     def num_decisions(self) -> int:
@@ -49,13 +58,28 @@ class RolloutBatch:
     def num_envs(self) -> int:
         return self.rewards.shape[1]
 
+    def present_optional(self) -> tuple[str, ...]:
+        return tuple(name for name in self.OPTIONAL_PER_DECISION if getattr(self, name) is not None)
+
+    def observations(self, after_chunk: bool = False) -> Observation:
+        """The (T, N) observations the chunks were chosen in (or, after_chunk, those they led to), as one
+        numpy record; `.flatten_leading()` makes it a batch of B = T * N."""
+        return Observation(self.next_obs if after_chunk else self.obs, self.next_images if after_chunk else self.images,
+                           self.tokens, self.token_mask)  # fmt: skip
+
     def validate(self) -> None:
-        """Shapes agree and every float is finite; raises ValueError / NonFiniteError naming the field."""
+        """Shapes and dtypes agree and every float is finite; raises ValueError / NonFiniteError naming the field."""
         leading = (self.num_decisions, self.num_envs)
-        for name in self.PER_DECISION:
+        for name in self.PER_DECISION + self.present_optional():
             array = getattr(self, name)
             if array.shape[:2] != leading:
                 raise ValueError(f"RolloutBatch.{name} has shape {array.shape}, expected leading dims {leading}")
+        if (self.images is None) != (self.next_images is None):
+            raise ValueError("RolloutBatch.images and RolloutBatch.next_images must be given together")
+        try:
+            self.observations(), self.observations(after_chunk=True)  # dtypes: uint8 frames, int64 tokens, bool mask
+        except ValueError as exc:
+            raise ValueError(f"rollout from actor {self.actor_index}: {exc}") from exc
         check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
 
     @staticmethod
@@ -63,7 +87,11 @@ class RolloutBatch:
         """Join batches of the same length along the env axis (actor order is kept)."""
         if len({b.num_decisions for b in batches}) != 1:
             raise ValueError(f"rollouts have different lengths {[b.num_decisions for b in batches]}")
-        per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in RolloutBatch.PER_DECISION}
+        optional = {b.present_optional() for b in batches}
+        if len(optional) != 1:
+            raise ValueError(f"rollouts carry different observation fields {sorted(optional)}: actors built with different policy configs?")
+        names = RolloutBatch.PER_DECISION + optional.pop()
+        per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in names}
         per_episode = {
             n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")
         }
@@ -74,6 +102,7 @@ class RolloutBatch:
             actor_index=-1,
             sample_seconds=max(b.sample_seconds for b in batches),
             env_steps=sum(b.env_steps for b in batches),
+            actor_precision=", ".join(sorted({b.actor_precision for b in batches})),
         )
 
     def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:

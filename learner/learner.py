@@ -8,26 +8,36 @@ The policy is kept in eval mode for every forward pass, training ones included: 
 off dropout and batch-norm updates (gradients still flow), and it is what makes the recomputed old
 log-probs and the first minibatch's new log-probs bit-identical. The first minibatch of every
 iteration checks ratio == 1 and raises NonDeterministicPolicyError otherwise.
+
+learner.algo "grpo" replaces GAE with group-relative episode advantages (common.rl.grpo_advantages): the
+critic is frozen (neither trained nor broadcast) and decisions of incomplete groups are dropped from the
+batch. With learner.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
+eval mode: never broadcast, saved with every checkpoint so a resumed run keeps the same reference.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from common.config import PPOConfig, RunConfig
-from common.diagnostics import RandomInitError, check_finite_gradients, check_finite_tensors, check_ratio_is_one
-from common.flow import chain_log_prob
-from common.policy import FlowPolicy, write_directory_atomically
-from common.rl import gae, normalize, ppo_policy_loss, value_loss
+from common.diagnostics import BehaviourGapWarning, RandomInitError, check_finite_gradients, check_finite_tensors, check_ratio_is_one
+from common.flow import ChainLogProb, chain_log_prob, num_log_prob_elements, transition_kl
+from common.observation import Observation
+from common.policy import CheckpointError, FlowPolicy, index_features, write_directory_atomically
+from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
 
 TRAINER_STATE_FILE = "trainer_state.pt"
+REFERENCE_DIR = "reference"  # inside a checkpoint: the KL reference policy (save_pretrained), when kl_beta > 0
 
 
 def lr_scale(iteration: int, total_iterations: int, cfg: PPOConfig) -> float:
@@ -38,6 +48,43 @@ def lr_scale(iteration: int, total_iterations: int, cfg: PPOConfig) -> float:
         return 1.0
     progress = (iteration - cfg.lr_warmup_iters) / max(1, total_iterations - cfg.lr_warmup_iters)
     return cfg.lr_final_frac + (1.0 - cfg.lr_final_frac) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def frozen_reference(policy: FlowPolicy) -> FlowPolicy:
+    """A frozen copy of `policy` in eval mode, for the KL to the starting weights.
+
+    Only what can train is copied: parameters that do not require grad (a frozen VLM, a GRPO critic) and
+    buffers (fixed normalisation) are shared with the policy, not duplicated. The copy's parameters
+    require no grad, so no optimiser can reach them.
+    """
+    shared = [p for p in policy.parameters() if not p.requires_grad] + list(policy.buffers())
+    reference = copy.deepcopy(policy, memo={id(t): t for t in shared})
+    return reference.requires_grad_(False).eval()
+
+
+def check_groups_share_initial_states(obs: Tensor, ends: Tensor, group_size: int) -> None:
+    """GRPO's premise, checked on every rollout: the k-th episodes of a group's members (envs n with the same
+    n // group_size) start from the same state. obs (T, N, obs_dim) is the state each decision saw, ends
+    (T, N) bool marks decisions whose episode ended; an episode starts at t = 0 and after every end.
+    Raises ValueError naming the group and the episode otherwise (unrelated returns would be compared)."""
+    num_decisions, num_envs, obs_dim = obs.shape
+    starts = torch.ones_like(ends)
+    starts[1:] = ends[:-1]
+    episode_index = ends.long().cumsum(0) - ends.long()
+    num_episodes = int(episode_index.max()) + 1
+    first = torch.zeros(num_envs, num_episodes, obs_dim, dtype=obs.dtype)
+    started = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
+    t_idx, n_idx = starts.nonzero(as_tuple=True)
+    first[n_idx, episode_index[t_idx, n_idx]] = obs[t_idx, n_idx]
+    started[n_idx, episode_index[t_idx, n_idx]] = True
+    first = first.view(num_envs // group_size, group_size, num_episodes, obs_dim)
+    differ = (first != first[:, :1]).any(-1).any(1) & started.view(-1, group_size, num_episodes).all(1)  # (groups, E)
+    if differ.any():
+        group, episode = (int(i) for i in differ.nonzero()[0])
+        raise ValueError(
+            f"GRPO group {group} (envs {group * group_size}..{(group + 1) * group_size - 1} of the batch) started episode {episode} "
+            "from different states: a group's members must reset to the same layouts (RolloutActor does with learner.algo=grpo)"
+        )
 
 
 def require_pretrained(policy: FlowPolicy, allow_random_init: bool) -> None:
@@ -68,6 +115,8 @@ def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
     }  # fmt: skip
     lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
     for name, values in quantities.items():
+        if values is None:  # GRPO: no critic values or returns
+            continue
         array = _numpy(values)
         lines.append(
             f"  {name:<30} shape {str(array.shape):<10} mean {array.mean():+.4g} std {array.std():.4g} "
@@ -81,13 +130,17 @@ def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
 class PreparedBatch:
     """A rollout flattened to B = T * N decisions, with the learner's own old log-probs and values."""
 
-    obs: Tensor  # (B, obs_dim)
+    obs: Observation  # (B, ...) torch, on the policy's device: state, and frames/tokens when the policy reads them
     chains: Tensor  # (B, K+1, H, A)
     old_log_probs: Tensor  # (B,)  recomputed by the learner with the current weights, eval mode
-    old_values: Tensor  # (B,)
-    advantages: Tensor  # (B,)  normalised if configured
-    returns: Tensor  # (B,)
+    old_values: Tensor | None  # (B,)  None with GRPO (no critic)
+    advantages: Tensor  # (B,)  normalised if configured; GRPO: the episode's group-relative advantage
+    returns: Tensor | None  # (B,)  the critic's targets; None with GRPO
     metrics: dict[str, float]
+    # encode(obs), computed once per iteration and reused in every epoch and minibatch when no trainable
+    # parameter feeds encode() (the MLP; SmolVLA with a frozen VLM). None: re-encode every micro-batch.
+    features: Any = None
+    reference: ChainLogProb | None = None  # (B, ...) the reference policy's scores of the chains, when kl_beta > 0
 
 
 class Learner:
@@ -97,6 +150,10 @@ class Learner:
         self.cfg = config.learner
         self.policy = policy.eval()
         critic = set(policy.critic_parameter_names())
+        if self.cfg.algo == "grpo":  # critic-free: the critic is neither trained nor broadcast
+            for name, param in policy.named_parameters():
+                if name in critic:
+                    param.requires_grad_(False)
         self.actor_params = [p for n, p in policy.named_parameters() if p.requires_grad and n not in critic]
         self.critic_params = [p for n, p in policy.named_parameters() if p.requires_grad and n in critic]
         self.optimizer = torch.optim.Adam(
@@ -105,6 +162,9 @@ class Learner:
         )
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
+        # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
+        self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
+        self.num_log_prob_elements = num_log_prob_elements(policy)
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -119,17 +179,11 @@ class Learner:
         policy, cfg = self.policy, self.cfg
         t = batch.tensors(RolloutBatch.PER_DECISION)
         num_decisions, num_envs = batch.num_decisions, batch.num_envs
-        b_obs = t["obs"].flatten(0, 1)  # (B, obs_dim)
+        b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
+        b_next_obs = batch.observations(after_chunk=True).flatten_leading().to_torch(policy.obs_device)
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
         features = policy.encode(b_obs)
         old = chain_log_prob(policy, features, b_chains)
-        b_values = policy.value(features)
-        next_values = policy.value(policy.encode(t["next_obs"].flatten(0, 1))).view(num_decisions, num_envs)
-        values = b_values.view(num_decisions, num_envs)
-        advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
-        b_advantages = advantages.flatten()
-        if cfg.normalize_advantages:
-            b_advantages = normalize(b_advantages)
         behaviour_gap = (old.log_prob - t["log_probs"].flatten()).abs()
         metrics = {
             "logprob/old_mean": old.log_prob.mean().item(),
@@ -137,12 +191,69 @@ class Learner:
             "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0 only with weight lag or a bug
             "policy/sigma_mean": old.std.mean().item(),
             "policy/entropy": old.entropy.mean().item(),
-            "values/mean": b_values.mean().item(),
-            "values/advantage_raw_std": advantages.std().item(),
-            "values/returns_mean": returns.mean().item(),
         }
-        check_finite_tensors({"old_log_probs": old.log_prob, "values": b_values, "advantages": b_advantages}, "learner.prepare")
-        return PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, returns.flatten(), metrics)
+        if cfg.algo == "grpo":
+            check_groups_share_initial_states(t["obs"], t["terminated"] | t["truncated"], cfg.group_size)
+            advantages, keep, grpo_metrics = grpo_advantages(
+                t["rewards"], t["discounts"], t["terminated"], t["truncated"], cfg.group_size, cfg.grpo_std_normalization
+            )
+            if not keep.any():
+                raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
+            b_values, b_advantages, b_returns = None, advantages.flatten(), None
+            metrics.update({f"grpo/{key}": float(value) for key, value in grpo_metrics.items()})
+        else:
+            b_values = policy.value(features)
+            next_values = policy.value(policy.encode(b_next_obs)).view(num_decisions, num_envs)
+            values = b_values.view(num_decisions, num_envs)
+            advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
+            b_advantages, b_returns = advantages.flatten(), returns.flatten()
+            if cfg.normalize_advantages:
+                b_advantages = normalize(b_advantages)
+            metrics.update({
+                "values/mean": b_values.mean().item(),
+                "values/advantage_raw_std": advantages.std().item(),
+                "values/returns_mean": returns.mean().item(),
+            })  # fmt: skip
+        reference = None
+        if self.reference is not None:
+            # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
+            ref_features = self.reference.encode(b_obs) if policy.encoder_is_trainable else features
+            reference = chain_log_prob(self.reference, ref_features, b_chains)
+            kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
+            metrics.update({
+                "kl_ref/mean": kl.mean().item(),
+                "kl_ref/max": kl.max().item(),
+                "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
+                "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
+            })  # fmt: skip
+        finite = {"old_log_probs": old.log_prob, "advantages": b_advantages} | ({} if b_values is None else {"values": b_values})
+        check_finite_tensors(finite, "learner.prepare")
+        self.check_behaviour_gap(batch, metrics["logprob/behaviour_gap_max"])
+        cached = None if policy.encoder_is_trainable else features
+        data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference)
+        if cfg.algo == "grpo":  # only decisions of complete groups enter the loss
+            data = index_features(data, keep.flatten().nonzero().squeeze(1))
+        return data
+
+    def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
+        """Warn when actors and learner score the same weights differently (only the gap on rollouts of the
+        learner's own weight version says so: with weight lag the log-probs differ legitimately)."""
+        threshold = self.cfg.behaviour_gap_warn
+        if threshold is None or batch.weight_version != self.version or gap <= threshold:
+            return
+        actors, learner = batch.actor_precision or "not reported", self.policy.precision
+        cause = (
+            "actors and learner run different precisions/devices: the ratio starts this far from 1; run the actors in the "
+            "learner's precision, or raise learner.behaviour_gap_warn if the gap is accepted"
+            if actors != learner
+            else "same precision on both sides: look for weights that differ, a different time grid, or non-deterministic kernels"
+        )
+        warnings.warn(
+            f"behaviour log-probs differ from the learner's by up to {gap:.3g} > learner.behaviour_gap_warn={threshold} on "
+            f"weight version {self.version}: actors {actors}, learner {learner}; {cause}",
+            BehaviourGapWarning,
+            stacklevel=2,
+        )
 
     def update(self, batch: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         """One iteration: prepare, then clipped PPO epochs over shuffled minibatches. Returns metrics."""
@@ -151,13 +262,13 @@ class Learner:
         data = self.prepare(batch)
         if verbose:
             print(describe(batch, data), flush=True)
-        train_actor = self.iteration >= cfg.critic_warmup_iters
+        train_actor = cfg.algo == "grpo" or self.iteration >= cfg.critic_warmup_iters  # GRPO has no critic to warm up
         scale = lr_scale(self.iteration, self.config.iterations, cfg)
         self.optimizer.param_groups[0]["lr"] = cfg.actor_lr * scale if train_actor else 0.0
         self.optimizer.param_groups[1]["lr"] = cfg.critic_lr * scale
 
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.iteration)
-        batch_size = len(data.obs)
+        batch_size = len(data.old_log_probs)
         minibatch_size = min(cfg.minibatch_size, batch_size)
         micro_size = max(1, minibatch_size // cfg.grad_accum)
         history: dict[str, list[float]] = {}
@@ -171,7 +282,7 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_metrics: dict[str, list[float]] = {}
                 for micro in mb_inds.split(micro_size):
-                    features = policy.encode(data.obs[micro])
+                    features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
                     new = chain_log_prob(policy, features, data.chains[micro])
                     if optimizer_steps == 0:  # no step yet this iteration: same weights as the old log-probs
                         deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
@@ -182,16 +293,31 @@ class Learner:
                     # policy loss
                     pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, data.old_log_probs[micro], data.advantages[micro], cfg.clip_eps)
                     entropy = new.entropy.mean()
+                    actor_loss = pg_loss - cfg.ent_coef * entropy
+                    terms = {"pg_loss": pg_loss, "entropy": entropy, **pg_metrics}
 
-                    # value loss
-                    new_values = policy.value(features)
-                    v_loss, v_metrics = value_loss(new_values, data.returns[micro], data.old_values[micro], cfg.value_clip)
+                    # KL to the frozen reference
+                    if self.reference is not None:
+                        kl, kl_metrics = kl_to_reference(
+                            new, index_features(data.reference, micro), self.num_log_prob_elements, cfg.kl_estimator
+                        )
+                        actor_loss = actor_loss + cfg.kl_beta * kl.mean()
+                        terms.update(kl_metrics)
+                    if not train_actor:
+                        actor_loss = torch.zeros(())
 
-                    actor_loss = pg_loss - cfg.ent_coef * entropy if train_actor else torch.zeros(())
-                    loss = (actor_loss + cfg.vf_coef * v_loss) * (len(micro) / minibatch_size)
-                    check_finite_tensors({"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy}, "learner.update")
+                    # value loss (PPO only: GRPO has no critic)
+                    loss = actor_loss
+                    if cfg.algo == "ppo":
+                        new_values = policy.value(features)
+                        v_loss, v_metrics = value_loss(new_values, data.returns[micro], data.old_values[micro], cfg.value_clip)
+                        loss = actor_loss + cfg.vf_coef * v_loss
+                        terms.update(v_loss=v_loss, **v_metrics)
+
+                    loss = loss * (len(micro) / minibatch_size)
+                    check_finite_tensors({k: terms[k] for k in ("pg_loss", "v_loss", "entropy", "kl_ref") if k in terms}, "learner.update")
                     loss.backward()
-                    for key, value in {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy, **pg_metrics, **v_metrics}.items():
+                    for key, value in terms.items():
                         mb_metrics.setdefault(key, []).append(float(value.detach()))
                 check_finite_gradients(policy, "learner.update")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
@@ -218,8 +344,12 @@ class Learner:
         self.iteration += 1
         self.version += 1
         metrics = dict(data.metrics)
-        for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm"):
-            metrics[f"losses/{key}"] = float(np.mean(history[key]))
+        for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
+                    "kl_ref"):  # fmt: skip
+            if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0
+                metrics[f"losses/{key}"] = float(np.mean(history[key]))
+        if "kl_ref_max" in history:
+            metrics["losses/kl_ref_max"] = float(np.max(history["kl_ref_max"]))
         metrics.update({
             "losses/approx_kl_max": float(np.max(history["approx_kl"])),
             "ppo/ratio_min": float(np.min(history["ratio_min"])),
@@ -243,6 +373,8 @@ class Learner:
         def write(tmp: Path) -> None:
             self.policy.save_pretrained(tmp)
             torch.save(state, tmp / TRAINER_STATE_FILE)
+            if self.reference is not None:  # a resumed run must keep the starting weights as its reference
+                self.reference.save_pretrained(tmp / REFERENCE_DIR)
 
         return write_directory_atomically(directory, write)
 
@@ -253,3 +385,12 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration = int(state["iteration"])
         self.version = int(state["version"])
+        if self.reference is not None:
+            reference_dir = Path(directory) / REFERENCE_DIR
+            if not reference_dir.is_dir():
+                raise CheckpointError(
+                    f"{directory} holds no KL reference ({REFERENCE_DIR}/): it was written with learner.kl_beta=0, and the reference "
+                    "must be the run's starting policy; resume with kl_beta=0, or start a new run from this checkpoint"
+                )
+            reference = FlowPolicy.from_pretrained(reference_dir, **self.config.policy.sampling_overrides())
+            self.reference.load_state_dict(reference.state_dict())  # into the frozen copy, keeping what it shares

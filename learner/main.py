@@ -12,11 +12,8 @@ the learner (their object refs are passed to the learner's update, not through t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
-import re
 import signal
 import sys
 import time
@@ -34,14 +31,15 @@ from common.config import ConfigError, RunConfig, load_config
 from common.diagnostics import RandomInitError, check_ratio_sensitivity
 from common.envs import layouts
 from common.flow import num_log_prob_elements
-from common.metrics import MetricsLog, console_line, plot_learning_curve, rollout_metrics
+from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
 from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, build_policy
-from common.rollout import success_interval
 from common.trajectory import RolloutBatch
+from learner.cluster import actor_request, check_cluster, learner_request, start_local_ray
 from learner.learner import Learner
+from learner.manifest import file_sha256, reproducibility_manifest
+from learner.monitoring import GaugeExporter, actor_health, per_actor_metrics
 from learner.pretrain import REPORT_FILE, ensure_bc_checkpoint
-
-LATEST_FILE = "latest"
+from learner.run_dir import RunDirectory, fields_of
 
 
 class LearnerActor:
@@ -56,7 +54,7 @@ class LearnerActor:
         self.learner = Learner(config, policy)
         if resume_dir is not None:
             self.learner.load_trainer_state(resume_dir)
-        self.gauges: dict[str, Any] = {}
+        self.gauges = GaugeExporter(config.env.task)
 
     def progress(self) -> tuple[int, int]:
         return self.learner.iteration, self.learner.version
@@ -69,6 +67,7 @@ class LearnerActor:
         start = time.perf_counter()
         metrics = self.learner.update(batch, verbose=verbose)
         metrics.update(rollout_metrics(batch, version_before))
+        metrics.update(per_actor_metrics(batches, version_before))
         metrics["time/update_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -80,16 +79,8 @@ class LearnerActor:
         return str(self.learner.save_checkpoint(directory))
 
     def export_gauges(self, metrics: dict[str, float]) -> None:
-        """Publish every numeric metric as a ray.util.metrics Gauge (Ray dashboard / Prometheus)."""
-        from ray.util.metrics import Gauge
-
-        for key, value in metrics.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                continue
-            name = "flowrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-            if name not in self.gauges:
-                self.gauges[name] = Gauge(name, description=f"flowrl metric {key}")
-            self.gauges[name].set(float(value))
+        """Publish every numeric metric as a tagged ray.util.metrics Gauge (Ray dashboard / Prometheus)."""
+        self.gauges.export(metrics)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,6 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override any config field (repeatable)")
     parser.add_argument("--num-actors", type=int, help="rollout actors (actors.num_actors)")
     parser.add_argument("--iterations", type=int, help="PPO iterations (iterations)")
+    parser.add_argument("--algo", choices=("ppo", "grpo"), help="ppo (critic, GAE) or grpo (critic-free, group-relative) (learner.algo)")
     parser.add_argument("--seed", type=int, help="run seed")
     parser.add_argument("--run-dir", help="where checkpoints, metrics and the curve go (run_dir)")
     parser.add_argument("--checkpoint", help="policy directory to fine-tune (default: the cached BC checkpoint)")
@@ -106,15 +98,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--resume", action="store_true", help="continue from run_dir's latest checkpoint")
+    parser.add_argument("--allow-config-change", action="append", default=[], metavar="FIELD",
+                        help="with --resume: accept a config that differs from the run's in FIELD (repeatable)")  # fmt: skip
     parser.add_argument("--single-batch", action="store_true", help="one rollout and one update, printing every intermediate quantity")
     parser.add_argument("--no-dashboard", action="store_true", help="start local Ray without its dashboard")
+    parser.add_argument("--check-cluster", metavar="CLUSTER_YAML",
+                        help="check a Ray cluster YAML against this run config offline, print the planned placement, exit")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("num_actors", "actors.num_actors"), ("iterations", "iterations"), ("seed", "seed"), ("run_dir", "run_dir"),
-                      ("checkpoint", "init_checkpoint")):  # fmt: skip
+                      ("checkpoint", "init_checkpoint"), ("algo", "learner.algo")):  # fmt: skip
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
@@ -125,34 +121,16 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
-def file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / LATEST_FILE
-    return run_dir / "checkpoints" / pointer.read_text().strip() if pointer.is_file() else None
-
-
-def write_latest(run_dir: Path, name: str) -> None:
-    pointer = run_dir / "checkpoints" / LATEST_FILE
-    tmp = pointer.with_suffix(".tmp")
-    tmp.write_text(name)
-    os.replace(tmp, pointer)
-
-
 def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
     lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
     lines.append(yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
     lines.append("-" * 78)
     lines.append(f"config fingerprint : {config.fingerprint()}")
-    lines.append(f"ray resources      : {resources}; per actor: {cpus_per_actor:.3g} CPU, {config.actors.num_gpus} GPU")
+    lines.append(f"ray resources      : {resources}")
+    lines.append(f"  per actor        : {cpus_per_actor:.4g} CPU, {config.actors.num_gpus} GPU, custom {config.actors.resources}")
+    lines.append(f"  learner          : {config.learner.num_gpus} GPU, custom {config.learner.resources}")
     if checkpoint is not None:
-        lines.append(f"init checkpoint    : {checkpoint} (sha256 {file_hash(checkpoint / WEIGHTS_FILE)})")
+        lines.append(f"init checkpoint    : {checkpoint} (sha256 {file_sha256(checkpoint / WEIGHTS_FILE)[:16]})")
         report = checkpoint / REPORT_FILE
         if report.is_file():
             data = json.loads(report.read_text())
@@ -206,12 +184,20 @@ def start_workers(
 ) -> tuple[Any, list[Any]]:
     """Start or join Ray, print the banner, and bring up the learner and the rollout actors."""
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=include_dashboard, log_to_driver=True)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            start_local_ray(include_dashboard=include_dashboard, log_to_driver=True)
     resources = ray.cluster_resources()
-    if config.actors.num_gpus > 0 and resources.get("GPU", 0) == 0:
-        raise ConfigError(f"actors.num_gpus={config.actors.num_gpus} but the Ray cluster has no GPU: set actors.num_gpus=0 for CPU actors")
-    learner_cpus = min(0.5, resources.get("CPU", 1) / 4)
-    cpus_per_actor = config.actors.num_cpus or round(max(0.01, (resources.get("CPU", 1) - learner_cpus) / config.actors.num_actors), 4)
+    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
+    learner_resources, actor_resources = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
+    for section, request in (("learner", learner_resources), ("actors", actor_resources)):
+        missing = {k: v for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v}
+        if missing:  # Ray would leave the actor pending forever
+            raise ConfigError(f"{section} asks for {missing} ({section}.num_gpus / {section}.resources) but the Ray cluster "
+                              f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)")  # fmt: skip
+    cpus_per_actor = actor_resources.num_cpus
     print(banner(config, checkpoint, resume_dir, resources, cpus_per_actor), flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -220,31 +206,33 @@ def start_workers(
 
     learner = (
         ray.remote(LearnerActor)
-        .options(num_cpus=learner_cpus, num_gpus=0)
+        .options(**learner_resources.options())
         .remote(config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
     )
     actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
     if actor_checkpoint is None:  # random-init run: actors start from the learner's random weights, saved for them
         actor_checkpoint = ray.get(learner.save.remote(str(Path(config.run_dir) / "checkpoints" / "random_init")))
-    remote_actor = ray.remote(RolloutActor).options(
-        num_cpus=cpus_per_actor, num_gpus=config.actors.num_gpus, max_restarts=config.actors.max_restarts
-    )
+    remote_actor = ray.remote(RolloutActor).options(**actor_resources.options(), max_restarts=config.actors.max_restarts)
     actors = [remote_actor.remote(config, i, actor_checkpoint) for i in range(config.actors.num_actors)]
     ray.get([actor.pid.remote() for actor in actors])  # wait until every actor is up: timings start clean
     return learner, actors
 
 
-def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, address: str | None = None,
-        include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Train; returns the summary (also written to run_dir/summary.json)."""
+def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozenset[str] = frozenset(), **options: Any) -> dict[str, Any]:
+    """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout."""
+    directory = RunDirectory(config.run_dir)
+    with directory.locked():
+        resume_dir = directory.resume(config, allow_config_change) if resume else None
+        if not resume:
+            directory.start_new(config)
+        return train(config, directory, resume_dir, **options)
+
+
+def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, *, single_batch: bool = False, address: str | None = None,
+          include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
     wall_start = time.perf_counter()
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume, or pick another --run-dir")
-    resume_dir = latest_checkpoint(run_dir) if resume else None
-    if resume and resume_dir is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (looked for the '{LATEST_FILE}' pointer)")
+    run_dir = directory.path
+    resume = resume_dir is not None
     # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
 
@@ -268,11 +256,12 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     def run_eval(label: str) -> dict[str, float]:
         t0 = time.perf_counter()
         successes, versions = evaluate(actors, weights_ref, eval_layouts)
-        rate, low, high = success_interval(successes)
-        result = {"eval/success_rate": rate, "eval/success_low": low, "eval/success_high": high, "eval/episodes": float(len(successes))}
+        result = eval_metrics(successes, eval_layouts)
         print(f"[eval:{label}] held-out {format_eval(result)}, weights v{sorted(versions)}, {time.perf_counter() - t0:.1f}s", flush=True)
         return result
 
+    if start_iteration == 0:  # a resumed run keeps the manifest of the run it continues
+        summary["manifest"] = reproducibility_manifest(config, checkpoint, eval_layouts)
     if start_iteration == 0 and not single_batch:
         summary["initial_eval"] = run_eval("initial policy")
         summary_path.write_text(json.dumps(summary, indent=2))  # kept if the run is interrupted
@@ -296,8 +285,9 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
             if done or (iteration + 1) % config.checkpoint_every == 0:
                 name = f"iter_{iteration + 1:06d}"
                 ray.get(learner.save.remote(str(run_dir / "checkpoints" / name)))
-                write_latest(run_dir, name)
+                directory.write_latest(name)
                 last_saved = iteration + 1
+            metrics.update(actor_health(actors))
             metrics_log.write(metrics)
             learner.export_gauges.remote(metrics)
             if wandb_run is not None:
@@ -310,7 +300,7 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
         if completed > last_saved:
             name = f"iter_{completed:06d}"
             ray.get(learner.save.remote(str(run_dir / "checkpoints" / name)))
-            write_latest(run_dir, name)
+            directory.write_latest(name)
             print(f"\n[interrupted] saved {name}; continue with --resume", flush=True)
         raise
 
@@ -324,7 +314,12 @@ def run(config: RunConfig, *, resume: bool = False, single_batch: bool = False, 
     summary_path.write_text(json.dumps(summary, indent=2))
     if rows and not single_batch:
         summary["curve"] = str(
-            plot_learning_curve(rows, run_dir / "learning_curve.png", f"{config.env.task}: PPO fine-tuning", summary.get("initial_eval"))
+            plot_learning_curve(
+                rows,
+                run_dir / "learning_curve.png",
+                f"{config.env.task}: {config.learner.algo.upper()} fine-tuning",
+                summary.get("initial_eval"),
+            )
         )
         print_summary(summary)
     if wandb_run is not None:
@@ -359,9 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if args.check_cluster:  # offline: no Ray is started
+        try:
+            print(check_cluster(args.check_cluster, config))
+        except ConfigError as exc:
+            print(f"cluster config error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    unknown = sorted(set(args.allow_config_change) - fields_of(config))
+    if unknown:
+        print(f"error: --allow-config-change names no config field: {unknown}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
     try:
-        run(config, resume=args.resume, single_batch=args.single_batch, address=args.address, include_dashboard=not args.no_dashboard)
+        run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
+            address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
     except KeyboardInterrupt:
         return 130
     except (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError) as exc:

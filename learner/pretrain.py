@@ -7,7 +7,9 @@ RL fine-tuning starts from a pre-trained policy, and no weights can be downloade
 makes its own: the scripted expert is rolled out (with action noise) on `pretrain.num_demos` layouts of
 `env.demo_benchmark_seed`, the velocity field is trained with the conditional flow-matching loss, and the
 checkpoint (safetensors + config + normalisation statistics as buffers) is evaluated deterministically
-on held-out layouts. The default is deliberately weak (few demonstrations) to leave room for RL.
+on held-out layouts. The starting policy is deliberately weak, to leave room for RL: by default
+(`pretrain.num_demos: null`) the number of demonstrations is chosen per task so that held-out success lands
+in [pretrain.target_success_min, target_success_max] (ensure_bc_checkpoint; every candidate is cached).
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.config import RunConfig, load_config
-from common.envs import Episode, collect_demonstrations, layouts
-from common.policy import MLPFlowPolicy, build_policy, write_directory_atomically
-from common.rollout import evaluate_layouts, make_envs, success_interval
+from common.config import ConfigError, RunConfig, load_config
+from common.envs import TASKS, Episode, collect_demonstrations, layouts
+from common.observation import Observation
+from common.policy import FlowPolicy, build_policy, write_directory_atomically
+from common.rollout import camera_configs, evaluate_layouts, make_envs, success_interval
 
 REPORT_FILE = "pretrain.json"
 # Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
@@ -47,19 +52,96 @@ def chunk_dataset(episodes: list[Episode], chunk_size: int) -> tuple[np.ndarray,
     return np.concatenate(observations).astype(np.float32), np.concatenate(chunks).astype(np.float32)
 
 
-def flow_matching_loss(policy: MLPFlowPolicy, obs: torch.Tensor, chunks: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def flow_matching_loss(policy: FlowPolicy, obs: Observation, chunks: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Conditional flow matching on the straight path a_t = (1 - t) a_0 + t a_1, a_0 ~ N(0, I):
-    the velocity at a_t should be a_1 - a_0. Time runs 0 (noise) -> 1 (action) as in common.flow."""
+    the velocity at a_t should be a_1 - a_0. Time runs 0 (noise) -> 1 (action) as in common.flow.
+    obs: a batch of B observations (torch); chunks (B, H, A) in env units."""
     target = policy.normalize_action(chunks)
     noise = torch.randn(target.shape, generator=generator)
-    t = torch.rand(len(obs), generator=generator)
+    t = torch.rand(len(chunks), generator=generator)
     a_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * target
     return ((policy.velocity(a_t, t, policy.encode(obs)) - (target - noise)) ** 2).mean()
+
+
+def frame_dataset(
+    episodes: list[Episode], chunk_size: int, instruction: tuple[np.ndarray, np.ndarray] | None
+) -> tuple[Observation, np.ndarray]:
+    """chunk_dataset with each step's camera frames and the task's instruction tokens (one row, repeated):
+    an (M,) numpy Observation and (M, H, A) chunks."""
+    states, chunks = chunk_dataset(episodes, chunk_size)
+    frames = np.concatenate([episode.frames for episode in episodes])
+    ids, mask = (None, None) if instruction is None else (np.repeat(array, len(states), axis=0) for array in instruction)
+    return Observation(states, frames, ids, mask), chunks
+
+
+def pretrain_with_frames(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """BC for a policy that reads camera frames and the instruction (policy.image_size > 0: SmolVLA).
+
+    The expert's demonstrations are rendered from policy.cameras at every step, the task's instruction is
+    tokenized once by the policy, and the flow-matching loss sees the whole (frames, instruction, state)
+    observation. Every parameter that feeds the velocity trains, the VLM included: built offline, the tiny
+    SmolVLM starts from random weights, and frames mean nothing to a random encoder. (RL then freezes it
+    unless policy.smolvla.train_vlm.) The noise head and critic get no gradient here; RL trains them.
+    """
+    cfg, env_cfg = config.pretrain, config.env
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    policy = build_policy(config.policy)
+    cameras = camera_configs(policy.config)
+    demo_layouts = layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
+    episodes = collect_demonstrations(env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, env_cfg.max_episode_steps, cameras)
+    obs, chunks_np = frame_dataset(episodes, config.policy.chunk_size, policy.tokenize([TASKS[env_cfg.task].instruction]))
+    chunks = torch.from_numpy(chunks_np)
+    demo_seconds = time.perf_counter() - start
+
+    states, flat_actions = torch.from_numpy(obs.state), chunks.reshape(-1, config.policy.action_dim)
+    policy.set_normalization(states.mean(0), states.std(0), flat_actions.mean(0), flat_actions.std(0))
+    policy.requires_grad_(True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=1e-4)  # params without a gradient are skipped
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.train_steps)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    policy.train()
+    for _ in tqdm(range(cfg.train_steps), desc="bc flow-matching (frames)", disable=not progress, mininterval=5.0):
+        index = torch.randint(len(chunks), (min(cfg.batch_size, len(chunks)),), generator=generator)
+        loss = flow_matching_loss(policy, obs.index(index).to_torch(policy.obs_device), chunks[index], generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    policy.eval()
+    train_seconds = time.perf_counter() - start - demo_seconds
+
+    eval_layouts = layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
+    successes = evaluate_layouts(policy, make_envs(env_cfg, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
+    rate, low, high = success_interval(successes)
+    report = {
+        "demos": len(episodes), "demo_success_rate": float(np.mean([e.success for e in episodes])), "samples": len(chunks),
+        "frames": f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8",
+        "instruction": TASKS[env_cfg.task].instruction,
+        "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
+        "eval_episodes": len(successes), "eval_success_rate": rate, "eval_success_95ci": [low, high],
+        "eval_layouts": f"{env_cfg.task} benchmark seeds {env_cfg.eval_benchmark_seeds}, first {len(successes)}",
+        "seconds": {"demos": demo_seconds, "train": train_seconds, "total": time.perf_counter() - start},
+        "config": {"policy": dataclasses.asdict(config.policy), "env": dataclasses.asdict(env_cfg), "pretrain": dataclasses.asdict(cfg)},
+    }  # fmt: skip
+
+    def write(directory: Path) -> None:
+        policy.save_pretrained(directory)
+        (directory / REPORT_FILE).write_text(json.dumps(report, indent=2))
+
+    write_directory_atomically(out_dir, write)
+    return report
 
 
 def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
     """Collect demonstrations, train, evaluate, and save a checkpoint to out_dir (written atomically)."""
     cfg, env_cfg = config.pretrain, config.env
+    if cfg.num_demos is None:
+        raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
+    if config.policy.image_size > 0:  # frames + instruction + state: rendered demonstrations, its own trainable set
+        return pretrain_with_frames(config, out_dir, progress)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     demo_layouts = layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
@@ -79,7 +161,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     bar = tqdm(range(cfg.train_steps), desc="bc flow-matching", disable=not progress, mininterval=1.0)
     for step in bar:
         index = torch.randint(len(obs), (min(cfg.batch_size, len(obs)),), generator=generator)
-        loss = flow_matching_loss(policy, obs[index], chunks[index], generator)
+        loss = flow_matching_loss(policy, Observation(obs[index]), chunks[index], generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -121,22 +203,70 @@ def cache_root() -> Path:
 
 def bc_cache_key(config: RunConfig) -> str:
     """The checkpoint depends on the policy's architecture, the task's episode rules and the pre-training
-    recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load."""
+    recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load, nor on the
+    success window that only chooses among demonstration counts."""
+    if config.pretrain.num_demos is None:
+        raise ValueError("bc_cache_key needs a resolved pretrain.num_demos (see ensure_bc_checkpoint)")
     relevant = {name: dataclasses.asdict(getattr(config, name)) for name in ("policy", "env", "pretrain")}
     for name in config.policy.SAMPLING_FIELDS:
         del relevant["policy"][name]
+    for name in ("target_success_min", "target_success_max"):
+        del relevant["pretrain"][name]
     relevant["recipe_version"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def ensure_bc_checkpoint(config: RunConfig) -> Path:
-    """The cached BC checkpoint for this config, created on first use (so the main job is one command)."""
+# Demonstration counts tried when pretrain.num_demos is null: start at 5 (pick-place's calibrated count), then
+# more demonstrations while the BC policy is below the window, fewer while it is above. Each candidate is cached.
+DEMO_LADDER_UP = (5, 7, 10, 15, 20, 30, 50)
+DEMO_LADDER_DOWN = (3, 2, 1)
+
+
+def cached_bc_checkpoint(config: RunConfig) -> tuple[Path, dict]:
+    """The cached checkpoint for this exact config (num_demos resolved), built on first use; with its report."""
     path = cache_root() / bc_cache_key(config)
-    if (path / REPORT_FILE).is_file():
-        return path
-    print(f"[pretrain] no cached BC checkpoint for this config: building {path} (once; a few minutes)", flush=True)
-    report = pretrain(config, path)
-    print(f"[pretrain] done: held-out success {report['eval_success_rate']:.2f} in {report['seconds']['total']:.0f}s", flush=True)
+    if not (path / REPORT_FILE).is_file():
+        print(f"[pretrain] {config.env.task}, {config.pretrain.num_demos} demos: building {path} (once; about a minute)", flush=True)
+        report = pretrain(config, path)
+        print(f"[pretrain] done: held-out success {report['eval_success_rate']:.2f} in {report['seconds']['total']:.0f}s", flush=True)
+    return path, json.loads((path / REPORT_FILE).read_text())
+
+
+def ensure_bc_checkpoint(config: RunConfig) -> Path:
+    """The BC checkpoint to fine-tune, created on first use (so the main job is one command).
+
+    With pretrain.num_demos null, demonstration counts are tried along the ladders until the held-out success is
+    inside [target_success_min, target_success_max]; a task that never lands there gets the closest candidate and
+    a warning that says so (its report records every count tried)."""
+    cfg = config.pretrain
+    if cfg.num_demos is not None:
+        return cached_bc_checkpoint(config)[0]
+    low, high = cfg.target_success_min, cfg.target_success_max
+    tried: dict[int, tuple[Path, float]] = {}
+    ladder = DEMO_LADDER_UP
+    index = 0
+    while index < len(ladder):
+        count = ladder[index]
+        path, report = cached_bc_checkpoint(dataclasses.replace(config, pretrain=dataclasses.replace(cfg, num_demos=count)))
+        rate = report["eval_success_rate"]
+        tried[count] = (path, rate)
+        if low <= rate <= high:
+            if len(tried) > 1:
+                print(f"[pretrain] {config.env.task}: {count} demos give held-out success {rate:.2f}, inside [{low}, {high}]", flush=True)
+            return path
+        if rate > high and ladder is DEMO_LADDER_UP and count == DEMO_LADDER_UP[0]:
+            ladder, index = DEMO_LADDER_DOWN, 0  # the first count already overshoots: go down instead
+            continue
+        if (rate > high) == (ladder is DEMO_LADDER_UP):  # crossed the window between two neighbouring counts
+            break
+        index += 1
+    count, (path, rate) = min(tried.items(), key=lambda item: min(abs(item[1][1] - low), abs(item[1][1] - high)))
+    summary = ", ".join(f"{n} demos: {r:.2f}" for n, (_, r) in sorted(tried.items()))
+    warnings.warn(
+        f"{config.env.task}: no demonstration count puts BC held-out success inside [{low}, {high}] ({summary}); "
+        f"using {count} demos ({rate:.2f}). Set pretrain.num_demos to choose one yourself.",
+        stacklevel=2,
+    )
     return path
 
 
@@ -144,10 +274,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (its env/policy/pretrain sections are used)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
-    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write (must not exist yet)")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.set)
-    report = pretrain(config, args.out)
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if not args.out.strip() or out.exists():
+        print(f"error: --out {args.out!r} {'already exists' if args.out.strip() else 'is empty'}: name a new directory", file=sys.stderr)
+        return 2
+    if config.pretrain.num_demos is None:  # the per-task search, through the cache, then a copy of the chosen checkpoint
+        chosen = ensure_bc_checkpoint(config)
+        write_directory_atomically(out, lambda tmp: shutil.copytree(chosen, tmp, dirs_exist_ok=True))
+        report = json.loads((out / REPORT_FILE).read_text())
+    else:
+        report = pretrain(config, out)
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     return 0
 

@@ -50,3 +50,52 @@ def test_shipped_config_is_the_embedded_default() -> None:
     from pathlib import Path
 
     assert load_config(Path(__file__).parents[1] / "configs" / "pick_place.yaml") == RunConfig()
+
+
+def _leaves(config, prefix: str = ""):
+    """(dotted path, (value, type hint)) of every non-dataclass field, depth first."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", (value, hints[f.name])
+
+
+def _changed(value, hint):
+    """A value of the field's own type that differs from `value`."""
+    import typing
+
+    if value is None:  # an optional field: a value of the union's other member
+        inner = next(a for a in typing.get_args(hint) if a is not type(None))
+        return {int: 1, str: "x"}.get(inner, 0.5)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, list):
+        return [*value, "extra" if value and isinstance(value[0], str) else 99]
+    if isinstance(value, dict):
+        return {**value, "extra": 1.0}
+    return value + "_changed"
+
+
+def test_an_override_changes_only_the_field_it_names() -> None:
+    """Every leaf of RunConfig: `--set path=value` moves that path and leaves all others at the run defaults
+    (a section rebuilt from its class defaults used to reset policy.init_noise_std from 0 to 1)."""
+    import json
+
+    from common.config import apply_override, from_dict
+
+    defaults = dict(_leaves(RunConfig()))
+    assert len(defaults) > 40  # the walk reaches every section
+    for path, (value, hint) in defaults.items():
+        data: dict = {}
+        apply_override(data, f"{path}={json.dumps(_changed(value, hint))}")
+        after = dict(_leaves(from_dict(RunConfig, data)))  # not validated: the changed value need not be sane
+        moved = sorted(p for p in defaults if after[p][0] != defaults[p][0])
+        assert moved == [path], f"--set {path}=... moved {moved}"

@@ -108,7 +108,7 @@ def test_chunk_truncated_mid_chunk_matches_single_env_replay():
     second = vec.step_chunk(chunks[1])
 
     np.testing.assert_array_equal(first.steps, [4, 4])
-    np.testing.assert_array_equal(first.obs, first.next_obs)
+    np.testing.assert_array_equal(first.obs.state, first.next_obs.state)
     assert not (first.truncated.any() or first.terminated.any()) and first.episode_lengths == []
     np.testing.assert_array_equal(second.steps, [2, 2])
     assert second.truncated.all() and not second.terminated.any()
@@ -117,7 +117,7 @@ def test_chunk_truncated_mid_chunk_matches_single_env_replay():
 
     reference = make_env()
     for i in range(2):
-        np.testing.assert_array_equal(start[i], _reset_obs(reference, start_layouts[i]))
+        np.testing.assert_array_equal(start.state[i], _reset_obs(reference, start_layouts[i]))
         whole_episode = np.concatenate([chunks[0, i], chunks[1, i]])
         final_obs, rewards = _replay(reference, start_layouts[i], whole_episode)
         assert len(rewards) == max_steps
@@ -127,10 +127,10 @@ def test_chunk_truncated_mid_chunk_matches_single_env_replay():
         np.testing.assert_allclose(first.reward[i], expected_first, rtol=1e-6)
         np.testing.assert_allclose(second.reward[i], expected_second, rtol=1e-6)
         np.testing.assert_allclose(second.episode_returns[i], sum(rewards), rtol=1e-6)
-        np.testing.assert_array_equal(second.next_obs[i], final_obs)
+        np.testing.assert_array_equal(second.next_obs.state[i], final_obs)
         # obs is the new episode's first observation, from the layout drawn at the auto-reset.
-        np.testing.assert_array_equal(second.obs[i], _reset_obs(reference, envs[i].layout))
-        assert not np.array_equal(second.obs[i], second.next_obs[i])
+        np.testing.assert_array_equal(second.obs.state[i], _reset_obs(reference, envs[i].layout))
+        assert not np.array_equal(second.obs.state[i], second.next_obs.state[i])
 
 
 def test_chunk_terminates_on_success_mid_chunk():
@@ -157,7 +157,7 @@ def test_chunk_terminates_on_success_mid_chunk():
     np.testing.assert_allclose(result.discount[0], gamma**steps, rtol=1e-6)
     assert result.episode_successes == [True] and result.episode_lengths == [length]
     assert result.episode_returns == [1.0]
-    np.testing.assert_array_equal(result.obs[0], demo.observations[0])
+    np.testing.assert_array_equal(result.obs.state[0], demo.observations[0])
 
 
 def test_layout_draws_are_reproducible():

@@ -18,6 +18,7 @@ from common.diagnostics import (
     check_ratio_sensitivity,
 )
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, time_grid, transition_kl
+from common.observation import Observation
 from common.policy import MLPFlowPolicy
 
 
@@ -29,7 +30,7 @@ def make_policy(num_steps: int = 4, **overrides) -> MLPFlowPolicy:
 
 def independent_log_prob(policy: MLPFlowPolicy, obs: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:
     """Summed log-density of chains, written from the definition with torch.distributions."""
-    features = policy.encode(obs)
+    features = policy.encode(Observation(obs))
     num_steps = policy.num_steps
     total = Normal(0.0, policy.config.init_noise_std).log_prob(chain[:, 0]).sum((-1, -2))
     for k in range(num_steps):
@@ -46,9 +47,9 @@ def test_chain_log_prob_matches_torch_distributions(num_steps: int, normalizatio
     policy = make_policy(num_steps, log_prob_normalization=normalization)
     obs = torch.randn(7, 6)
     with torch.no_grad():
-        chain = sample_chain(policy, policy.encode(obs), 7, generator=torch.Generator().manual_seed(1)).chain
+        chain = sample_chain(policy, policy.encode(Observation(obs)), 7, generator=torch.Generator().manual_seed(1)).chain
         expected_sum = independent_log_prob(policy, obs, chain)
-        scored = chain_log_prob(policy, policy.encode(obs), chain)
+        scored = chain_log_prob(policy, policy.encode(Observation(obs)), chain)
     elements = (num_steps + 1) * 2 * 3
     assert num_log_prob_elements(policy) == elements
     torch.testing.assert_close(scored.log_prob_per_element, expected_sum / elements, rtol=1e-5, atol=1e-5)
@@ -60,10 +61,10 @@ def test_zero_init_noise_drops_the_a0_term() -> None:
     policy = make_policy(3, init_noise_std=0.0)
     obs = torch.randn(5, 6)
     with torch.no_grad():
-        sample = sample_chain(policy, policy.encode(obs), 5, generator=torch.Generator().manual_seed(2))
+        sample = sample_chain(policy, policy.encode(Observation(obs)), 5, generator=torch.Generator().manual_seed(2))
         assert torch.all(sample.chain[:, 0] == 0)
         policy.config = dataclasses.replace(policy.config, init_noise_std=1.0)
-        with_prior = chain_log_prob(policy, policy.encode(obs), sample.chain).log_prob_per_element * (4 * 6)
+        with_prior = chain_log_prob(policy, policy.encode(Observation(obs)), sample.chain).log_prob_per_element * (4 * 6)
     # The a_0 = 0 term under N(0, 1) is -0.5 log(2 pi) per element; removing it recovers the K-step sum.
     torch.testing.assert_close(sample.scores.log_prob_per_element * (3 * 6), with_prior + 6 * 0.5 * torch.log(torch.tensor(2 * torch.pi)))
 
@@ -74,10 +75,10 @@ def test_fresh_chain_scores_with_ratio_one(num_steps: int) -> None:
     policy = make_policy(num_steps, log_prob_normalization="sum")
     obs = torch.randn(64, 6)
     with torch.no_grad():
-        sample = sample_chain(policy, policy.encode(obs), 64, generator=torch.Generator().manual_seed(3))
+        sample = sample_chain(policy, policy.encode(Observation(obs)), 64, generator=torch.Generator().manual_seed(3))
         # Rescore in a different batch composition (minibatches of 5) to mimic the learner.
         rescored = torch.cat(
-            [chain_log_prob(policy, policy.encode(obs[i : i + 5]), sample.chain[i : i + 5]).log_prob for i in range(0, 64, 5)]
+            [chain_log_prob(policy, policy.encode(Observation(obs[i : i + 5])), sample.chain[i : i + 5]).log_prob for i in range(0, 64, 5)]
         )
     assert (rescored - sample.scores.log_prob).abs().max() < 1e-6 * max(1.0, float(rescored.abs().max()))
 
@@ -93,8 +94,8 @@ def test_deterministic_sampling_is_noise_free_and_repeatable() -> None:
     policy = make_policy(4)
     obs = torch.randn(3, 6)
     with torch.no_grad():
-        a = sample_chain(policy, policy.encode(obs), 3, deterministic=True, generator=torch.Generator().manual_seed(1)).chain
-        b = sample_chain(policy, policy.encode(obs), 3, deterministic=True, generator=torch.Generator().manual_seed(2)).chain
+        a = sample_chain(policy, policy.encode(Observation(obs)), 3, deterministic=True, generator=torch.Generator().manual_seed(1)).chain
+        b = sample_chain(policy, policy.encode(Observation(obs)), 3, deterministic=True, generator=torch.Generator().manual_seed(2)).chain
     assert torch.equal(a, b)
     assert torch.all(a[:, 0] == 0)
 
@@ -105,7 +106,7 @@ def test_sigma_is_bounded() -> None:
         for layer in policy.noise_net:
             if isinstance(layer, torch.nn.Linear):
                 layer.weight.mul_(100.0)  # push the tanh into saturation both ways
-        sigma = policy.sigma(torch.rand(256), policy.encode(torch.randn(256, 6) * 10))
+        sigma = policy.sigma(torch.rand(256), policy.encode(Observation(torch.randn(256, 6) * 10)))
     assert sigma.min() >= 0.08 - 1e-6 and sigma.max() <= 0.14 + 1e-6
     assert sigma.max() - sigma.min() > 0.04  # both ends reached: the bound is a bound, not a constant
 
@@ -116,8 +117,8 @@ def test_transition_kl_matches_torch_distributions() -> None:
         for param in q.parameters():
             param.add_(0.05 * torch.randn_like(param))
         obs = torch.randn(4, 6)
-        chain = sample_chain(p, p.encode(obs), 4, generator=torch.Generator().manual_seed(0)).chain
-        sp, sq = chain_log_prob(p, p.encode(obs), chain), chain_log_prob(q, q.encode(obs), chain)
+        chain = sample_chain(p, p.encode(Observation(obs)), 4, generator=torch.Generator().manual_seed(0)).chain
+        sp, sq = chain_log_prob(p, p.encode(Observation(obs)), chain), chain_log_prob(q, q.encode(Observation(obs)), chain)
         expected = torch.distributions.kl_divergence(Normal(sp.mean, sp.std), Normal(sq.mean, sq.std)).flatten(1)
         torch.testing.assert_close(transition_kl(sp, sq, "sum"), expected.sum(-1))
         torch.testing.assert_close(transition_kl(sp, sq, "mean"), expected.mean(-1))
@@ -130,7 +131,7 @@ def test_positive_per_element_log_prob_is_normal_for_small_sigma() -> None:
     policy = make_policy(4, sigma_min=0.05, sigma_max=0.1, init_noise_std=0.0)
     obs = torch.randn(32, 6)
     with torch.no_grad():
-        sample = sample_chain(policy, policy.encode(obs), 32, generator=torch.Generator().manual_seed(0))
+        sample = sample_chain(policy, policy.encode(Observation(obs)), 32, generator=torch.Generator().manual_seed(0))
     # Density above 1 near the mean when sigma < 0.4: positive log-probs, by design, not an error.
     assert sample.scores.log_prob_per_element.mean() > 0
 
@@ -139,10 +140,10 @@ def test_dropout_in_train_mode_is_detected() -> None:
     policy = make_policy(4, dropout=0.3)
     obs = torch.randn(16, 6)
     with torch.no_grad():
-        chain = sample_chain(policy.eval(), policy.encode(obs), 16, generator=torch.Generator().manual_seed(0)).chain
+        chain = sample_chain(policy.eval(), policy.encode(Observation(obs)), 16, generator=torch.Generator().manual_seed(0)).chain
 
     def evaluate() -> torch.Tensor:
-        return chain_log_prob(policy, policy.encode(obs), chain).log_prob
+        return chain_log_prob(policy, policy.encode(Observation(obs)), chain).log_prob
 
     policy.train()
     with pytest.raises(NonDeterministicPolicyError, match=r"velocity_net\.\d+ \(Dropout, p=0\.3"):

@@ -9,6 +9,7 @@ import torch
 
 from common.config import PolicyConfig
 from common.diagnostics import RandomInitError
+from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, MLPFlowPolicy
 from learner.learner import require_pretrained
 
@@ -92,6 +93,6 @@ def test_out_of_distribution_states_saturate_instead_of_exploding() -> None:
     policy.set_normalization(obs.mean(0), obs.std(0), torch.zeros(4), torch.ones(4))
     tipped = obs[:1].clone()
     tipped[0, 10] = 0.5  # the block knocked over during RL
-    features = policy.encode(tipped)
+    features = policy.encode(Observation(tipped))
     assert features.abs().max() <= OBS_CLIP
     assert features[0, 10] == -OBS_CLIP

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from common.envs import Episode, Layout
@@ -47,3 +48,34 @@ def test_bc_cache_is_created_once_and_keyed_by_config(tmp_path, monkeypatch) -> 
     for unrelated in ({"learner.clip_eps": 0.1}, {"policy.sigma_max": 0.3}, {"policy.init_noise_std": 0.0}):
         assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5}, **unrelated)) == bc_cache_key(config)
     assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5, "policy.hidden_dim": 48})) != bc_cache_key(config)
+
+
+@pytest.mark.parametrize(
+    ("success_by_demos", "expected", "tried", "warns"),
+    [
+        ({5: 0.36}, 5, [5], False),  # pick-place: the calibrated count is already inside the window
+        ({5: 0.10, 7: 0.15, 10: 0.50}, 10, [5, 7, 10], False),  # too weak: more demonstrations
+        ({5: 0.90, 3: 0.80, 2: 0.60}, 2, [5, 3, 2], False),  # too strong: fewer
+        ({5: 0.10, 7: 0.90}, 5, [5, 7], True),  # jumps over the window: the closer of the two, with a warning
+        (dict.fromkeys((5, 7, 10, 15, 20, 30, 50), 0.0), 5, [5, 7, 10, 15, 20, 30, 50], True),  # never reaches it
+    ],
+)
+def test_demo_count_search_lands_in_the_window(tmp_path, monkeypatch, success_by_demos, expected, tried, warns) -> None:
+    import warnings as warnings_module
+
+    import learner.pretrain as pretrain_module
+
+    calls = []
+
+    def fake_cached(config):
+        calls.append(config.pretrain.num_demos)
+        return tmp_path / f"bc{config.pretrain.num_demos}", {"eval_success_rate": success_by_demos[config.pretrain.num_demos]}
+
+    monkeypatch.setattr(pretrain_module, "cached_bc_checkpoint", fake_cached)
+    config = tiny_config(tmp_path, **{"pretrain.num_demos": "null", "pretrain.eval_episodes": 100})
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        chosen = pretrain_module.ensure_bc_checkpoint(config)
+    assert chosen == tmp_path / f"bc{expected}"
+    assert calls == tried
+    assert any("no demonstration count" in str(w.message) for w in caught) == warns

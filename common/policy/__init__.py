@@ -11,6 +11,7 @@ from common.policy.base import (
     CheckpointError,
     FlowPolicy,
     build_policy,
+    index_features,
     policy_class,
     read_policy_config,
     write_directory_atomically,
@@ -19,5 +20,5 @@ from common.policy.mlp import OBS_CLIP, OBS_STD_FLOOR, MLPFlowPolicy
 
 __all__ = [
     "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",
-    "OBS_STD_FLOOR", "build_policy", "policy_class", "read_policy_config", "write_directory_atomically",
+    "OBS_STD_FLOOR", "build_policy", "index_features", "policy_class", "read_policy_config", "write_directory_atomically",
 ]

@@ -1,11 +1,18 @@
 """The policy interface every backend implements, checkpoint I/O, and the backend registry.
 
-A backend provides four pieces, all on explicit tensors:
-  encode(obs)              -> features, computed once per decision and reused by every call below
-                              (the MLP's normalised state; SmolVLA's prefix KV cache later)
+A backend provides these pieces, all on explicit tensors:
+  encode(obs: Observation) -> features, computed once per decision and reused by every call below
+                              (the MLP's normalised state; SmolVLA's prefix KV cache). Features are a
+                              Tensor, or a dataclass / tuple / list / dict of them, batch first;
+                              `index_features` slices any such structure.
   velocity(a_t, t, feats)  -> (B, H, A) flow velocity
   sigma(t, feats)          -> (B, H, A) injected-noise std, bounded to [sigma_min, sigma_max]
   value(feats)             -> (B,) critic value
+  encoder_is_trainable     -> whether a trainable parameter feeds encode(). When it does not, the learner
+                              encodes each rollout once per iteration and reuses the features in every
+                              PPO epoch and minibatch; when it does, it re-encodes every micro-batch.
+  tokenize(instructions)   -> (token ids (B, L) int64, mask (B, L) bool), or None without language.
+                              Called once per env (an env's instruction never changes).
 The chain math (time grid, sampling, log-probs) lives in common.flow and is shared by every backend.
 
 Actions inside the chain are normalised (zero mean, unit std per action element over the
@@ -24,11 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from common.config import ConfigError, PolicyConfig, from_dict
+from common.observation import Observation
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -63,9 +72,25 @@ class FlowPolicy(nn.Module, ABC):
         """Where observations must be placed for encode()."""
         return next(self.parameters()).device
 
+    @property
+    def precision(self) -> str:
+        """Parameter dtype(s) and device, e.g. 'float32 on cpu' (actors and learner may differ)."""
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.parameters()})
+        return f"{'+'.join(dtypes)} on {self.obs_device}"
+
     @abstractmethod
-    def encode(self, obs: Tensor) -> Any:
-        """obs (B, obs_dim) -> features consumed by velocity/sigma/value."""
+    def encode(self, obs: Observation) -> Any:
+        """Observation (torch, on obs_device, batch B) -> features consumed by velocity/sigma/value."""
+
+    @property
+    @abstractmethod
+    def encoder_is_trainable(self) -> bool:
+        """True only when a trainable parameter (requires_grad) feeds encode()."""
+
+    @abstractmethod
+    def tokenize(self, instructions: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Instructions -> (token ids (B, L) int64, mask (B, L) bool, True on real tokens), or None for a
+        backend that reads no language."""
 
     @abstractmethod
     def velocity(self, action: Tensor, t: Tensor, features: Any) -> Tensor:
@@ -129,6 +154,23 @@ class FlowPolicy(nn.Module, ABC):
         return policy.eval()
 
 
+def index_features(features: Any, idx: Tensor | slice) -> Any:
+    """Rows `idx` of encode()'s output, whatever its structure: a Tensor, or a dataclass / tuple / list /
+    dict nesting tensors whose leading dim is the batch. Other leaves (None, numbers, strings) are shared
+    by the whole batch and returned as they are."""
+    if isinstance(features, Tensor):
+        return features[idx.to(features.device) if isinstance(idx, Tensor) else idx]
+    if dataclasses.is_dataclass(features) and not isinstance(features, type):
+        return dataclasses.replace(features, **{f.name: index_features(getattr(features, f.name), idx)
+                                                for f in dataclasses.fields(features) if f.init})  # fmt: skip
+    if isinstance(features, dict):
+        return type(features)((key, index_features(value, idx)) for key, value in features.items())
+    if isinstance(features, (tuple, list)):
+        items = [index_features(value, idx) for value in features]
+        return type(features)(*items) if hasattr(features, "_fields") else type(features)(items)
+    return features
+
+
 def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
     so a crash at any point leaves either the old directory or the new one, never half of either."""
@@ -170,6 +212,7 @@ def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:
 # heavy dependencies (SmolVLA needs lerobot and transformers; the MLP needs neither).
 POLICY_TYPES: dict[str, str] = {
     "mlp_flow": "common.policy.mlp:MLPFlowPolicy",
+    "smolvla": "common.policy.smolvla:SmolVLAFlowPolicy",
 }
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from common.config import PolicyConfig
+from common.observation import Observation
 from common.policy.base import FlowPolicy
 
 OBS_STD_FLOOR = 0.05  # in env units (metres for positions, unit quaternion components)
@@ -70,10 +71,18 @@ class MLPFlowPolicy(FlowPolicy):
     def to_env_action(self, chunk: Tensor) -> Tensor:
         return (chunk * self.action_std + self.action_mean).clamp(-1.0, 1.0)
 
-    def encode(self, obs: Tensor) -> Tensor:
-        # Clipped like gymnasium's NormalizeObservation users do: states unseen in the demonstrations
-        # saturate instead of dominating every layer.
-        return ((obs - self.obs_mean) / self.obs_std).clamp(-OBS_CLIP, OBS_CLIP)
+    def encode(self, obs: Observation) -> Tensor:
+        """The normalised state (B, obs_dim); frames and instruction, if any, are not read.
+        Clipped like gymnasium's NormalizeObservation users do: states unseen in the demonstrations
+        saturate instead of dominating every layer."""
+        return ((obs.state - self.obs_mean) / self.obs_std).clamp(-OBS_CLIP, OBS_CLIP)
+
+    @property
+    def encoder_is_trainable(self) -> bool:
+        return False  # encode() reads buffers only (the normalisation statistics)
+
+    def tokenize(self, instructions: list[str]) -> None:
+        return None  # a state policy reads no language
 
     def velocity(self, action: Tensor, t: Tensor, features: Tensor) -> Tensor:
         temb = time_embedding(t, self.config.time_embed_dim)

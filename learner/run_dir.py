@@ -1,0 +1,196 @@
+"""A run directory: held by one run at a time, its config fixed for its lifetime, its checkpoints found through a
+checked pointer.
+
+    run_dir/run.lock          {"pid", "host", "started"} while a run holds the directory; a lock whose process is
+                              gone (same host) is stale and is taken over, with a message
+    run_dir/run_config.json   the resolved config of the run; --resume refuses a different one and prints the fields
+    run_dir/checkpoints/latest  the name of the newest complete checkpoint (iter_NNNNNN), replaced atomically
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, RunConfig
+from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from learner.learner import TRAINER_STATE_FILE
+
+LATEST_FILE = "latest"
+LOCK_FILE = "run.lock"
+RUN_CONFIG_FILE = "run_config.json"
+CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
+# Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
+# and the resources actors and the learner ask for. Nothing here changes what is computed.
+SAFE_ON_RESUME = frozenset({"eval_every", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
+                            "actors.resources", "actors.max_restarts", "learner.num_cpus", "learner.num_gpus",
+                            "learner.resources"})  # fmt: skip
+
+
+class RunDirLockedError(FileExistsError):
+    """Another live run holds this run directory."""
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"learner": {"clip_eps": 0.02}} -> {"learner.clip_eps": 0.02}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and not key.endswith("resources"):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunDirectory:
+    def __init__(self, path: str | Path):
+        if not str(path).strip():
+            raise ConfigError("run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+
+    # -- ownership ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def locked(self) -> Iterator[RunDirectory]:
+        """Hold the directory for the duration of a run; a second run on it fails at once, naming the holder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = self.path / LOCK_FILE
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read_lock(lock)
+                if holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1))):
+                    print(f"[run_dir] {lock} was left by process {holder.get('pid')}, which is gone: taking it over", flush=True)
+                    lock.unlink(missing_ok=True)
+                    continue
+                raise RunDirLockedError(
+                    f"{self.path} is in use by process {holder.get('pid')} on {holder.get('host')} (since {holder.get('started')}): "
+                    f"wait for it, or pick another --run-dir (if that process is really gone, delete {lock})"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                f.write(record)
+            break
+        self._clean_leftovers()
+        try:
+            yield self
+        finally:
+            lock.unlink(missing_ok=True)
+
+    @staticmethod
+    def _read_lock(lock: Path) -> dict[str, Any]:
+        try:
+            return json.loads(lock.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _clean_leftovers(self) -> None:
+        """Temp and swap directories of checkpoint writes interrupted by a crash (see write_directory_atomically)."""
+        if self.checkpoints.is_dir():
+            for leftover in self.checkpoints.glob(".*.tmp-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            for leftover in self.checkpoints.glob(".*.old-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- starting and resuming ------------------------------------------------------------------------
+
+    def start_new(self, config: RunConfig) -> None:
+        """Refuse a directory that already holds a run; record this run's config."""
+        if (self.path / "metrics.jsonl").exists() or (self.checkpoints / LATEST_FILE).exists():
+            raise FileExistsError(f"{self.path} already holds a run: continue it with --resume, or pick another --run-dir")
+        tmp = self.path / f".{RUN_CONFIG_FILE}.tmp"
+        tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        os.replace(tmp, self.path / RUN_CONFIG_FILE)
+
+    def config_changes(self, config: RunConfig) -> dict[str, tuple[Any, Any]]:
+        """field -> (stored, now) for every field that differs from the run's recorded config."""
+        path = self.path / RUN_CONFIG_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume: {path} is missing, so the run's config cannot be checked")
+        stored, current = flatten(json.loads(path.read_text())), flatten(config.to_dict())
+        return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)}
+
+    def resume(self, config: RunConfig, allowed: frozenset[str] | set[str] = frozenset()) -> Path:
+        """The checkpoint to continue from, after checking that the config is the run's own (bar allowed fields)."""
+        refused = {k: v for k, v in self.config_changes(config).items() if k not in SAFE_ON_RESUME | set(allowed)}
+        if refused:
+            listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+            raise ConfigError(
+                f"--resume with a config that differs from the run's ({self.path / RUN_CONFIG_FILE}): {listing}. "
+                "Resume with the run's own config, or pass --allow-config-change FIELD for each change you intend"
+            )
+        return self.latest_checkpoint()
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> Path:
+        """The checkpoint named by the `latest` pointer, checked; if it is unusable, the newest complete one before it."""
+        pointer = self.checkpoints / LATEST_FILE
+        if not pointer.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoints} (looked for the '{LATEST_FILE}' pointer)")
+        name = pointer.read_text().strip()
+        if not CHECKPOINT_NAME.fullmatch(name):
+            raise CheckpointError(f"{pointer} names {name!r}, not a checkpoint of this run (expected iter_NNNNNN)")
+        problem = self.checkpoint_problem(self.checkpoints / name)
+        if problem is None:
+            return self.checkpoints / name
+        earlier = sorted((p for p in self.checkpoints.glob("iter_*") if CHECKPOINT_NAME.fullmatch(p.name) and p.name < name), reverse=True)
+        for candidate in earlier:
+            if self.checkpoint_problem(candidate) is None:
+                print(f"[run_dir] {self.checkpoints / name} is unusable ({problem}): resuming from {candidate.name}", flush=True)
+                return candidate
+        raise CheckpointError(f"{self.checkpoints / name} is unusable ({problem}) and no earlier complete checkpoint exists")
+
+    @staticmethod
+    def checkpoint_problem(directory: Path) -> str | None:
+        """Why a checkpoint directory cannot be resumed from, or None. Checks every file a resume reads."""
+        if not directory.is_dir():
+            return "missing"
+        for name in (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE_FILE):
+            if not (directory / name).is_file() or (directory / name).stat().st_size == 0:
+                return f"{name} missing or empty"
+        try:
+            json.loads((directory / CONFIG_FILE).read_text())
+        except json.JSONDecodeError as exc:
+            return f"{CONFIG_FILE} is not valid JSON ({exc})"
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)  # reads each tensor's header; a truncated file fails here or at open
+        except Exception as exc:  # safetensors raises its own error types
+            return f"{WEIGHTS_FILE} unreadable ({exc})"
+        return None
+
+    def write_latest(self, name: str) -> None:
+        pointer = self.checkpoints / LATEST_FILE
+        tmp = pointer.with_suffix(".tmp")
+        tmp.write_text(name)
+        os.replace(tmp, pointer)
+
+
+def fields_of(config: RunConfig) -> set[str]:
+    """Every dotted field name of a RunConfig (for validating --allow-config-change)."""
+    return set(flatten(dataclasses.asdict(config)))

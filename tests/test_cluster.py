@@ -1,0 +1,166 @@
+"""Cluster YAMLs through Ray's checks and the project's, the planned placement, and a multi-node run."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from common.config import ConfigError, RunConfig, load_config
+from learner.cluster import NodeType, ResourceRequest, check_cluster, plan_placement
+from learner.main import main, run
+from tests.conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))
+GPU_RUN = REPO / "configs" / "cluster_h200.yaml"
+
+
+def test_cluster_directory_holds_the_shipped_configs() -> None:
+    assert {p.name for p in CLUSTER_YAMLS} >= {"h200.yaml", "local.yaml"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("run_config", ["default", "gpu"])
+def test_every_cluster_yaml_passes_ray_and_project_checks(path: Path, run_config: str) -> None:
+    config = RunConfig() if run_config == "default" else load_config(GPU_RUN)
+    printout = check_cluster(path, config)
+    learner_line = next(line for line in printout.splitlines() if line.strip().startswith("learner"))
+    assert "head#" not in learner_line  # the head declares no room for work: the learner goes to a worker
+    if run_config == "gpu":
+        assert "GPU: 1" in learner_line and "learner_slot: 1" in learner_line
+        assert "actors 0-9" in printout and "rollout_gpu: 0.1" in printout
+
+
+def _h200() -> dict:
+    return yaml.safe_load((REPO / "cluster" / "h200.yaml").read_text())
+
+
+def _local() -> dict:
+    return yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())
+
+
+def _worker(data: dict) -> dict:
+    return data["available_node_types"]["gpu_worker"]
+
+
+def _set(data: dict, func) -> dict:
+    data = copy.deepcopy(data)
+    func(data)
+    return data
+
+
+BROKEN = {
+    "typo in node_config": (_set(_h200(), lambda d: _worker(d)["node_config"].update(InstanceTyp=_worker(d)["node_config"].pop("InstanceType"))),
+                            r"gpu_worker\.node_config\.InstanceTyp is not a field EC2 knows: did you mean InstanceType"),
+    "typo in a disk field": (_set(_h200(), lambda d: _worker(d)["node_config"]["BlockDeviceMappings"][0]["Ebs"].update(VolumeSiz=100)),
+                             r"BlockDeviceMappings\[0\]\.Ebs\.VolumeSiz is not a field EC2 knows: did you mean VolumeSize"),
+    "negative min_workers": (_set(_h200(), lambda d: _worker(d).update(min_workers=-1)), r"gpu_worker\.min_workers/max_workers must be >= 0"),
+    "min above max": (_set(_h200(), lambda d: _worker(d).update(min_workers=2, max_workers=1)),
+                      r"gpu_worker\.min_workers \(2\) must not exceed max_workers \(1\)"),
+    "more GPUs than the instance has": (_set(_h200(), lambda d: _worker(d)["resources"].update(GPU=16)),
+                                        r"gpu_worker\.resources\.GPU=16 but p5en\.48xlarge has 8"),
+    "GPU worker without explicit resources": (_set(_h200(), lambda d: _worker(d).update(resources={"rollout_gpu": 7})),
+                                              r"gpu_worker\.resources must declare CPU and GPU"),
+    "slices that do not fit": (_set(_h200(), lambda d: _worker(d)["resources"].update(rollout_gpu=0)),
+                               r"actors\.resources\.rollout_gpu: no node type .* declares 'rollout_gpu'"),
+    "dashboard opened": (_set(_h200(), lambda d: d.update(head_start_ray_commands=[c.replace("127.0.0.1", "0.0.0.0") for c in d["head_start_ray_commands"]])),
+                         r"binds the dashboard to 0\.0\.0\.0"),
+    "dashboard port in the security group": (
+        _set(_h200(), lambda d: d["provider"]["security_group"].update(
+            IpPermissions=[{"IpProtocol": "tcp", "FromPort": 8000, "ToPort": 9000, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}])),
+        r"IpPermissions\[0\] opens 8265 \(dashboard\), 8080 \(metrics export\) to the internet"),
+    "token auth off": (_set(_h200(), lambda d: d.update(worker_start_ray_commands=[c.replace("RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled")
+                                                                                  for c in d["worker_start_ray_commands"]])),
+                       r"worker_start_ray_commands must start Ray with RAY_AUTH_MODE=token"),
+    "unknown top-level field (Ray's schema)": (_set(_h200(), lambda d: d.update(max_worker=3)), r"Ray's schema rejects top level.*max_worker"),
+    "head type not among node types (Ray)": (_set(_h200(), lambda d: d.update(head_node_type="headd")), r"Ray rejects it: .*head_node_type"),
+    "local worker without --num-cpus": (_set(_local(), lambda d: d.update(worker_start_ray_commands=["RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379"])),
+                                        r"worker_start_ray_commands must pass --num-cpus"),
+    "local without worker_ips (Ray)": (_set(_local(), lambda d: d["provider"].pop("worker_ips")), r"Ray rejects it: .*worker_ips"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_cluster_yaml_gets_a_clear_error(tmp_path: Path, name: str) -> None:
+    data, message = BROKEN[name]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=message):
+        check_cluster(path, load_config(GPU_RUN))
+
+
+def test_too_many_slices_for_the_node_types_names_the_actor_that_does_not_fit(tmp_path: Path) -> None:
+    # 2 GPU workers x rollout_gpu 7 = 140 slices of 0.1: actor 140 is the first that cannot be placed.
+    with pytest.raises(ConfigError, match=r"rollout actor 140 \(of 141\) does not fit.*rollout_gpu"):
+        check_cluster(REPO / "cluster" / "h200.yaml", load_config(GPU_RUN, ["actors.num_actors=141", "actors.num_cpus=1"]))
+    check_cluster(REPO / "cluster" / "h200.yaml", load_config(GPU_RUN, ["actors.num_actors=140", "actors.num_cpus=1"]))
+
+
+@pytest.mark.parametrize("slice_size", [0.1, 0.25, 0.3, 1 / 3])
+def test_first_fit_places_as_many_slices_as_a_hand_count_allows(slice_size: float) -> None:
+    node = NodeType("gpu", "x", {"CPU": 1000, "GPU": 8, "rollout_gpu": 7}, 1, False)
+    actor = ResourceRequest(1, slice_size, {"rollout_gpu": slice_size})
+    learner = ResourceRequest(1, 1, {})
+    capacity = 0  # independent count: add slices while the running sum stays within 7 (in Ray's 1e-4 units)
+    while round((capacity + 1) * round(slice_size * 10_000)) <= 70_000:
+        capacity += 1
+    plan = plan_placement([node], learner, actor, capacity, "test")
+    assert plan.actors == ["gpu#0"] * capacity
+    with pytest.raises(ConfigError, match="does not fit"):
+        plan_placement([node], learner, actor, capacity + 1, "test")
+
+
+def test_check_cluster_flag_prints_the_plan_and_starts_no_ray(capsys) -> None:
+    assert main(["--check-cluster", str(REPO / "cluster" / "h200.yaml"), "--config", str(GPU_RUN), "--num-actors", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "learner           -> gpu_worker#0" in out and "actors 0-9" in out
+    assert not ray.is_initialized()
+    assert main(["--check-cluster", str(REPO / "cluster" / "h200.yaml"), "--set", "actors.resources={rollout_gpuu: 0.1}"]) == 2
+    assert "actors.resources.rollout_gpuu: no node type" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("actors.resources={rollout_gpu: 1.5}", r"actors\.resources\.rollout_gpu must be >= 0 and, above 1, a whole number"),
+     ("learner.resources={GPU: 1}", r"learner\.resources must not name \['GPU'\]: use learner\.num_cpus / learner\.num_gpus"),
+     ("learner.resources=[1]", r"learner\.resources must be a mapping"),
+     ("actors.resources={rollout_gpu: lots}", r"actors\.resources\.rollout_gpu must be float"),
+     ("learner.num_gpus=2.5", r"learner\.num_gpus must be >= 0 and, above 1, a whole number")],
+)  # fmt: skip
+def test_resource_fields_are_validated_by_name(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+@pytest.mark.slow
+def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: Path, bc_checkpoint: Path) -> None:
+    """Three Ray nodes on this machine: the learner must land on the head, one rollout actor on each worker."""
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1}, "include_dashboard": True})
+    workers = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in range(2)]
+    config = tiny_config(tmp_path, init_checkpoint=str(bc_checkpoint), iterations=2,
+                         **{"learner.num_cpus": 0.5, "learner.resources": "{learner_node: 1}",
+                            "actors.num_cpus": 0.5, "actors.resources": "{rollout_node: 1}"})  # fmt: skip
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        run(config, address=cluster.address)
+        placed = {(a.class_name, a.node_id) for a in list_actors(detail=True, limit=1000) if a.class_name in ("LearnerActor", "RolloutActor")}
+        intended = {("LearnerActor", cluster.head_node.node_id)} | {("RolloutActor", w.node_id) for w in workers}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert placed == intended
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2]
+    for row in rows:  # iteration k samples with weight version k-1 on every actor: each actor loaded each version
+        assert [row[f"actor/{i}/weight_version"] for i in range(2)] == [row["iteration"] - 1] * 2
+        assert [row[f"actor/{i}/weight_version_lag"] for i in range(2)] == [0, 0]
+        assert [row[f"actor/{i}/alive"] for i in range(2)] == [1, 1]

@@ -1,0 +1,106 @@
+"""The run directory: one run at a time, a config fixed for the run's lifetime, a checked `latest` pointer with
+fallback to the previous complete checkpoint, and a metrics log that survives a torn last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.config import ConfigError
+from common.metrics import MetricsLog
+from common.policy import CheckpointError, FlowPolicy
+from learner.learner import Learner
+from learner.run_dir import LOCK_FILE, RunDirectory, RunDirLockedError
+from tests.conftest import tiny_config
+
+
+def test_a_second_run_on_a_held_directory_is_refused_and_a_stale_lock_is_taken_over(tmp_path) -> None:
+    directory = RunDirectory(tmp_path / "run")
+    with directory.locked():
+        with pytest.raises(RunDirLockedError, match=f"in use by process {os.getpid()}"):
+            with RunDirectory(tmp_path / "run").locked():
+                pass
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    # A lock left by a process that is gone (killed before it could clean up) does not block the next run.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    (tmp_path / "run" / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "started": "x"}))
+    with directory.locked():
+        assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_empty_run_dir_is_refused() -> None:
+    with pytest.raises(ConfigError, match="run_dir must not be empty"):
+        RunDirectory("  ")
+
+
+def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path) -> None:
+    config = tiny_config(tmp_path)
+    directory = RunDirectory(config.run_dir)
+    with directory.locked():
+        directory.start_new(config)
+        directory.checkpoints.mkdir()
+        directory.write_latest("iter_000001")
+        with pytest.raises(FileExistsError, match="already holds a run"):
+            directory.start_new(config)
+    changed = tiny_config(tmp_path, seed=3, **{"learner.clip_eps": 0.05, "eval_every": 7})
+    assert directory.config_changes(changed) == {"seed": (0, 3), "learner.clip_eps": (0.02, 0.05), "eval_every": (0, 7)}
+    with pytest.raises(ConfigError, match=r"learner\.clip_eps: 0\.02 -> 0\.05; seed: 0 -> 3"):
+        directory.resume(changed)  # eval_every is safe to change and is not listed
+    (directory.checkpoints / "latest").unlink()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):  # allowed: goes on to look for the checkpoint (none here)
+        directory.resume(changed, {"seed", "learner.clip_eps"})
+
+
+@pytest.fixture()
+def run_with_checkpoints(tmp_path, bc_checkpoint):
+    config = tiny_config(tmp_path)
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    directory = RunDirectory(config.run_dir)
+    for name in ("iter_000001", "iter_000002"):
+        learner.save_checkpoint(directory.checkpoints / name)
+        directory.write_latest(name)
+    return directory
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(run_with_checkpoints) -> None:
+    directory = run_with_checkpoints
+    assert directory.latest_checkpoint().name == "iter_000002"
+    weights = directory.checkpoints / "iter_000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated, as by a full disk
+    assert directory.latest_checkpoint().name == "iter_000001"
+    (directory.checkpoints / "iter_000001" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="no earlier complete checkpoint"):
+        directory.latest_checkpoint()
+
+
+def test_the_latest_pointer_must_name_a_checkpoint_of_this_run(run_with_checkpoints) -> None:
+    directory = run_with_checkpoints
+    directory.write_latest("../../elsewhere")
+    with pytest.raises(CheckpointError, match="not a checkpoint of this run"):
+        directory.latest_checkpoint()
+
+
+def test_leftover_temp_directories_are_removed_when_a_run_takes_the_directory(run_with_checkpoints) -> None:
+    directory = run_with_checkpoints
+    leftovers = [directory.checkpoints / ".iter_000003.tmp-1234", directory.checkpoints / ".iter_000002.old-1234"]
+    for leftover in leftovers:
+        leftover.mkdir()
+    with directory.locked():
+        assert not any(p.exists() for p in leftovers)
+        assert directory.latest_checkpoint().name == "iter_000002"
+
+
+def test_metrics_log_survives_a_torn_last_line(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1, "x": 1}\n{"iteration": 2, "x": 2}\n{"iteration": 3, "x"')
+    assert [r["iteration"] for r in MetricsLog(path).read()] == [1, 2]
+    log = MetricsLog(path)  # a resumed run's log: the torn fragment is cut before the next row
+    log.write({"iteration": 3, "x": 3.0})
+    assert [r["x"] for r in log.read()] == [1, 2, 3.0]
+    path.write_text('{"iteration": 1}\ngarbage\n{"iteration": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON line"):
+        MetricsLog(path).read()

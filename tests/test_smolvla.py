@@ -1,0 +1,343 @@
+"""The SmolVLA backend on a tiny SmolVLA built offline (CPU, no network): chain sampling through lerobot's
+model, parity with lerobot's own sampler, the ratio check, what trains, strict loading, eval-mode guard,
+and seed 001's ratio sensitivity on SmolVLA's 50-action chunk.
+
+`python tests/test_smolvla.py` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `python tests/test_smolvla.py`
+
+from common.config import ConfigError, PolicyConfig, PPOConfig, SmolVLAConfig  # noqa: E402
+from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity  # noqa: E402
+from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition  # noqa: E402
+from common.observation import Observation  # noqa: E402
+from common.policy import CheckpointError, FlowPolicy, build_policy, index_features  # noqa: E402
+from common.policy.smolvla import SmolVLAFlowPolicy, lerobot_flow_time  # noqa: E402
+from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir  # noqa: E402
+from common.rl import normalize, ppo_policy_loss, value_loss  # noqa: E402
+
+IMAGE_SIZE = 32
+INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
+
+
+def tiny_config(**overrides) -> PolicyConfig:
+    """The tiny SmolVLA: 2 VLM layers, 32x32 frames, Metaworld's 39-d state and 4-d actions unpadded."""
+    smolvla = SmolVLAConfig(**{"num_vlm_layers": 2, "max_state_dim": 39, "max_action_dim": 4, **overrides.pop("smolvla", {})})
+    base = dict(type="smolvla", image_size=IMAGE_SIZE, chunk_size=4, num_steps=3, hidden_dim=32, init_noise_std=0.0, smolvla=smolvla)
+    return PolicyConfig(**{**base, **overrides})
+
+
+def tiny_policy(seed: int = 0, **overrides) -> SmolVLAFlowPolicy:
+    torch.manual_seed(seed)
+    policy = build_policy(tiny_config(**overrides))
+    # Non-trivial normalisation, so a test that ignored it would fail.
+    policy.set_normalization(
+        torch.linspace(-0.5, 0.5, 39), torch.full((39,), 0.3), torch.tensor([0.1, -0.2, 0.0, 0.3]), torch.full((4,), 0.5)
+    )
+    return policy
+
+
+def observations(policy: SmolVLAFlowPolicy, batch: int, seed: int = 0) -> Observation:
+    generator = torch.Generator().manual_seed(seed)
+    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
+    return Observation(
+        state=torch.randn(batch, 39, generator=generator),
+        images=torch.randint(
+            0, 256, (batch, len(policy.config.cameras), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, generator=generator
+        ),
+        tokens=torch.from_numpy(tokens),
+        token_mask=torch.from_numpy(mask),
+    )
+
+
+@pytest.fixture(scope="module")
+def policy() -> SmolVLAFlowPolicy:
+    return tiny_policy()
+
+
+def test_registered_backend_and_tiny_backbone_is_small(policy) -> None:
+    assert isinstance(policy, SmolVLAFlowPolicy)
+    assert sum(p.numel() for p in policy.parameters()) < 500_000
+    with pytest.raises(CheckpointError, match="num_vlm_layers <= 2"):
+        build_policy(tiny_config(smolvla={"num_vlm_layers": 3}))
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.image_size must be > 0"):
+        tiny_config(image_size=0).validate()
+    with pytest.raises(ConfigError, match=r"policy\.smolvla\.max_state_dim"):
+        tiny_config(smolvla={"max_state_dim": 32}).validate()
+    with pytest.raises(ConfigError, match=r"policy\.smolvla\.vlm_path is empty"):
+        tiny_config(smolvla={"lerobot_checkpoint": "/somewhere"}).validate()
+
+
+def test_tokenize_pads_to_a_fixed_length_with_a_trailing_newline(policy) -> None:
+    ids, mask = policy.tokenize(["push", "pick up the puck"])
+    assert ids.shape == mask.shape == (2, 48) and ids.dtype.name == "int64" and mask.dtype == bool
+    assert mask.sum(1).tolist() == [len("push\n"), len("pick up the puck\n")]
+    tokenizer = policy.vla.model.vlm_with_expert.processor.tokenizer
+    assert tokenizer.decode(ids[0][mask[0]]) == "push\n"
+
+
+def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
+    obs = observations(policy, 4)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        sample = sample_chain(policy, features, 4, generator=torch.Generator().manual_seed(1))
+    assert sample.chain.shape == (4, 4, 4, 4) and torch.isfinite(sample.chain).all()
+    std = sample.scores.std
+    assert std.min() >= 0.05 - 1e-6 and std.max() <= 0.15 + 1e-6 and std.std() > 0  # bounded, and not constant
+    assert index_features(features, torch.tensor([2])).key_states[0].shape[0] == 1
+
+    a_t, t = torch.randn(4, 4, 4), torch.full((4,), 0.25)
+
+    def velocity_for(changed: Observation) -> torch.Tensor:
+        with torch.no_grad():
+            return policy.velocity(a_t, t, policy.encode(changed))
+
+    base = velocity_for(obs)
+    other_frames = dataclasses.replace(obs, images=255 - obs.images)
+    other_words = dataclasses.replace(obs, tokens=obs.tokens.roll(1, dims=0), token_mask=obs.token_mask.roll(1, dims=0))
+    other_state = dataclasses.replace(obs, state=obs.state + 1.0)
+    for changed in (other_frames, other_words, other_state):
+        assert (velocity_for(changed) - base).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="images"):
+        policy.encode(Observation(state=obs.state))
+    features = policy.encode(obs)
+    with pytest.raises(RuntimeError, match="call velocity first"):
+        policy.sigma(t, features)  # the noise head reads the hidden state of the velocity call before it
+
+
+def test_time_convention_map() -> None:
+    t = torch.tensor([0.0, 0.25, 0.5])
+    lerobot_t, sign = lerobot_flow_time(t)
+    assert torch.equal(lerobot_t, torch.tensor([1.0, 0.75, 0.5])) and sign == -1.0
+
+
+@pytest.mark.parametrize("start", ["zero", "gaussian"])
+def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
+    """The project's Euler chain with the noise off == lerobot's own sampler, same weights, same x_0."""
+    obs = observations(policy, 3, seed=2)
+    shape = (3, policy.chunk_size, policy.action_dim)
+    x0 = torch.zeros(shape) if start == "zero" else torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = policy.encode(obs)
+        if start == "zero":  # sample_chain's deterministic mode starts at a_0 = 0
+            ours = sample_chain(policy, features, 3, deterministic=True).chain[:, -1]
+        else:
+            ours = x0
+            for k in range(policy.num_steps):
+                ours, _ = transition(policy, features, ours, k)
+        theirs = policy.vla.model.sample_actions(*policy.lerobot_inputs(obs), noise=x0)
+    assert policy.vla.model.config.num_steps == policy.num_steps
+    assert theirs.abs().max() > 0.1  # a real trajectory, not zeros on both sides
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:
+    """Actor: a checkpoint loaded in eval mode samples. Learner: another copy in train mode re-encodes
+    and rescores. Same weights, so the ratio is 1 within 1e-5 (the learner's check passes)."""
+    policy.save_pretrained(tmp_path / "ckpt")
+    actor = FlowPolicy.from_pretrained(tmp_path / "ckpt").eval()
+    learner = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt").train()
+    obs = observations(policy, 6, seed=4)
+    with torch.no_grad():
+        sample = sample_chain(actor, actor.encode(obs), 6, generator=torch.Generator().manual_seed(5))
+    rescored = chain_log_prob(learner, learner.encode(obs), sample.chain)
+    logratio = rescored.log_prob - sample.scores.log_prob
+    assert check_ratio_is_one(logratio, learner, tolerance=1e-5) <= 1e-5
+    rescored.log_prob.sum().backward()  # the learner's graph reaches the trainable heads
+    assert learner.noise_head[0].weight.grad is not None and learner.vla.model.action_out_proj.weight.grad is not None
+
+
+def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
+    """Seed 000: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
+    VLM has attention dropout 0.1 in its vision tower; with the VLM trainable, lerobot's own train() no
+    longer keeps it in eval mode, so an unguarded train() makes the features random."""
+    policy = tiny_policy(smolvla={"train_vlm": True})
+    assert policy.encoder_is_trainable
+    obs = observations(policy, 2)
+    policy.train()
+    assert policy.training and policy.noise_head.training and policy.critic_head.training
+    assert not any(module.training for module in policy.vla.modules())
+    with torch.no_grad():
+        first, second = policy.encode(obs), policy.encode(obs)
+    assert torch.equal(first.critic_input, second.critic_input)
+
+    nn.Module.train(policy, True)  # what the plain nn.Module.train would do: the bug, for contrast
+    torch.manual_seed(0)
+    with torch.no_grad():
+        first, second = policy.encode(obs), policy.encode(obs)
+    assert not torch.equal(first.critic_input, second.critic_input)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},  # the defaults: action projections, time MLP, noise head, critic
+        {"train_action_proj": False, "train_time_mlp": False, "train_expert": True},
+    ],
+)
+def test_a_ppo_step_changes_exactly_the_selected_tensors(flags) -> None:
+    policy = tiny_policy(smolvla=flags)
+    groups = policy.parameter_groups()
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    selected = {
+        name
+        for group, modules in groups.items()
+        if getattr(policy.config.smolvla, f"train_{group}")
+        for module in modules
+        for name, _ in module.named_parameters(prefix=module_name(policy, module))
+    }
+    assert trainable == selected and set(policy.broadcast_state()) == trainable
+    assert policy.broadcast_bytes() == sum(policy.state_dict()[n].numel() * 4 for n in trainable)
+    assert not policy.encoder_is_trainable
+    # Every parameter belongs to exactly one flag group.
+    owned = [id(p) for modules in groups.values() for m in modules for p in m.parameters()]
+    assert len(owned) == len(set(owned)) == len(list(policy.parameters()))
+
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    obs = observations(policy, 8, seed=6)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        sample = sample_chain(policy, features, 8, generator=torch.Generator().manual_seed(7))
+        old_values = policy.value(features)
+    policy.train()
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    scores = chain_log_prob(policy, features, sample.chain)
+    advantages = normalize(torch.randn(8, generator=torch.Generator().manual_seed(8)))
+    pg_loss, metrics = ppo_policy_loss(scores.log_prob, sample.scores.log_prob, advantages, clip_eps=0.2)
+    v_loss, _ = value_loss(policy.value(features), old_values + advantages, old_values, None)
+    assert metrics["clipfrac"] == 0.0  # ratio 1 before the step
+    optimizer.zero_grad()
+    (pg_loss + v_loss).backward()
+    optimizer.step()
+    changed = {name for name, p in policy.named_parameters() if not torch.equal(p.detach(), before[name])}
+    assert changed == trainable
+    vlm_names = [n for n in before if n.startswith("vla.model.vlm_with_expert.vlm.")]
+    assert vlm_names and not changed.intersection(vlm_names)  # the VLM is bit-identical
+
+
+def test_set_trainable_switches_groups_for_a_loaded_policy() -> None:
+    policy = tiny_policy()
+    policy.set_trainable(train_vlm=True, train_critic=False)
+    assert policy.config.smolvla.train_vlm and policy.encoder_is_trainable
+    assert all(p.requires_grad for p in policy.vla.model.vlm_with_expert.vlm.parameters())
+    assert not any(name.startswith("critic_head.") for name in policy.broadcast_state())
+    with pytest.raises(ValueError, match="train_vlms"):
+        policy.set_trainable(train_vlms=True)
+
+
+def module_name(policy: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in policy.named_modules() if m is module)
+
+
+def test_round_trip_and_strict_load_refusing_a_missing_tensor(policy, tmp_path) -> None:
+    policy.save_pretrained(tmp_path / "ckpt")
+    loaded = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt", vlm_path=str(tiny_vlm_dir(TinyVLMSpec(image_size=IMAGE_SIZE))))
+    assert loaded.loaded_from and not loaded.training
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    dropped = "vla.model.vlm_with_expert.lm_expert.layers.1.self_attn.k_proj.weight"
+    del weights[dropped]
+    save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=dropped.replace(".", r"\.")):
+        FlowPolicy.from_pretrained(tmp_path / "ckpt")
+
+
+def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, tmp_path) -> None:
+    """A lerobot-format checkpoint (as lerobot saves it) names its VLM by hub id; vlm_path replaces it
+    offline, and a checkpoint lacking one tensor is refused with that tensor named."""
+    lerobot_dir = tmp_path / "smolvla_lerobot"
+    policy.vla.save_pretrained(lerobot_dir)
+    config = json.loads((lerobot_dir / "config.json").read_text())
+    config["vlm_model_name"] = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"  # as in lerobot/smolvla_base
+    (lerobot_dir / "config.json").write_text(json.dumps(config))
+
+    vlm_path = str(tiny_vlm_dir(TinyVLMSpec(image_size=IMAGE_SIZE)))
+    fresh = tiny_policy(seed=1, smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path})
+    for name, tensor in policy.vla.state_dict().items():
+        assert torch.equal(tensor, fresh.vla.state_dict()[name]), name
+
+    weights = load_file(str(lerobot_dir / "model.safetensors"))
+    dropped = "model.action_time_mlp_out.bias"
+    del weights[dropped]
+    save_file(weights, str(lerobot_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"lacks 1 of .*model\.action_time_mlp_out\.bias"):
+        tiny_policy(smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path})
+    with pytest.raises(CheckpointError, match="max_action_dim=4"):
+        tiny_policy(smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path, "max_action_dim": 8})
+
+
+# -- seed 001: summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------
+
+SEED_001 = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
+
+
+def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[str, float]:
+    """One real PPO step (the project's default actor_lr and clip_eps, Adam) on chains sampled by the
+    tiny SmolVLA with a 50-action chunk, then the next minibatch's clip fraction on the same chains."""
+    ppo = PPOConfig()
+    policy = tiny_policy(log_prob_normalization=normalization, **SEED_001)
+    obs = observations(policy, batch, seed=9)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        sample = sample_chain(policy, features, batch, generator=torch.Generator().manual_seed(10))
+    advantages = normalize(torch.randn(batch, generator=torch.Generator().manual_seed(11)))
+    critic = set(policy.critic_parameter_names())
+    optimizer = torch.optim.Adam([p for n, p in policy.named_parameters() if p.requires_grad and n not in critic], lr=ppo.actor_lr)
+    policy.train()
+    pg_loss, before = ppo_policy_loss(
+        chain_log_prob(policy, features, sample.chain).log_prob, sample.scores.log_prob, advantages, ppo.clip_eps
+    )
+    optimizer.zero_grad()
+    pg_loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        _, after = ppo_policy_loss(
+            chain_log_prob(policy, features, sample.chain).log_prob, sample.scores.log_prob, advantages, ppo.clip_eps
+        )
+    return {
+        "elements": num_log_prob_elements(policy),
+        "clipfrac_before": float(before["clipfrac"]),
+        "clipfrac": float(after["clipfrac"]),
+        "ratio_min": float(after["ratio_min"]),
+        "ratio_max": float(after["ratio_max"]),
+    }
+
+
+def test_seed_001_sum_aggregation_warns_and_clips_everything() -> None:
+    config = tiny_config(**SEED_001)
+    elements = config.chunk_size * config.action_dim * config.num_steps
+    with pytest.warns(RatioSensitivityWarning, match="log_prob_normalization='mean'"):
+        check_ratio_sensitivity(elements, config.sigma_min, "sum", PPOConfig().clip_eps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RatioSensitivityWarning)
+        check_ratio_sensitivity(elements, config.sigma_min, "mean", PPOConfig().clip_eps)
+
+    summed, averaged = clip_fraction_after_one_update("sum"), clip_fraction_after_one_update("mean")
+    print(f"\nseed 001 on SmolVLA's chunk: sum {summed}\n                              mean {averaged}")
+    assert summed["elements"] == averaged["elements"] == 200
+    assert summed["clipfrac_before"] == averaged["clipfrac_before"] == 0.0
+    assert summed["clipfrac"] >= 0.9
+    assert averaged["clipfrac"] <= 0.25
+
+
+if __name__ == "__main__":
+    for normalization in ("sum", "mean"):
+        print(normalization, clip_fraction_after_one_update(normalization))
