@@ -60,20 +60,26 @@ class RolloutActor:
         self.policy.load_state_dict(weights.to_tensors(), strict=False)  # copies into the actor's own tensors
         self.version = weights.version
 
+    def precision(self) -> torch.autocast:
+        """actors.precision: bfloat16 runs the policy under torch.autocast (weights stay float32, as broadcast)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.actors.precision == "bfloat16")
+
     def sample(self, weights: WeightsPayload | None, iteration: int) -> RolloutBatch:
         self.load_weights(weights)
         seed = rollout_seed(self.config.seed, iteration, self.actor_index)
         obs = self.vec_env.reset(seed)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        batch, _ = collect_rollout(
-            self.policy, self.vec_env, obs, self.config.actors.decisions_per_rollout, generator, self.version, self.actor_index
-        )
+        with self.precision():
+            batch, _ = collect_rollout(
+                self.policy, self.vec_env, obs, self.config.actors.decisions_per_rollout, generator, self.version, self.actor_index
+            )
         return batch
 
     def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout]) -> tuple[int, np.ndarray]:
         """Deterministic episodes on the given layouts; returns (weight version used, successes)."""
         self.load_weights(weights)
-        return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
+        with self.precision():
+            return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
 
     def pid(self) -> int:
         return os.getpid()

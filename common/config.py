@@ -166,12 +166,16 @@ class ActorsConfig:
     # them (cluster/*.yaml), so placement is decided by config, not code.
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
+    # Arithmetic of the actors' sampling: "float32", or "bfloat16" (torch.autocast over float32 weights; the
+    # learner stays float32 and warns when the behaviour log-probs drift: learner.behaviour_gap_warn).
+    precision: str = "float32"
 
     def validate(self, path: str = "actors") -> None:
         _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
         _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
         _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        _choice(self, path, "precision", ("float32", "bfloat16"))
 
 
 @dataclass

@@ -125,8 +125,15 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
         e = np.array(evals)
         ax.errorbar(e[:, 0], e[:, 1], yerr=[e[:, 1] - e[:, 2], e[:, 3] - e[:, 1]], fmt="o-", capsize=3,
                     label="held-out success (deterministic, 95% CI)")  # fmt: skip
+    return _save_success_plot(fig, ax, path, title, "success rate")
+
+
+def _save_success_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> Path:
+    """Success-rate axes (0 to 1 against env steps), titled, legend in the corner, written as a PNG."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("env steps")
-    ax.set_ylabel("success rate")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -173,13 +180,4 @@ def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Pat
     if len(per_seed) > 1 and shared:
         mean = np.array([np.mean([per_seed[s][i] for s in per_seed], axis=0) for i in shared])
         ax.plot(mean[:, 0], mean[:, 1], "k-", linewidth=2.5, label=f"mean of {len(per_seed)} seeds")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("held-out success (deterministic)")
-    ax.set_ylim(0, 1)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save_success_plot(fig, ax, path, title, "held-out success (deterministic)")

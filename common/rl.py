@@ -195,7 +195,7 @@ def group_advantages(returns: Tensor, std_normalization: bool, eps: float = 1e-4
     advantages = centred / (std + eps) if std_normalization else centred
     all_equal = (returns == returns[:, :1]).all(1)
     advantages = torch.where(all_equal[:, None], torch.zeros_like(advantages), advantages)
-    metrics = {"groups_all_equal": all_equal.sum(), "group_return_std": std.mean() if len(std) else torch.tensor(float("nan"))}
+    metrics = {"groups_all_equal": all_equal.sum(), "group_return_std": std.mean()}  # NaN with no groups
     return advantages, metrics
 
 
@@ -222,11 +222,12 @@ def grpo_advantages(
     num_groups = num_envs // group_size
     episode_index, complete, returns = episode_returns(rewards, discounts, terminated, truncated)
     num_episodes = int(episode_index.max()) + 1
-    env_ids = torch.arange(num_envs).expand(num_decisions, num_envs)
+    device = rewards.device
+    env_ids = torch.arange(num_envs, device=device).expand(num_decisions, num_envs)
     # (N, E) tables: every decision of an episode writes the same value, so repeated writes agree.
-    table_returns = torch.zeros(num_envs, num_episodes, dtype=rewards.dtype)
-    table_complete = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
-    table_started = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
+    table_returns = torch.zeros(num_envs, num_episodes, dtype=rewards.dtype, device=device)
+    table_complete = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=device)
+    table_started = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=device)
     table_returns[env_ids, episode_index] = returns
     table_complete[env_ids, episode_index] = complete
     table_started[env_ids, episode_index] = True
@@ -245,6 +246,6 @@ def grpo_advantages(
         "groups_incomplete": (group_started & ~group_complete).sum(),
         "episodes_cut_off": (table_started & ~table_complete).sum(),
         "masked_decision_frac": 1.0 - mask.float().mean(),
-        "episode_return": group_returns[group_complete].mean() if group_complete.any() else torch.tensor(float("nan")),
+        "episode_return": group_returns[group_complete].mean(),  # over complete groups; NaN with none
     })  # fmt: skip
     return advantages, mask, metrics

@@ -40,12 +40,13 @@ def decide(policy: FlowPolicy, obs: Observation, *, deterministic: bool, generat
     device = policy.obs_device
     features = policy.encode(obs.to_torch(device))
     sample = sample_chain(policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=device)
+    # .float(): under a bfloat16 autocast some outputs are bfloat16, which numpy cannot hold (a no-op in float32)
     return Decision(
-        chain=sample.chain.cpu().numpy(),
-        env_actions=policy.to_env_action(sample.chain[:, -1]).cpu().numpy(),
-        log_prob=sample.scores.log_prob.cpu().numpy(),
-        log_prob_per_element=sample.scores.log_prob_per_element.cpu().numpy(),
-        value=policy.value(features).cpu().numpy(),
+        chain=sample.chain.float().cpu().numpy(),
+        env_actions=policy.to_env_action(sample.chain[:, -1]).float().cpu().numpy(),
+        log_prob=sample.scores.log_prob.float().cpu().numpy(),
+        log_prob_per_element=sample.scores.log_prob_per_element.float().cpu().numpy(),
+        value=policy.value(features).float().cpu().numpy(),
     )
 
 

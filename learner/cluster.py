@@ -14,7 +14,8 @@
    and shows which node type hosts what.
 
 Resource requests are built here too (`learner_request`, `actor_request`) so that the driver and the
-check ask Ray for the same amounts.
+check ask Ray for the same amounts, and so is the driver's own Ray: `start_local_ray` (every port on
+127.0.0.1) or `node_cluster_address` (the cluster a cluster node already runs).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def actor_request(config: RunConfig, node_cpus: Sequence[float]) -> ResourceRequ
         return ResourceRequest(config.actors.num_cpus, config.actors.num_gpus, dict(config.actors.resources))
     learner_units = round(learner_request(config, sum(node_cpus)).num_cpus * RESOURCE_UNIT)
     free = [max(0, round(c * RESOURCE_UNIT) - learner_units) for c in node_cpus]
-    low, high = 1, max(free, default=0) // config.actors.num_actors or 1  # low always "fits" (Ray's minimum)
+    low, high = 1, max(free, default=0) or 1  # low always counts as fitting (Ray's smallest request)
     while low < high:  # largest per-actor amount with sum(floor(free / amount)) >= num_actors
         mid = (low + high + 1) // 2
         if sum(f // mid for f in free) >= config.actors.num_actors:
@@ -133,7 +134,15 @@ class Placement:
     free: dict[str, dict[str, float]]
 
 
-def start_local_ray(**init_kwargs: Any) -> None:
+def node_cluster_address() -> str | None:
+    """The cluster that `ray start` left on this machine (what a bare `ray.init()` joins: a cluster node's
+    /tmp/ray/ray_current_cluster), else None."""
+    from ray._private.services import find_bootstrap_address
+
+    return find_bootstrap_address(None)
+
+
+def start_local_ray(**init_kwargs: Any) -> Any:
     """Start a single-machine Ray whose every port (GCS, raylet, dashboard, agents, metrics export) is on 127.0.0.1.
 
     `ray.init(_node_ip_address="127.0.0.1")` alone is not enough on Linux: Ray resolves a loopback node
@@ -150,7 +159,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     try:
-        ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
+        return ray.init(address="local", _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)  # its RayContext
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:

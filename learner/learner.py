@@ -72,8 +72,8 @@ def check_groups_share_initial_states(obs: Tensor, ends: Tensor, group_size: int
     starts[1:] = ends[:-1]
     episode_index = ends.long().cumsum(0) - ends.long()
     num_episodes = int(episode_index.max()) + 1
-    first = torch.zeros(num_envs, num_episodes, obs_dim, dtype=obs.dtype)
-    started = torch.zeros(num_envs, num_episodes, dtype=torch.bool)
+    first = torch.zeros(num_envs, num_episodes, obs_dim, dtype=obs.dtype, device=obs.device)
+    started = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=obs.device)
     t_idx, n_idx = starts.nonzero(as_tuple=True)
     first[n_idx, episode_index[t_idx, n_idx]] = obs[t_idx, n_idx]
     started[n_idx, episode_index[t_idx, n_idx]] = True
@@ -162,6 +162,7 @@ class Learner:
         )
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
+        self.env_steps = 0  # env steps of every rollout trained on; saved with checkpoints so a resume counts on
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
@@ -175,9 +176,11 @@ class Learner:
 
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
-        """Recompute old log-probs and values with the current weights, then GAE (all in eval mode)."""
+        """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
+        values (PPO), or group-relative episode advantages keeping only complete groups' decisions (GRPO).
+        With a KL reference, also its scores of the same chains."""
         policy, cfg = self.policy, self.cfg
-        t = batch.tensors(RolloutBatch.PER_DECISION)
+        t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(RolloutBatch.PER_DECISION).items()}
         num_decisions, num_envs = batch.num_decisions, batch.num_envs
         b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
         b_next_obs = batch.observations(after_chunk=True).flatten_leading().to_torch(policy.obs_device)
@@ -327,7 +330,9 @@ class Learner:
                 mb_summary = {k: float(np.mean(v)) for k, v in mb_metrics.items()}
                 mb_summary["ratio_min"] = min(mb_metrics["ratio_min"])
                 mb_summary["ratio_max"] = max(mb_metrics["ratio_max"])
-                mb_summary.update(actor_grad_norm=float(actor_grad_norm), critic_grad_norm=float(critic_grad_norm))
+                mb_summary["actor_grad_norm"] = float(actor_grad_norm)
+                if self.critic_params:  # none with GRPO
+                    mb_summary["critic_grad_norm"] = float(critic_grad_norm)
                 for key, value in mb_summary.items():
                     history.setdefault(key, []).append(value)
                 if verbose:
@@ -343,6 +348,7 @@ class Learner:
 
         self.iteration += 1
         self.version += 1
+        self.env_steps += batch.env_steps
         metrics = dict(data.metrics)
         for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
                     "kl_ref"):  # fmt: skip
@@ -368,7 +374,7 @@ class Learner:
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Policy (save_pretrained) + optimiser/iteration state, written to a temp dir then renamed."""
         state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
-                 "config_fingerprint": self.config.fingerprint()}  # fmt: skip
+                 "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint()}  # fmt: skip
 
         def write(tmp: Path) -> None:
             self.policy.save_pretrained(tmp)
@@ -379,12 +385,13 @@ class Learner:
         return write_directory_atomically(directory, write)
 
     def load_trainer_state(self, directory: str | Path) -> None:
-        """Restore optimiser, iteration and version (the policy itself is loaded with from_pretrained)."""
+        """Restore optimiser, iteration, version and env steps (the policy itself is loaded with from_pretrained)."""
         path = Path(directory) / TRAINER_STATE_FILE
         state = torch.load(path, weights_only=True)  # never plain pickle for files from disk
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration = int(state["iteration"])
         self.version = int(state["version"])
+        self.env_steps = int(state["env_steps"])
         if self.reference is not None:
             reference_dir = Path(directory) / REFERENCE_DIR
             if not reference_dir.is_dir():

@@ -34,7 +34,7 @@ from common.flow import num_log_prob_elements
 from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
 from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, build_policy
 from common.trajectory import RolloutBatch
-from learner.cluster import actor_request, check_cluster, learner_request, start_local_ray
+from learner.cluster import actor_request, check_cluster, learner_request, node_cluster_address, start_local_ray
 from learner.learner import Learner
 from learner.manifest import file_sha256, reproducibility_manifest
 from learner.monitoring import GaugeExporter, actor_health, per_actor_metrics
@@ -51,13 +51,16 @@ class LearnerActor:
             policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
         else:
             policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
+        # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
+        policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.learner = Learner(config, policy)
         if resume_dir is not None:
             self.learner.load_trainer_state(resume_dir)
         self.gauges = GaugeExporter(config.env.task)
 
     def progress(self) -> tuple[int, int]:
-        return self.learner.iteration, self.learner.version
+        """(completed iterations, env steps trained on), both restored from the checkpoint on resume."""
+        return self.learner.iteration, self.learner.env_steps
 
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         for batch in batches:
@@ -184,7 +187,7 @@ def start_workers(
 ) -> tuple[Any, list[Any]]:
     """Start or join Ray, print the banner, and bring up the learner and the rollout actors."""
     if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
+        address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()  # on a cluster node: join it
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
@@ -241,7 +244,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, *
         raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
 
     learner, actors = start_workers(config, checkpoint, resume_dir, address, include_dashboard)
-    start_iteration, _ = ray.get(learner.progress.remote())
+    start_iteration, total_env_steps = ray.get(learner.progress.remote())
     weights_ref = ray.get(learner.publish.remote())[0]
     print(f"[start] {len(actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
 
@@ -249,9 +252,6 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, *
     wandb_run = None if single_batch else init_wandb(config, run_dir, resume)
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.is_file() else {}
-    # Resuming after a crash: the metrics log (written every iteration) knows the step count at the checkpoint.
-    resumed_rows = [r for r in metrics_log.read() if r["iteration"] == start_iteration]
-    total_env_steps = int(resumed_rows[0]["rollout/total_env_steps"]) if resumed_rows else 0
 
     def run_eval(label: str) -> dict[str, float]:
         t0 = time.perf_counter()

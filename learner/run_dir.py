@@ -125,22 +125,29 @@ class RunDirectory:
 
     def config_changes(self, config: RunConfig) -> dict[str, tuple[Any, Any]]:
         """field -> (stored, now) for every field that differs from the run's recorded config."""
-        path = self.path / RUN_CONFIG_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"--resume: {path} is missing, so the run's config cannot be checked")
-        stored, current = flatten(json.loads(path.read_text())), flatten(config.to_dict())
+        stored, current = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text())), flatten(config.to_dict())
         return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)}
 
     def resume(self, config: RunConfig, allowed: frozenset[str] | set[str] = frozenset()) -> Path:
-        """The checkpoint to continue from, after checking that the config is the run's own (bar allowed fields)."""
-        refused = {k: v for k, v in self.config_changes(config).items() if k not in SAFE_ON_RESUME | set(allowed)}
+        """The checkpoint to continue from, after checking that the config is the run's own (bar allowed fields).
+
+        `iterations` may grow, which extends the run (the learning-rate schedule then stretches over the new
+        total from the checkpoint on), but never to or below the iterations the checkpoint has completed."""
+        checkpoint = self.latest_checkpoint()
+        completed = int(checkpoint.name.removeprefix("iter_"))
+        if config.iterations <= completed:
+            raise ConfigError(f"--resume: iterations={config.iterations} but {checkpoint} has completed {completed}: ask for more")
+        if not (self.path / RUN_CONFIG_FILE).is_file():  # a run directory written before configs were recorded
+            print(f"[run_dir] {self.path / RUN_CONFIG_FILE} is missing: the config cannot be compared with the run's", flush=True)
+            return checkpoint
+        refused = {k: v for k, v in self.config_changes(config).items() if k not in SAFE_ON_RESUME | {"iterations"} | set(allowed)}
         if refused:
             listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
             raise ConfigError(
                 f"--resume with a config that differs from the run's ({self.path / RUN_CONFIG_FILE}): {listing}. "
                 "Resume with the run's own config, or pass --allow-config-change FIELD for each change you intend"
             )
-        return self.latest_checkpoint()
+        return checkpoint
 
     # -- checkpoints --------------------------------------------------------------------------------
 

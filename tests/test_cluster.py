@@ -11,7 +11,7 @@ import ray
 import yaml
 
 from common.config import ConfigError, RunConfig, load_config
-from learner.cluster import NodeType, ResourceRequest, check_cluster, plan_placement
+from learner.cluster import NodeType, ResourceRequest, actor_request, check_cluster, plan_placement
 from learner.main import main, run
 from tests.conftest import tiny_config
 
@@ -54,12 +54,25 @@ def _set(data: dict, func) -> dict:
     return data
 
 
+def _rename_instance_type(d: dict) -> None:
+    node_config = _worker(d)["node_config"]
+    node_config["InstanceTyp"] = node_config.pop("InstanceType")
+
+
+def _replace_in(key: str, old: str, new: str):
+    return lambda d: d.update({key: [c.replace(old, new) for c in d[key]]})
+
+
+OPEN_8000_9000 = [{"IpProtocol": "tcp", "FromPort": 8000, "ToPort": 9000, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
+NO_CPU_FLAG = ["RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379"]
+
 BROKEN = {
-    "typo in node_config": (_set(_h200(), lambda d: _worker(d)["node_config"].update(InstanceTyp=_worker(d)["node_config"].pop("InstanceType"))),
+    "typo in node_config": (_set(_h200(), _rename_instance_type),
                             r"gpu_worker\.node_config\.InstanceTyp is not a field EC2 knows: did you mean InstanceType"),
     "typo in a disk field": (_set(_h200(), lambda d: _worker(d)["node_config"]["BlockDeviceMappings"][0]["Ebs"].update(VolumeSiz=100)),
                              r"BlockDeviceMappings\[0\]\.Ebs\.VolumeSiz is not a field EC2 knows: did you mean VolumeSize"),
-    "negative min_workers": (_set(_h200(), lambda d: _worker(d).update(min_workers=-1)), r"gpu_worker\.min_workers/max_workers must be >= 0"),
+    "negative min_workers": (_set(_h200(), lambda d: _worker(d).update(min_workers=-1)),
+                             r"gpu_worker\.min_workers/max_workers must be >= 0"),
     "min above max": (_set(_h200(), lambda d: _worker(d).update(min_workers=2, max_workers=1)),
                       r"gpu_worker\.min_workers \(2\) must not exceed max_workers \(1\)"),
     "more GPUs than the instance has": (_set(_h200(), lambda d: _worker(d)["resources"].update(GPU=16)),
@@ -68,18 +81,17 @@ BROKEN = {
                                               r"gpu_worker\.resources must declare CPU and GPU"),
     "slices that do not fit": (_set(_h200(), lambda d: _worker(d)["resources"].update(rollout_gpu=0)),
                                r"actors\.resources\.rollout_gpu: no node type .* declares 'rollout_gpu'"),
-    "dashboard opened": (_set(_h200(), lambda d: d.update(head_start_ray_commands=[c.replace("127.0.0.1", "0.0.0.0") for c in d["head_start_ray_commands"]])),
+    "dashboard opened": (_set(_h200(), _replace_in("head_start_ray_commands", "127.0.0.1", "0.0.0.0")),
                          r"binds the dashboard to 0\.0\.0\.0"),
-    "dashboard port in the security group": (
-        _set(_h200(), lambda d: d["provider"]["security_group"].update(
-            IpPermissions=[{"IpProtocol": "tcp", "FromPort": 8000, "ToPort": 9000, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}])),
-        r"IpPermissions\[0\] opens 8265 \(dashboard\), 8080 \(metrics export\) to the internet"),
-    "token auth off": (_set(_h200(), lambda d: d.update(worker_start_ray_commands=[c.replace("RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled")
-                                                                                  for c in d["worker_start_ray_commands"]])),
+    "dashboard port in the security group": (_set(_h200(), lambda d: d["provider"]["security_group"].update(IpPermissions=OPEN_8000_9000)),
+                                             r"IpPermissions\[0\] opens 8265 \(dashboard\), 8080 \(metrics export\) to the internet"),
+    "token auth off": (_set(_h200(), _replace_in("worker_start_ray_commands", "RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled")),
                        r"worker_start_ray_commands must start Ray with RAY_AUTH_MODE=token"),
-    "unknown top-level field (Ray's schema)": (_set(_h200(), lambda d: d.update(max_worker=3)), r"Ray's schema rejects top level.*max_worker"),
-    "head type not among node types (Ray)": (_set(_h200(), lambda d: d.update(head_node_type="headd")), r"Ray rejects it: .*head_node_type"),
-    "local worker without --num-cpus": (_set(_local(), lambda d: d.update(worker_start_ray_commands=["RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379"])),
+    "unknown top-level field (Ray's schema)": (_set(_h200(), lambda d: d.update(max_worker=3)),
+                                               r"Ray's schema rejects top level.*max_worker"),
+    "head type not among node types (Ray)": (_set(_h200(), lambda d: d.update(head_node_type="headd")),
+                                             r"Ray rejects it: .*head_node_type"),
+    "local worker without --num-cpus": (_set(_local(), lambda d: d.update(worker_start_ray_commands=NO_CPU_FLAG)),
                                         r"worker_start_ray_commands must pass --num-cpus"),
     "local without worker_ips (Ray)": (_set(_local(), lambda d: d["provider"].pop("worker_ips")), r"Ray rejects it: .*worker_ips"),
 }  # fmt: skip
@@ -113,6 +125,19 @@ def test_first_fit_places_as_many_slices_as_a_hand_count_allows(slice_size: floa
     assert plan.actors == ["gpu#0"] * capacity
     with pytest.raises(ConfigError, match="does not fit"):
         plan_placement([node], learner, actor, capacity + 1, "test")
+
+
+@pytest.mark.parametrize("node_cpus", [[2], [6, 6], [0, 4, 4], [1, 1, 1], [3, 5]])
+@pytest.mark.parametrize("num_actors", [1, 2, 3, 10])
+def test_unset_actor_cpus_are_the_largest_split_that_fits_every_actor_whole(node_cpus: list[float], num_actors: int) -> None:
+    config = load_config(None, [f"actors.num_actors={num_actors}"])
+    learner_units = round(min(0.5, sum(node_cpus) / 4) * 10_000)
+    free = [max(0, c * 10_000 - learner_units) for c in node_cpus]
+    fitting = [u for u in range(1, max(free) + 1) if sum(f // u for f in free) >= num_actors]  # brute force over Ray's units
+    expected = max(fitting, default=1) / 10_000
+    assert actor_request(config, node_cpus).num_cpus == pytest.approx(expected, abs=1e-12)
+    if len(node_cpus) == 1:  # one machine: the old rule, (CPUs - learner) / actors
+        assert expected == pytest.approx((node_cpus[0] - min(0.5, node_cpus[0] / 4)) / num_actors, abs=1e-4)
 
 
 def test_check_cluster_flag_prints_the_plan_and_starts_no_ray(capsys) -> None:
@@ -151,7 +176,8 @@ def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: 
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         run(config, address=cluster.address)
-        placed = {(a.class_name, a.node_id) for a in list_actors(detail=True, limit=1000) if a.class_name in ("LearnerActor", "RolloutActor")}
+        ours = ("LearnerActor", "RolloutActor")
+        placed = {(a.class_name, a.node_id) for a in list_actors(detail=True, limit=1000) if a.class_name in ours}
         intended = {("LearnerActor", cluster.head_node.node_id)} | {("RolloutActor", w.node_id) for w in workers}
     finally:
         ray.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -16,10 +17,12 @@ import ray
 
 from learner.cluster import start_local_ray
 from learner.main import run
+from learner.monitoring import gauge_name
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.slow
 
+GRAFANA = Path(__file__).resolve().parents[1] / "cluster" / "grafana_dashboard.json"
 SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
 
 
@@ -92,7 +95,7 @@ def test_local_run_listens_on_loopback_only_and_exports_tagged_gauges(tmp_path, 
             seen.update(ray_listeners())
             stop.wait(1.0)
 
-    start_local_ray(num_cpus=2, include_dashboard=True, log_to_driver=False)
+    dashboard_port = int(start_local_ray(num_cpus=2, include_dashboard=True, log_to_driver=False).dashboard_url.rsplit(":", 1)[1])
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -112,7 +115,7 @@ def test_local_run_listens_on_loopback_only_and_exports_tagged_gauges(tmp_path, 
 
     assert node_address == "127.0.0.1"
     assert len({pid for pid, _, _ in seen}) >= 4  # the driver, GCS, raylet, dashboard, agents and workers were watched
-    assert any(port_ == 8265 for _, _, port_ in seen)  # the dashboard was up
+    assert any(port_ == dashboard_port for _, _, port_ in seen)  # the dashboard was up and watched
     exposed = sorted((address, port_) for _, address, port_ in seen if not is_loopback(address))
     assert not exposed, f"Ray listens beyond loopback on {exposed}"
 
@@ -131,3 +134,10 @@ def test_local_run_listens_on_loopback_only_and_exports_tagged_gauges(tmp_path, 
         series = {labels["actor"]: value for labels, value in by_name[name]}
         assert sorted(series) == ["0", "1"], f"{name}: expected one series per actor, got {series}"
         assert all(low <= value <= high for value in series.values()), f"{name}: {series}"
+    # The shipped Grafana dashboard queries only metrics that a run really exports (or logs as NaN: in this tiny
+    # run no episode ends during a rollout, so rollout/success_rate is NaN and its gauge is not set).
+    last_row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    nan_gauges = {"ray_" + gauge_name(key) for key, value in last_row.items() if value is None}  # the log writes NaN as null
+    queried = set(re.findall(r"ray_flowrl_\w+", GRAFANA.read_text()))
+    unknown = queried - set(by_name) - nan_gauges
+    assert len(queried) >= 10 and not unknown, f"dashboard queries metrics no run exports: {sorted(unknown)}"

@@ -170,6 +170,25 @@ def test_reference_shares_frozen_parts_and_copies_trainable_ones() -> None:
     assert policy.velocity_net[0].weight.requires_grad  # the policy itself is untouched
 
 
+def test_smolvla_reference_copies_only_what_trains() -> None:
+    """With the VLM frozen, the reference holds a copy of the trained heads only and scores like the policy."""
+    from tests.test_smolvla import observations, tiny_policy
+
+    policy = tiny_policy().eval()
+    reference = frozen_reference(policy)
+    policy_storage = {p.data_ptr() for p in policy.parameters()}
+    copied = [p for p in reference.parameters() if p.data_ptr() not in policy_storage]
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in copied) == sum(p.numel() for p in trainable) < sum(p.numel() for p in policy.parameters()) / 5
+    obs = observations(policy, 4)
+    with torch.no_grad():
+        features = policy.encode(obs)  # the frozen encoder's features serve both (Learner.prepare relies on this)
+        chains = sample_chain(policy, features, 4).chain
+        kl, _ = kl_to_reference(chain_log_prob(policy, features, chains), chain_log_prob(reference, reference.encode(obs), chains),
+                                num_log_prob_elements(policy), "exact")  # fmt: skip
+    assert torch.equal(kl, torch.zeros_like(kl))
+
+
 # -- the learner and the rollout actors ------------------------------------------------------------
 
 

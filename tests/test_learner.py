@@ -108,7 +108,7 @@ def test_checkpoint_resume_reproduces_weights(setup, tmp_path, bc_checkpoint) ->
             learner.save_checkpoint(tmp_path / "k1")
     resumed = Learner(config, FlowPolicy.from_pretrained(tmp_path / "k1"))
     resumed.load_trainer_state(tmp_path / "k1")
-    assert (resumed.iteration, resumed.version) == (1, 1)
+    assert (resumed.iteration, resumed.version, resumed.env_steps) == (1, 1, batches[0].env_steps)  # counts on, not from 0
     fresh_actor = RolloutActor(config, 0, tmp_path / "k1")
     for it in (1, 2):
         batch = fresh_actor.sample(resumed.broadcast(), it)
@@ -116,6 +116,7 @@ def test_checkpoint_resume_reproduces_weights(setup, tmp_path, bc_checkpoint) ->
         resumed.update(batch)
     for name, tensor in learner.policy.state_dict().items():
         assert torch.equal(tensor, resumed.policy.state_dict()[name]), name
+    assert resumed.env_steps == learner.env_steps == sum(b.env_steps for b in batches)
 
 
 def test_lr_schedule(setup) -> None:

@@ -204,3 +204,15 @@ def test_behaviour_gap_warning_names_both_precisions(tmp_path, bc_checkpoint) ->
         learner.prepare(dataclasses.replace(shifted, weight_version=learner.version - 1))  # weight lag explains a gap
         config.learner.behaviour_gap_warn = None
         learner.prepare(shifted)
+
+
+def test_bfloat16_actors_against_a_float32_learner_warn_and_still_pass_the_ratio_check(tmp_path, bc_checkpoint) -> None:
+    """A real precision gap: the actor samples under a bfloat16 autocast, the learner rescores in float32."""
+    config = tiny_config(tmp_path, **{"actors.precision": "bfloat16"})
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(learner.broadcast(), 0)
+    assert batch.actor_precision == "bfloat16 autocast over float32 weights on cpu" and batch.chains.dtype == np.float32
+    with pytest.warns(BehaviourGapWarning, match="actors bfloat16 autocast over float32 weights on cpu, learner float32 on cpu"):
+        metrics = learner.update(batch)
+    assert metrics["logprob/behaviour_gap_max"] > config.learner.behaviour_gap_warn
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5  # the learner's own old and new log-probs still agree

@@ -37,22 +37,23 @@ def test_empty_run_dir_is_refused() -> None:
         RunDirectory("  ")
 
 
-def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path) -> None:
+def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path, bc_checkpoint) -> None:
     config = tiny_config(tmp_path)
     directory = RunDirectory(config.run_dir)
     with directory.locked():
         directory.start_new(config)
-        directory.checkpoints.mkdir()
+        Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)).save_checkpoint(directory.checkpoints / "iter_000001")
         directory.write_latest("iter_000001")
         with pytest.raises(FileExistsError, match="already holds a run"):
             directory.start_new(config)
     changed = tiny_config(tmp_path, seed=3, **{"learner.clip_eps": 0.05, "eval_every": 7})
     assert directory.config_changes(changed) == {"seed": (0, 3), "learner.clip_eps": (0.02, 0.05), "eval_every": (0, 7)}
-    with pytest.raises(ConfigError, match=r"learner\.clip_eps: 0\.02 -> 0\.05; seed: 0 -> 3"):
+    with pytest.raises(ConfigError, match=r"learner\.clip_eps: 0\.02 -> 0\.05; seed: 0 -> 3\. Resume"):
         directory.resume(changed)  # eval_every is safe to change and is not listed
-    (directory.checkpoints / "latest").unlink()
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):  # allowed: goes on to look for the checkpoint (none here)
-        directory.resume(changed, {"seed", "learner.clip_eps"})
+    assert directory.resume(changed, {"seed", "learner.clip_eps"}).name == "iter_000001"
+    assert directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"  # extending the run is fine
+    with pytest.raises(ConfigError, match="iterations=1 but .* has completed 1"):
+        directory.resume(tiny_config(tmp_path, iterations=1))
 
 
 @pytest.fixture()

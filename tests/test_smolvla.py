@@ -2,32 +2,28 @@
 model, parity with lerobot's own sampler, the ratio check, what trains, strict loading, eval-mode guard,
 and seed 001's ratio sensitivity on SmolVLA's 50-action chunk.
 
-`python tests/test_smolvla.py` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
+`python -m tests.test_smolvla` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `python tests/test_smolvla.py`
-
-from common.config import ConfigError, PolicyConfig, PPOConfig, SmolVLAConfig  # noqa: E402
-from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity  # noqa: E402
-from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition  # noqa: E402
-from common.observation import Observation  # noqa: E402
-from common.policy import CheckpointError, FlowPolicy, build_policy, index_features  # noqa: E402
-from common.policy.smolvla import SmolVLAFlowPolicy, lerobot_flow_time  # noqa: E402
-from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir  # noqa: E402
-from common.rl import normalize, ppo_policy_loss, value_loss  # noqa: E402
+from common.config import ConfigError, PolicyConfig, PPOConfig, SmolVLAConfig
+from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
+from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
+from common.observation import Observation
+from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
+from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy, lerobot_flow_time
+from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from common.rl import normalize, ppo_policy_loss, value_loss
 
 IMAGE_SIZE = 32
 INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
@@ -163,6 +159,20 @@ def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:
     assert learner.noise_head[0].weight.grad is not None and learner.vla.model.action_out_proj.weight.grad is not None
 
 
+def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path) -> None:
+    """Mixed precision: a bf16 VLM + expert (fp32 heads) samples; the fp32 learner's log-probs then differ
+    by a small, nonzero gap (the metric the learner logs), not by the ratio check's 1e-5."""
+    policy.save_pretrained(tmp_path / "ckpt")
+    actor = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt").set_backbone_dtype(torch.bfloat16)
+    assert actor.precision == "bfloat16+float32 on cpu"
+    obs = observations(policy, 4, seed=12)
+    with torch.no_grad():
+        sample = sample_chain(actor, actor.encode(obs), 4, generator=torch.Generator().manual_seed(13))
+        rescored = chain_log_prob(policy, policy.encode(obs), sample.chain)
+    gap = (rescored.log_prob - sample.scores.log_prob).abs().max()
+    assert 1e-5 < gap < 0.05
+
+
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
     """Seed 000: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
     VLM has attention dropout 0.1 in its vision tower; with the VLM trainable, lerobot's own train() no
@@ -280,6 +290,11 @@ def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, 
     save_file(weights, str(lerobot_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"lacks 1 of .*model\.action_time_mlp_out\.bias"):
         tiny_policy(smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path})
+    # For contrast, lerobot's own loader (its VLM pointed at the local backbone) accepts the same file and
+    # leaves the missing tensor at its random initialisation without a word.
+    (lerobot_dir / "config.json").write_text(json.dumps({**config, "vlm_model_name": vlm_path}))
+    silently_random = SmolVLAPolicy.from_pretrained(str(lerobot_dir))
+    assert not torch.equal(silently_random.model.action_time_mlp_out.bias, policy.vla.model.action_time_mlp_out.bias)
     with pytest.raises(CheckpointError, match="max_action_dim=4"):
         tiny_policy(smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path, "max_action_dim": 8})
 

@@ -78,8 +78,10 @@ def test_two_actor_iteration_on_local_ray_with_frames_and_instruction(smolvla_bc
 
     run_dir = tmp_path / "run"
     sets = ["actors.envs_per_actor=1", "actors.decisions_per_rollout=4", "env.max_episode_steps=20", "learner.minibatch_size=4",
-            "learner.update_epochs=1", "learner.critic_warmup_iters=0", "eval_every=0", "eval_episodes=2", "checkpoint_every=1"]  # fmt: skip
-    argv = ["--config", str(TINY_CONFIG), "--num-actors", "2", "--iterations", "1", "--run-dir", str(run_dir), "--checkpoint", str(smolvla_bc)]
+            "learner.update_epochs=1", "learner.critic_warmup_iters=0", "eval_every=0", "eval_episodes=2",
+            "checkpoint_every=1"]  # fmt: skip
+    argv = ["--config", str(TINY_CONFIG), "--num-actors", "2", "--iterations", "1", "--run-dir", str(run_dir),
+            "--checkpoint", str(smolvla_bc)]  # fmt: skip
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert main(argv + [arg for item in sets for arg in ("--set", item)]) == 0
@@ -88,7 +90,8 @@ def test_two_actor_iteration_on_local_ray_with_frames_and_instruction(smolvla_bc
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5 and row["rollout/weight_version"] == 0
     assert row["logprob/behaviour_gap_max"] < 1e-4 and row["rollout/env_steps"] == 2 * 4 * 4
-    before, after = load_file(str(smolvla_bc / "model.safetensors")), load_file(str(run_dir / "checkpoints" / "iter_000001" / "model.safetensors"))
+    before = load_file(str(smolvla_bc / "model.safetensors"))
+    after = load_file(str(run_dir / "checkpoints" / "iter_000001" / "model.safetensors"))
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert any(k.startswith("vla.model.action_out_proj") for k in changed) and any(k.startswith("critic_head") for k in changed)
     assert not any(".vlm." in k or k.startswith("vla.model.state_proj") for k in changed)  # the frozen VLM is bit-identical

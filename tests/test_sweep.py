@@ -15,6 +15,7 @@ from tests.conftest import tiny_config
 
 @pytest.fixture()
 def local_ray():
+    ray.shutdown()  # the sweep sizes its trials from the Ray it starts, not from one an earlier test module left up
     yield
     ray.shutdown()
 

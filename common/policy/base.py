@@ -74,9 +74,13 @@ class FlowPolicy(nn.Module, ABC):
 
     @property
     def precision(self) -> str:
-        """Parameter dtype(s) and device, e.g. 'float32 on cpu' (actors and learner may differ)."""
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in self.parameters()})
-        return f"{'+'.join(dtypes)} on {self.obs_device}"
+        """The arithmetic this policy runs in right now, e.g. 'float32 on cpu', or 'bfloat16 autocast over
+        float32 weights on cuda:0' inside torch.autocast (actors and learner may differ)."""
+        device = self.obs_device
+        weights = "+".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.parameters()}))
+        if torch.is_autocast_enabled(device.type):
+            return f"{str(torch.get_autocast_dtype(device.type)).removeprefix('torch.')} autocast over {weights} weights on {device}"
+        return f"{weights} on {device}"
 
     @abstractmethod
     def encode(self, obs: Observation) -> Any:

@@ -224,6 +224,14 @@ class SmolVLAFlowPolicy(FlowPolicy):
         """Bytes sent to actors per weight version (the trainable tensors only)."""
         return sum(t.numel() * t.element_size() for t in self.broadcast_state().values())
 
+    def set_backbone_dtype(self, dtype: torch.dtype) -> SmolVLAFlowPolicy:
+        """Cast the VLM and the action expert (e.g. bf16 actors on GPU slices); the projections, noise head
+        and critic stay float32, as lerobot expects (it casts the expert output to float32 before
+        action_out_proj). The learner keeps float32; the behaviour-vs-learner log-prob gap this opens is
+        a logged metric."""
+        self.vla.model.vlm_with_expert.to(dtype)
+        return self
+
     def train(self, mode: bool = True) -> SmolVLAFlowPolicy:
         """Heads follow `mode`; the lerobot model stays in eval mode whatever is asked. Seed 000: a wrapper's
         .train() switched SmolVLA's dropout on, so recomputed log-probs differed from the behaviour ones by
