@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ray.util import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.config import ConfigError, RunConfig
 
@@ -72,6 +74,11 @@ AWS_INSTANCE_HARDWARE = {
 PRIVATE_PORTS = {8265: "dashboard", 3000: "Grafana", 9090: "Prometheus", 6379: "GCS", 10001: "Ray client", 8080: "metrics export"}
 
 
+# A run inside a placement group (learner.sweep's trials) finds its bundles in this order: the trial's own
+# process, the learner, then one per rollout actor.
+LEARNER_BUNDLE, FIRST_ACTOR_BUNDLE = 1, 2
+
+
 @dataclass(frozen=True)
 class ResourceRequest:
     """What one Ray actor asks for; `amounts()` is the bundle the placement check packs."""
@@ -83,9 +90,18 @@ class ResourceRequest:
     def amounts(self) -> dict[str, float]:
         return {k: v for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items() if v > 0}
 
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments for `ray.remote(...).options(...)`."""
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+    def options(self, bundle_index: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for `ray.remote(...).options(...)`.
+
+        Inside a placement group (a sweep trial), `bundle_index` pins the actor to its own bundle. Left to
+        Ray's any-bundle default, the learner may take part of an actor's bundle, and the last actor, which
+        needs a whole bundle, then stays pending forever although the group has room in sum.
+        """
+        options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+        group = get_current_placement_group()
+        if group is not None and bundle_index is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
+        return options
 
 
 def learner_request(config: RunConfig, cluster_cpus: float) -> ResourceRequest:

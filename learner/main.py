@@ -34,7 +34,15 @@ from common.flow import num_log_prob_elements
 from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
 from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, build_policy
 from common.trajectory import RolloutBatch
-from learner.cluster import actor_request, check_cluster, learner_request, node_cluster_address, start_local_ray
+from learner.cluster import (
+    FIRST_ACTOR_BUNDLE,
+    LEARNER_BUNDLE,
+    actor_request,
+    check_cluster,
+    learner_request,
+    node_cluster_address,
+    start_local_ray,
+)
 from learner.learner import Learner
 from learner.manifest import file_sha256, reproducibility_manifest
 from learner.monitoring import GaugeExporter, actor_health, per_actor_metrics
@@ -209,14 +217,18 @@ def start_workers(
 
     learner = (
         ray.remote(LearnerActor)
-        .options(**learner_resources.options())
+        .options(**learner_resources.options(bundle_index=LEARNER_BUNDLE))
         .remote(config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
     )
     actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
     if actor_checkpoint is None:  # random-init run: actors start from the learner's random weights, saved for them
         actor_checkpoint = ray.get(learner.save.remote(str(Path(config.run_dir) / "checkpoints" / "random_init")))
-    remote_actor = ray.remote(RolloutActor).options(**actor_resources.options(), max_restarts=config.actors.max_restarts)
-    actors = [remote_actor.remote(config, i, actor_checkpoint) for i in range(config.actors.num_actors)]
+    remote_actor = ray.remote(RolloutActor)
+    actors = [
+        remote_actor.options(**actor_resources.options(bundle_index=FIRST_ACTOR_BUNDLE + i), max_restarts=config.actors.max_restarts)
+        .remote(config, i, actor_checkpoint)
+        for i in range(config.actors.num_actors)
+    ]
     ray.get([actor.pid.remote() for actor in actors])  # wait until every actor is up: timings start clean
     return learner, actors
 

@@ -45,7 +45,8 @@ def trial_config(base: RunConfig, seed: int, sweep_dir: Path, node_cpus: float) 
 
 
 def placement_bundles(config: RunConfig) -> list[dict[str, float]]:
-    """The trial's reservation: its own process first (Tune's convention), then the learner, then each actor."""
+    """The trial's reservation: its own process first (Tune's convention), then the learner, then each actor, in
+    the order LEARNER_BUNDLE and FIRST_ACTOR_BUNDLE name."""
     cpus = config.learner.num_cpus + config.actors.num_cpus * config.actors.num_actors  # both pinned by trial_config
     learner, actor = learner_request(config, cpus), actor_request(config, [cpus])
     return [{"CPU": TRIAL_CPUS}, learner.amounts()] + [actor.amounts()] * config.actors.num_actors
