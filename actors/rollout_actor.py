@@ -40,6 +40,8 @@ class RolloutActor:
         # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.
         self.device = torch.device("cuda" if config.actors.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
+        if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
+            self.policy.set_backbone_dtype(torch.bfloat16)
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
@@ -61,7 +63,8 @@ class RolloutActor:
         self.version = weights.version
 
     def precision(self) -> torch.autocast:
-        """actors.precision: bfloat16 runs the policy under torch.autocast (weights stay float32, as broadcast)."""
+        """actors.precision: bfloat16 runs the policy under torch.autocast. Weights stay float32, as broadcast,
+        except a backbone's (set_backbone_dtype in __init__): autocast recasts frozen weights at every call."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.actors.precision == "bfloat16")
 
     def sample(self, weights: WeightsPayload | None, iteration: int) -> RolloutBatch:
@@ -74,6 +77,12 @@ class RolloutActor:
                 self.policy, self.vec_env, obs, self.config.actors.decisions_per_rollout, generator, self.version, self.actor_index
             )
         return batch
+
+    def sample_with_receipt(self, weights: WeightsPayload | None, iteration: int) -> tuple[dict[str, int], RolloutBatch]:
+        """sample() as two Ray results: a small receipt, which the driver fetches to learn that the call succeeded,
+        and the batch, which goes from the object store straight to the learner."""
+        batch = self.sample(weights, iteration)
+        return {"env_steps": batch.env_steps, "pid": os.getpid()}, batch
 
     def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout]) -> tuple[int, np.ndarray]:
         """Deterministic episodes on the given layouts; returns (weight version used, successes)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -104,6 +105,9 @@ class PolicyConfig:
         )
         _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         _choice(self, path, "log_prob_normalization", ("mean", "sum"))
+        from common.policy.base import POLICY_TYPES  # the backend registry (imported here: it imports this module)
+
+        _require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
         self.smolvla.validate(f"{path}.smolvla")
         if self.type == "smolvla":
             _require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type smolvla (it reads camera frames), got 0")
@@ -126,6 +130,9 @@ class PolicyConfig:
         return self.chunk_size * self.action_dim
 
 
+METAWORLD_MAX_EPISODE_STEPS = 500  # Metaworld v3's max_path_length: its envs truncate every episode there
+
+
 @dataclass
 class EnvConfig:
     """The task, episode rules, and which Metaworld layouts each phase may see."""
@@ -142,9 +149,17 @@ class EnvConfig:
 
     def validate(self, path: str = "env") -> None:
         _positive(self, path, "max_episode_steps")
+        _require(
+            self.max_episode_steps <= METAWORLD_MAX_EPISODE_STEPS,
+            f"{path}.max_episode_steps ({self.max_episode_steps}) exceeds Metaworld's episode limit ({METAWORLD_MAX_EPISODE_STEPS}): "
+            "the env would end episodes there anyway",
+        )
         _choice(self, path, "reward", ("success", "dense"))
-        _require(len(self.train_benchmark_seeds) > 0, f"{path}.train_benchmark_seeds must not be empty")
-        _require(len(self.eval_benchmark_seeds) > 0, f"{path}.eval_benchmark_seeds must not be empty")
+        _require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
+        for name in ("train_benchmark_seeds", "eval_benchmark_seeds"):
+            seeds = getattr(self, name)
+            _require(len(seeds) > 0, f"{path}.{name} must not be empty")
+            _require(min(seeds) >= 0 and len(set(seeds)) == len(seeds), f"{path}.{name} must be distinct seeds >= 0, got {seeds}")
         overlap = (set(self.train_benchmark_seeds) | {self.demo_benchmark_seed}) & set(self.eval_benchmark_seeds)
         _require(
             not overlap,
@@ -165,7 +180,13 @@ class ActorsConfig:
     # Custom Ray resources per actor, e.g. {rollout_gpu: 0.1}: pins actors to the node types that declare
     # them (cluster/*.yaml), so placement is decided by config, not code.
     resources: dict[str, float] = field(default_factory=dict)
-    max_restarts: int = 3
+    max_restarts: int = 3  # per actor: a dead or wedged actor is restarted and its call retried this many times
+    # Seconds one sample/evaluate call may take before its actor counts as wedged: it is killed, restarted and
+    # the call retried; the retry's allowance includes the restarted actor's start-up (a SmolVLA actor on CPU
+    # needs minutes per rollout: raise it there).
+    call_timeout_s: float = 900.0
+    # Actors whose restarts are exhausted are dropped with a warning; below this many the run stops.
+    min_alive: int = 1
     # Arithmetic of the actors' sampling: "float32", or "bfloat16" (torch.autocast over float32 weights; the
     # learner stays float32 and warns when the behaviour log-probs drift: learner.behaviour_gap_warn).
     precision: str = "float32"
@@ -175,6 +196,8 @@ class ActorsConfig:
         _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
         _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        _positive(self, path, "call_timeout_s", "min_alive")
+        _require(self.min_alive <= self.num_actors, f"{path}.min_alive ({self.min_alive}) must be <= {path}.num_actors ({self.num_actors})")
         _choice(self, path, "precision", ("float32", "bfloat16"))
 
 
@@ -216,6 +239,12 @@ class PPOConfig:
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
     behaviour_gap_warn: float | None = 1e-3
+    # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
+    # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
+    nonfinite_backoff_after: int = 3
+    nonfinite_lr_backoff: float = 0.5
+    # Times the driver restarts a dead learner actor from the run's last checkpoint before giving up.
+    max_restarts: int = 2
     # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
     # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
     # custom resource such as {learner_slot: 1} that only the intended node type declares.
@@ -235,6 +264,7 @@ class PPOConfig:
         _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
         _choice(self, path, "lr_schedule", ("cosine", "constant"))
         _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
+        _require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
         _require(self.minibatch_size % self.grad_accum == 0, f"{path}.minibatch_size must be divisible by {path}.grad_accum")
         _choice(self, path, "algo", ("ppo", "grpo"))
         _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
@@ -242,6 +272,9 @@ class PPOConfig:
         _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
         _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
+        _positive(self, path, "nonfinite_backoff_after")
+        _require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
+        _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -310,6 +343,18 @@ class RunConfig:
                 value.validate(f.name)
         _positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         _require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
+        for name in ("lr_warmup_iters", "critic_warmup_iters") if self.learner.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
+            warmup = getattr(self.learner, name)
+            _require(warmup < self.iterations, f"learner.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
+                                               "only warm up")  # fmt: skip
+        decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
+        _require(
+            self.learner.minibatch_size <= decisions,
+            f"learner.minibatch_size ({self.learner.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
+            "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
+        )
         if self.learner.algo == "grpo":
             _require(
                 self.actors.envs_per_actor % self.learner.group_size == 0,
@@ -405,12 +450,21 @@ def _coerce(hint: Any, value: Any, path: str, default: Any = None) -> Any:
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             raise ConfigError(f"{path} must be float, got {value!r}") from None
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value!r}")
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
         raise ConfigError(f"{path} must be {hint.__name__}, got {value!r}")
     return value
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what is wrong, and where."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or error}{where}"
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -424,7 +478,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -434,7 +491,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level")
         data = loaded or {}

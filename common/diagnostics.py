@@ -40,6 +40,10 @@ class NonFiniteError(FloatingPointError):
     """A loss, gradient or input holds NaN or Inf."""
 
 
+class NonFiniteUpdateWarning(RuntimeWarning):
+    """An iteration's update met a NaN/Inf and was rolled back and skipped."""
+
+
 class RandomInitError(RuntimeError):
     """The policy to fine-tune was not loaded from a checkpoint."""
 
@@ -142,13 +146,13 @@ def check_ratio_sensitivity(num_elements: int, sigma_min: float, normalization: 
 def check_finite_tensors(tensors: Mapping[str, Tensor], where: str) -> None:
     bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
     if bad:
-        raise NonFiniteError(f"{where}: non-finite values (NaN/Inf) in {bad}; the update was skipped and weights are unchanged")
+        raise NonFiniteError(f"{where}: non-finite values (NaN/Inf) in {bad}")
 
 
 def check_finite_gradients(module: nn.Module, where: str) -> None:
     bad = [name for name, p in module.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     if bad:
-        raise NonFiniteError(f"{where}: non-finite gradients in {bad[:5]}; the optimiser step was skipped and weights are unchanged")
+        raise NonFiniteError(f"{where}: non-finite gradients in {bad[:5]}")
 
 
 def check_finite_arrays(arrays: Mapping[str, np.ndarray], where: str) -> None:

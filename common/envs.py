@@ -309,6 +309,7 @@ class ChunkStep:
     terminated: np.ndarray  # (N,) bool
     truncated: np.ndarray  # (N,) bool
     success: np.ndarray  # (N,) bool, success was reported at some step of this chunk.
+    nonfinite: np.ndarray  # (N,) bool, the env returned NaN/Inf: the episode was ended (truncated) and is left out of the stats.
     episode_returns: list[float]  # Undiscounted returns of the episodes that ended in this chunk.
     episode_successes: list[bool]
     episode_lengths: list[int]
@@ -325,6 +326,7 @@ class ChunkOutcome:
     terminated: bool
     truncated: bool
     success: bool
+    nonfinite: bool = False  # the env returned NaN/Inf (observation or reward): the episode was ended there
 
 
 def execute_chunk(env: MetaworldTaskEnv, actions: np.ndarray, gamma: float) -> ChunkOutcome:
@@ -335,6 +337,9 @@ def execute_chunk(env: MetaworldTaskEnv, actions: np.ndarray, gamma: float) -> C
     success = terminated = truncated = False
     for i, action in enumerate(actions):
         obs, reward, terminated, truncated, info = env.step(action)
+        if not (np.isfinite(obs).all() and np.isfinite(reward)):  # a broken simulation: end the episode here
+            final_obs = np.where(np.isfinite(obs), obs, 0.0).astype(obs.dtype)  # finite; its decisions are dropped anyway
+            return ChunkOutcome(final_obs, discounted_reward, reward_sum, i + 1, False, True, success, nonfinite=True)
         discounted_reward += gamma**i * reward
         reward_sum += reward
         success |= info["success"]
@@ -407,9 +412,10 @@ class ChunkedVectorEnv:
             self._episode_lengths[i] += outcome.steps
             self._episode_successes[i] |= outcome.success
             if outcome.terminated or outcome.truncated:
-                episode_returns.append(float(self._episode_returns[i]))
-                episode_successes.append(bool(self._episode_successes[i]))
-                episode_lengths.append(int(self._episode_lengths[i]))
+                if not outcome.nonfinite:
+                    episode_returns.append(float(self._episode_returns[i]))
+                    episode_successes.append(bool(self._episode_successes[i]))
+                    episode_lengths.append(int(self._episode_lengths[i]))
                 self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
                 obs.state[i] = self._reset_env(self.envs[i])
                 if obs.images is not None:
@@ -425,6 +431,7 @@ class ChunkedVectorEnv:
             terminated=np.array([outcome.terminated for outcome in outcomes]),
             truncated=np.array([outcome.truncated for outcome in outcomes]),
             success=np.array([outcome.success for outcome in outcomes]),
+            nonfinite=np.array([outcome.nonfinite for outcome in outcomes]),
             episode_returns=episode_returns,
             episode_successes=episode_successes,
             episode_lengths=episode_lengths,

@@ -21,6 +21,7 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
     return {
         "rollout/env_steps": float(batch.env_steps),
         "rollout/decisions": float(batch.num_decisions * batch.num_envs),
+        "faults/dropped_decisions": float((~batch.valid).sum()),  # of episodes an env ended with NaN/Inf output
         "rollout/episodes": float(finished),
         "rollout/success_rate": float(batch.episode_successes.mean()) if finished else math.nan,
         "rollout/episode_return": float(batch.episode_returns.mean()) if finished else math.nan,

@@ -108,6 +108,9 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 
 def normalize(x: Tensor, eps: float = 1e-8) -> Tensor:
+    """Zero mean, unit std; a single element (whose std is undefined) becomes 0."""
+    if x.numel() < 2:
+        return x - x.mean()
     return (x - x.mean()) / (x.std() + eps)
 
 

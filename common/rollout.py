@@ -123,7 +123,9 @@ def collect_rollout(
     per_step: dict[str, list[np.ndarray]] = {}
     returns, successes, lengths = [], [], []
     env_steps = 0
-    for _ in range(num_decisions):
+    valid = np.ones((num_decisions, vec_env.num_envs), dtype=bool)
+    episode_start = np.zeros(vec_env.num_envs, dtype=np.int64)  # first decision of each env's current episode
+    for t in range(num_decisions):
         obs = dataclasses.replace(obs, tokens=token_ids, token_mask=token_mask)
         decision = decide(policy, obs, deterministic=False, generator=generator)
         step = vec_env.step_chunk(decision.env_actions)
@@ -136,6 +138,9 @@ def collect_rollout(
         for name, value in row.items():
             if value is not None:
                 per_step.setdefault(name, []).append(value)
+        for n in np.flatnonzero(step.nonfinite):  # the env broke: drop every decision of that episode
+            valid[episode_start[n] : t + 1, n] = False
+        episode_start[step.terminated | step.truncated] = t + 1
         returns += step.episode_returns
         successes += step.episode_successes
         lengths += step.episode_lengths
@@ -143,6 +148,7 @@ def collect_rollout(
         obs = step.obs
     batch = RolloutBatch(
         **{name: np.stack(values) for name, values in per_step.items()},
+        valid=valid,
         episode_returns=np.asarray(returns, dtype=np.float32),
         episode_successes=np.asarray(successes, dtype=bool),
         episode_lengths=np.asarray(lengths, dtype=np.int64),

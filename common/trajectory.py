@@ -30,6 +30,9 @@ class RolloutBatch:
     values: np.ndarray  # (T, N) float32             behaviour critic V(obs)
     log_probs: np.ndarray  # (T, N) float32          behaviour chain log-prob (policy's normalisation)
     log_probs_per_element: np.ndarray  # (T, N) float32
+    # (T, N) bool: False on every decision of an episode that an env ended with NaN/Inf output (its samples are
+    # dropped by the learner, and the episode is left out of the episode statistics)
+    valid: np.ndarray
     episode_returns: np.ndarray  # (E,) float32      episodes that ended during this rollout
     episode_successes: np.ndarray  # (E,) bool
     episode_lengths: np.ndarray  # (E,) int64
@@ -47,7 +50,7 @@ class RolloutBatch:
     actor_precision: str = ""  # the behaviour policy's parameter dtype(s) and device, e.g. "bfloat16 on cuda:0"
 
     PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
-                    "values", "log_probs", "log_probs_per_element")  # fmt: skip
+                    "values", "log_probs", "log_probs_per_element", "valid")  # fmt: skip
     OPTIONAL_PER_DECISION = ("images", "next_images", "tokens", "token_mask")
 
     @property
@@ -67,8 +70,9 @@ class RolloutBatch:
         return Observation(self.next_obs if after_chunk else self.obs, self.next_images if after_chunk else self.images,
                            self.tokens, self.token_mask)  # fmt: skip
 
-    def validate(self) -> None:
-        """Shapes and dtypes agree and every float is finite; raises ValueError / NonFiniteError naming the field."""
+    def validate(self, finite: bool = True) -> None:
+        """Shapes and dtypes agree and (with `finite`) every float is finite; raises ValueError / NonFiniteError naming
+        the field. The learner checks finiteness itself, inside the update it can roll back (Learner.update)."""
         leading = (self.num_decisions, self.num_envs)
         for name in self.PER_DECISION + self.present_optional():
             array = getattr(self, name)
@@ -80,7 +84,8 @@ class RolloutBatch:
             self.observations(), self.observations(after_chunk=True)  # dtypes: uint8 frames, int64 tokens, bool mask
         except ValueError as exc:
             raise ValueError(f"rollout from actor {self.actor_index}: {exc}") from exc
-        check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
+        if finite:
+            check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:

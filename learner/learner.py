@@ -29,7 +29,16 @@ import torch
 from torch import Tensor
 
 from common.config import PPOConfig, RunConfig
-from common.diagnostics import BehaviourGapWarning, RandomInitError, check_finite_gradients, check_finite_tensors, check_ratio_is_one
+from common.diagnostics import (
+    BehaviourGapWarning,
+    NonFiniteError,
+    NonFiniteUpdateWarning,
+    RandomInitError,
+    check_finite_arrays,
+    check_finite_gradients,
+    check_finite_tensors,
+    check_ratio_is_one,
+)
 from common.flow import ChainLogProb, chain_log_prob, num_log_prob_elements, transition_kl
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, index_features, write_directory_atomically
@@ -163,6 +172,11 @@ class Learner:
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
         self.env_steps = 0  # env steps of every rollout trained on; saved with checkpoints so a resume counts on
+        # Non-finite updates: each one is rolled back and skipped; after learner.nonfinite_backoff_after in a row the
+        # learning rates are multiplied by learner.nonfinite_lr_backoff (lr_backoff, saved with checkpoints).
+        self.skipped_updates = 0
+        self.nonfinite_streak = 0
+        self.lr_backoff = 1.0
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
@@ -170,7 +184,12 @@ class Learner:
     # -- weights --------------------------------------------------------------------------------
 
     def broadcast(self) -> WeightsPayload:
-        return WeightsPayload.from_state(self.version, self.policy.broadcast_state())
+        state = self.policy.broadcast_state()
+        check_finite_tensors(state, f"weights version {self.version} before publishing")
+        return WeightsPayload.from_state(self.version, state)
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
 
     # -- one PPO iteration ------------------------------------------------------------------------
 
@@ -210,8 +229,10 @@ class Learner:
             values = b_values.view(num_decisions, num_envs)
             advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
             b_advantages, b_returns = advantages.flatten(), returns.flatten()
-            if cfg.normalize_advantages:
-                b_advantages = normalize(b_advantages)
+            if cfg.normalize_advantages:  # over the decisions that enter the loss
+                valid = t["valid"].flatten().to(b_advantages.device)
+                b_advantages = b_advantages.clone()
+                b_advantages[valid] = normalize(b_advantages[valid])
             metrics.update({
                 "values/mean": b_values.mean().item(),
                 "values/advantage_raw_std": advantages.std().item(),
@@ -234,8 +255,15 @@ class Learner:
         self.check_behaviour_gap(batch, metrics["logprob/behaviour_gap_max"])
         cached = None if policy.encoder_is_trainable else features
         data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference)
-        if cfg.algo == "grpo":  # only decisions of complete groups enter the loss
-            data = index_features(data, keep.flatten().nonzero().squeeze(1))
+        # Decisions of episodes an env broke (NaN/Inf output) never enter the loss; with GRPO, neither do those of
+        # incomplete groups.
+        keep_decisions = t["valid"].flatten().to(b_advantages.device)
+        if not keep_decisions.any():
+            raise NonFiniteError("every decision of this rollout belongs to an episode that an env ended with NaN/Inf output")
+        if cfg.algo == "grpo":
+            keep_decisions &= keep.flatten()
+        if not keep_decisions.all():
+            data = index_features(data, keep_decisions.nonzero().squeeze(1))
         return data
 
     def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
@@ -259,14 +287,52 @@ class Learner:
         )
 
     def update(self, batch: RolloutBatch, verbose: bool = False) -> dict[str, float]:
-        """One iteration: prepare, then clipped PPO epochs over shuffled minibatches. Returns metrics."""
+        """One iteration, all or nothing: a NaN/Inf anywhere (rollout, log-prob, ratio, value, advantage, loss,
+        gradient, or the weights after a step) rolls the weights and the optimiser back to their state before the
+        iteration, and the update is skipped and counted. Returns metrics."""
+        before = ({name: p.detach().clone() for name, p in self.trainable_state().items()}, copy.deepcopy(self.optimizer.state_dict()))
+        try:
+            metrics = self._update(batch, verbose)
+        except NonFiniteError as exc:
+            with torch.no_grad():
+                for name, param in self.trainable_state().items():
+                    param.copy_(before[0][name])
+            self.optimizer.load_state_dict(before[1])
+            return self._skip_update(batch, exc)
+        self.nonfinite_streak = 0
+        metrics.update({"faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff})
+        return metrics
+
+    def _skip_update(self, batch: RolloutBatch, error: NonFiniteError) -> dict[str, float]:
+        """Count a rolled-back iteration; after nonfinite_backoff_after in a row, back the learning rates off."""
+        self.iteration += 1  # the schedule and the minibatch order move on; the weight version does not
+        self.env_steps += batch.env_steps  # sampled, so counted, though not trained on
+        self.skipped_updates += 1
+        self.nonfinite_streak += 1
+        backoff = ""
+        if self.nonfinite_streak >= self.cfg.nonfinite_backoff_after:
+            self.lr_backoff *= self.cfg.nonfinite_lr_backoff
+            self.nonfinite_streak = 0
+            backoff = f"; {self.cfg.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
+        warnings.warn(
+            f"iteration {self.iteration}: update skipped, weights and optimiser rolled back to their state before it ({error}){backoff}",
+            NonFiniteUpdateWarning,
+            stacklevel=2,
+        )
+        return {"faults/skipped_update": 1.0, "faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff,
+                "ppo/actor_lr": 0.0, "ppo/critic_lr": 0.0}  # fmt: skip
+
+    def _update(self, batch: RolloutBatch, verbose: bool) -> dict[str, float]:
         cfg, policy = self.cfg, self.policy
         policy.eval()
+        check_finite_arrays({name: getattr(batch, name) for name in RolloutBatch.PER_DECISION},
+                            f"rollout of weights v{batch.weight_version}")  # fmt: skip
         data = self.prepare(batch)
         if verbose:
             print(describe(batch, data), flush=True)
         train_actor = cfg.algo == "grpo" or self.iteration >= cfg.critic_warmup_iters  # GRPO has no critic to warm up
         scale = lr_scale(self.iteration, self.config.iterations, cfg)
+        scale *= self.lr_backoff
         self.optimizer.param_groups[0]["lr"] = cfg.actor_lr * scale if train_actor else 0.0
         self.optimizer.param_groups[1]["lr"] = cfg.critic_lr * scale
 
@@ -287,6 +353,8 @@ class Learner:
                 for micro in mb_inds.split(micro_size):
                     features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
                     new = chain_log_prob(policy, features, data.chains[micro])
+                    check_finite_tensors({"new log-prob": new.log_prob, "ratio": (new.log_prob - data.old_log_probs[micro]).exp()},
+                                         f"learner.update epoch {epoch} minibatch {start // minibatch_size}")  # fmt: skip
                     if optimizer_steps == 0:  # no step yet this iteration: same weights as the old log-probs
                         deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
                         first_ratio_deviation = max(first_ratio_deviation, deviation)
@@ -318,14 +386,17 @@ class Learner:
                         terms.update(v_loss=v_loss, **v_metrics)
 
                     loss = loss * (len(micro) / minibatch_size)
-                    check_finite_tensors({k: terms[k] for k in ("pg_loss", "v_loss", "entropy", "kl_ref") if k in terms}, "learner.update")
+                    check_finite_tensors({k: terms[k] for k in ("pg_loss", "v_loss", "entropy", "kl_ref") if k in terms},
+                                         f"learner.update epoch {epoch} minibatch {start // minibatch_size}")  # fmt: skip
                     loss.backward()
                     for key, value in terms.items():
                         mb_metrics.setdefault(key, []).append(float(value.detach()))
-                check_finite_gradients(policy, "learner.update")
+                check_finite_gradients(policy, f"learner.update epoch {epoch} minibatch {start // minibatch_size}")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
                 self.optimizer.step()
+                check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of epoch {epoch} minibatch "
+                                                             f"{start // minibatch_size}")  # fmt: skip
                 optimizer_steps += 1
                 mb_summary = {k: float(np.mean(v)) for k, v in mb_metrics.items()}
                 mb_summary["ratio_min"] = min(mb_metrics["ratio_min"])
@@ -373,8 +444,10 @@ class Learner:
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Policy (save_pretrained) + optimiser/iteration state, written to a temp dir then renamed."""
+        check_finite_tensors(self.trainable_state(), f"weights version {self.version} before saving")
         state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
-                 "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint()}  # fmt: skip
+                 "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint(),
+                 "skipped_updates": self.skipped_updates, "lr_backoff": self.lr_backoff}  # fmt: skip
 
         def write(tmp: Path) -> None:
             self.policy.save_pretrained(tmp)
@@ -392,6 +465,8 @@ class Learner:
         self.iteration = int(state["iteration"])
         self.version = int(state["version"])
         self.env_steps = int(state["env_steps"])
+        self.skipped_updates = int(state.get("skipped_updates", 0))  # absent from checkpoints older than the rollback
+        self.lr_backoff = float(state.get("lr_backoff", 1.0))
         if self.reference is not None:
             reference_dir = Path(directory) / REFERENCE_DIR
             if not reference_dir.is_dir():

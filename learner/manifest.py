@@ -8,7 +8,6 @@ the held-out layouts, and the hash of the starting checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import subprocess
@@ -20,20 +19,12 @@ from typing import Any
 
 from common.config import RunConfig
 from common.envs import Layout
-from common.policy import WEIGHTS_FILE
+from common.policy import WEIGHTS_FILE, file_sha256
 from learner.pretrain import REPORT_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The packages whose versions change what a run computes (lerobot and transformers only when installed).
 PACKAGES = ("torch", "numpy", "ray", "metaworld", "mujoco", "gymnasium", "safetensors", "lerobot", "transformers", "flowrl")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def package_versions() -> dict[str, str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from common.trajectory import RolloutBatch
@@ -43,7 +43,7 @@ def per_actor_metrics(batches: Sequence[RolloutBatch], learner_version: int) -> 
     return metrics
 
 
-def actor_health(actors: Sequence[Any]) -> dict[str, float]:
+def actor_health(actors: Mapping[int, Any]) -> dict[str, float]:
     """Alive (0/1) and restart count of each rollout actor, from the GCS actor table.
 
     Read from the GCS directly (not the dashboard's state API) so that it also works with
@@ -52,7 +52,7 @@ def actor_health(actors: Sequence[Any]) -> dict[str, float]:
     from ray._private import state
 
     metrics = {}
-    for index, actor in enumerate(actors):
+    for index, actor in actors.items():  # by actor index: a dropped actor leaves a gap, not a shift
         info = state.actors(actor_id=actor._actor_id.hex())
         metrics[f"actor/{index}/alive"] = float(info.get("State") == "ALIVE")
         metrics[f"actor/{index}/restarts"] = float(info.get("NumRestarts", 0))

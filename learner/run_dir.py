@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig
-from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, verify_checksums
 from learner.learner import TRAINER_STATE_FILE
 
 LATEST_FILE = "latest"
@@ -32,8 +32,8 @@ CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
 # and the resources actors and the learner ask for. Nothing here changes what is computed.
 SAFE_ON_RESUME = frozenset({"eval_every", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
-                            "actors.resources", "actors.max_restarts", "learner.num_cpus", "learner.num_gpus",
-                            "learner.resources"})  # fmt: skip
+                            "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
+                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts"})  # fmt: skip
 
 
 class RunDirLockedError(FileExistsError):
@@ -177,6 +177,10 @@ class RunDirectory:
         for name in (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE_FILE):
             if not (directory / name).is_file() or (directory / name).stat().st_size == 0:
                 return f"{name} missing or empty"
+        try:
+            verify_checksums(directory)
+        except CheckpointError as exc:
+            return str(exc)
         try:
             json.loads((directory / CONFIG_FILE).read_text())
         except json.JSONDecodeError as exc:

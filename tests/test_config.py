@@ -17,7 +17,7 @@ def test_defaults_validate_and_fingerprint_is_stable() -> None:
 def test_yaml_file_and_overrides(tmp_path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("learner:\n  clip_eps: 0.05\n  target_kl: null\nenv:\n  train_benchmark_seeds: [7, 8]\n")
-    config = load_config(path, ["learner.actor_lr=1e-4", "actors.num_actors=3"])
+    config = load_config(path, ["learner.actor_lr=1e-4", "actors.num_actors=3", "learner.minibatch_size=300"])
     assert config.learner.clip_eps == 0.05 and config.learner.target_kl is None
     assert config.env.train_benchmark_seeds == [7, 8]
     assert config.learner.actor_lr == 1e-4 and config.actors.num_actors == 3

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 from actors.rollout_actor import RolloutActor
-from common.diagnostics import NonDeterministicPolicyError, NonFiniteError
+from common.diagnostics import NonDeterministicPolicyError, NonFiniteError, NonFiniteUpdateWarning
 from common.policy import FlowPolicy
 from common.trajectory import RolloutBatch
+from learner import learner as learner_module
 from learner.learner import Learner, lr_scale
 from tests.conftest import tiny_config
 
@@ -68,7 +71,19 @@ def test_policy_left_in_train_mode_with_dropout_fails_fast(tmp_path, bc_checkpoi
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # nothing was stepped
 
 
-def test_nan_reward_is_refused_before_any_step(setup) -> None:
+def optimizer_state(learner: Learner) -> dict:
+    return copy.deepcopy(learner.optimizer.state_dict())
+
+
+def assert_same_state(learner: Learner, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+    assert all(torch.equal(v, weights[k]) for k, v in learner.policy.state_dict().items())
+    now = learner.optimizer.state_dict()
+    assert now["state"].keys() == optimizer["state"].keys()
+    for index, slots in optimizer["state"].items():
+        assert all(torch.equal(torch.as_tensor(now["state"][index][k]), torch.as_tensor(v)) for k, v in slots.items())
+
+
+def test_nan_reward_skips_the_update_and_names_the_rewards(setup) -> None:
     _, actor, learner = setup
     batch = actor.sample(None, 0)
     rewards = batch.rewards.copy()
@@ -76,16 +91,40 @@ def test_nan_reward_is_refused_before_any_step(setup) -> None:
     batch.rewards = rewards
     with pytest.raises(NonFiniteError, match="rewards"):
         batch.validate()
-    before = params(learner.policy)
-    with pytest.raises(NonFiniteError, match="advantages"):
-        learner.update(batch)
-    assert all(torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+    before, optimizer = params(learner.policy), optimizer_state(learner)
+    with pytest.warns(NonFiniteUpdateWarning, match=r"rewards"):
+        metrics = learner.update(batch)
+    assert metrics["faults/skipped_update"] == 1.0 and learner.skipped_updates == 1 and learner.version == 0
+    assert_same_state(learner, before, optimizer)
 
 
-def test_nan_gradient_skips_the_step(setup, monkeypatch) -> None:
+def test_nan_loss_at_minibatch_2_rolls_back_weights_and_optimiser(setup, monkeypatch) -> None:
+    """The first minibatch has already stepped when the NaN appears in the second (one minibatch per epoch here,
+    so the second is epoch 1's): that step is undone with the rest of the iteration."""
+    _, actor, learner = setup
+    learner.update(actor.sample(learner.broadcast(), 0))  # the optimiser holds real Adam moments before the faulty iteration
+    batch = actor.sample(learner.broadcast(), 1)
+    before, optimizer, version = params(learner.policy), optimizer_state(learner), learner.version
+    calls = []
+    original = learner_module.ppo_policy_loss
+
+    def nan_on_minibatch_2(new_log_probs, *args):
+        calls.append(1)
+        loss, metrics = original(new_log_probs, *args)
+        return (loss * float("nan") if len(calls) == 2 else loss), metrics
+
+    monkeypatch.setattr(learner_module, "ppo_policy_loss", nan_on_minibatch_2)
+    with pytest.warns(NonFiniteUpdateWarning, match=r"epoch 1 minibatch 0: non-finite values \(NaN/Inf\) in \['pg_loss'\]"):
+        metrics = learner.update(batch)
+    assert len(calls) == 2, "the first minibatch stepped, the second met the NaN"
+    assert metrics["faults/skipped_update"] == 1.0 and learner.version == version
+    assert_same_state(learner, before, optimizer)
+
+
+def test_nan_gradient_rolls_back_and_repeated_skips_back_the_learning_rate_off(setup, monkeypatch) -> None:
     _, actor, learner = setup
     batch = actor.sample(None, 0)
-    before = params(learner.policy)
+    before, optimizer = params(learner.policy), optimizer_state(learner)
     original = torch.Tensor.backward
 
     def poisoned_backward(self, *args, **kwargs):
@@ -93,9 +132,28 @@ def test_nan_gradient_skips_the_step(setup, monkeypatch) -> None:
         next(learner.policy.velocity_net.parameters()).grad.fill_(float("nan"))
 
     monkeypatch.setattr(torch.Tensor, "backward", poisoned_backward)
-    with pytest.raises(NonFiniteError, match="non-finite gradients in \\['velocity_net.0.weight'"):
-        learner.update(batch)
-    assert all(torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+    limit = learner.cfg.nonfinite_backoff_after
+    for skipped in range(1, limit + 1):
+        with pytest.warns(NonFiniteUpdateWarning, match=r"non-finite gradients in \['velocity_net.0.weight'") as caught:
+            learner.update(batch)
+        assert learner.skipped_updates == skipped
+    assert "learning rates now x0.5" in str(caught[-1].message) and learner.lr_backoff == 0.5
+    assert_same_state(learner, before, optimizer)
+    monkeypatch.setattr(torch.Tensor, "backward", original)
+    metrics = learner.update(actor.sample(None, 1))  # a clean iteration trains again, at the backed-off rate
+    assert metrics["ppo/actor_lr"] == pytest.approx(0.5 * learner.cfg.actor_lr * lr_scale(limit, learner.config.iterations, learner.cfg))
+    assert learner.version == 1 and learner.nonfinite_streak == 0
+
+
+def test_weights_are_checked_finite_before_publish_and_save(setup, tmp_path) -> None:
+    _, _, learner = setup
+    with torch.no_grad():
+        next(learner.policy.velocity_net.parameters())[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"before publishing: non-finite values \(NaN/Inf\) in \['velocity_net.0.weight'"):
+        learner.broadcast()
+    with pytest.raises(NonFiniteError, match="before saving"):
+        learner.save_checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_checkpoint_resume_reproduces_weights(setup, tmp_path, bc_checkpoint) -> None:

@@ -140,7 +140,7 @@ def rollout_with_frames(num_envs: int = 2) -> RolloutBatch:
     return RolloutBatch(
         obs=rng.normal(size=(t, num_envs, 39)).astype(np.float32), next_obs=rng.normal(size=(t, num_envs, 39)).astype(np.float32),
         chains=np.zeros((t, num_envs, k + 1, h, a), np.float32), actions=np.zeros((t, num_envs, h, a), np.float32),
-        terminated=np.zeros((t, num_envs), bool), truncated=np.zeros((t, num_envs), bool), **floats,
+        terminated=np.zeros((t, num_envs), bool), truncated=np.zeros((t, num_envs), bool), valid=np.ones((t, num_envs), bool), **floats,
         episode_returns=np.zeros(0, np.float32), episode_successes=np.zeros(0, bool), episode_lengths=np.zeros(0, np.int64),
         weight_version=0, actor_index=0, sample_seconds=0.0, env_steps=0,
         images=rng.integers(0, 256, (t, num_envs, 1, 8, 8, 3), dtype=np.uint8),

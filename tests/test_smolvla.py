@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import ConfigError, PolicyConfig, PPOConfig, SmolVLAConfig
 from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
@@ -173,6 +174,45 @@ def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path
     assert 1e-5 < gap < 0.05
 
 
+class WeightCasts(TorchDispatchMode):
+    """Counts the elements of the given parameters that are cast (aten._to_copy) while it is active."""
+
+    def __init__(self, parameters: list[nn.Parameter]):
+        super().__init__()
+        self.pointers, self.elements = {p.data_ptr() for p in parameters}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
+            self.elements += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
+    """Why bfloat16 actors also call set_backbone_dtype: autocast's cast cache keeps only weights that
+    require grad, so over float32 weights one chunk decision casts the frozen VLM once (encode) and the
+    frozen expert once per denoising step; with the backbone stored in bfloat16 nothing of it is cast."""
+    policy = tiny_policy()
+    model = policy.vla.model.vlm_with_expert
+    backbone = [p for p in model.parameters() if p.dim() == 2]  # matmul weights: what autocast casts
+    vlm_elements = sum(p.numel() for p in model.vlm.parameters() if p.dim() == 2)
+    expert_elements = sum(p.numel() for p in model.lm_expert.parameters() if p.dim() == 2)
+    obs = observations(policy, 2)
+
+    def backbone_elements_cast_per_chunk() -> int:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WeightCasts(backbone) as casts:
+            sample_chain(policy, policy.encode(obs), 2, generator=torch.Generator().manual_seed(0))
+        return casts.elements
+
+    # At least the text layers of the VLM (the vision tower too) and the expert's layers at each of the K steps.
+    assert backbone_elements_cast_per_chunk() >= 0.5 * vlm_elements + policy.num_steps * 0.5 * expert_elements
+    assert policy.set_backbone_dtype(torch.bfloat16) is policy
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in policy.noise_head.parameters()} | {p.dtype for p in policy.vla.model.action_out_proj.parameters()} == {
+        torch.float32
+    }
+    assert backbone_elements_cast_per_chunk() == 0
+
+
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
     """Seed 000: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
     VLM has attention dropout 0.1 in its vision tower; with the VLM trainable, lerobot's own train() no
@@ -297,6 +337,56 @@ def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, 
     assert not torch.equal(silently_random.model.action_time_mlp_out.bias, policy.vla.model.action_time_mlp_out.bias)
     with pytest.raises(CheckpointError, match="max_action_dim=4"):
         tiny_policy(smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path, "max_action_dim": 8})
+
+
+def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_state_proj(tmp_path) -> None:
+    """smolvla_base's state_proj is 32 wide, Metaworld's state 39: a strict load is refused (naming
+    max_state_dim and the option); with policy.smolvla.reinit_state_proj only state_proj keeps its fresh
+    39-wide initialisation, every other tensor still comes from the file, and a missing one is still refused."""
+    torch.manual_seed(2)
+    base = build_policy(tiny_config(obs_dim=32, smolvla={"max_state_dim": 32}))  # stands in for smolvla_base
+    lerobot_dir = tmp_path / "smolvla_base_like"
+    base.vla.save_pretrained(lerobot_dir)
+    file_state = load_file(str(lerobot_dir / "model.safetensors"))
+    assert file_state["model.state_proj.weight"].shape[1] == 32
+    assert json.loads((lerobot_dir / "config.json").read_text())["max_state_dim"] == 32
+    vlm_path = str(tiny_vlm_dir(TinyVLMSpec(image_size=IMAGE_SIZE)))
+    smolvla = {"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path}
+    with pytest.raises(CheckpointError, match=r"max_state_dim=32 \(config has 39\).*reinit_state_proj: true"):
+        tiny_policy(smolvla=smolvla)
+
+    def reinit_config(**smolvla_overrides) -> PolicyConfig:
+        config = tiny_config(smolvla={**smolvla, **smolvla_overrides})
+        config.smolvla.reinit_state_proj = True  # a plain attribute until common/config.py declares the field
+        return config
+
+    torch.manual_seed(3)
+    widened = build_policy(reinit_config())
+    loaded = widened.vla.state_dict()
+    reinitialised = {k for k in loaded if k.startswith("model.state_proj.")}
+    assert reinitialised == {"model.state_proj.weight", "model.state_proj.bias"}
+    assert loaded["model.state_proj.weight"].shape[1] == 39
+    assert not torch.equal(loaded["model.state_proj.bias"], file_state["model.state_proj.bias"])
+    assert set(loaded) - reinitialised <= set(file_state)
+    for name in set(loaded) - reinitialised:
+        assert torch.equal(loaded[name], file_state[name]), name
+    # All 39 state elements reach the velocity, the 7 beyond smolvla_base's width included.
+    obs = observations(widened, 2, seed=14)
+    a_t, t = torch.randn(2, 4, 4), torch.full((2,), 0.5)
+    with torch.no_grad():
+        base_velocity = widened.velocity(a_t, t, widened.encode(obs))
+        state = obs.state.clone()
+        state[:, 35] += 1.0
+        moved = widened.velocity(a_t, t, widened.encode(dataclasses.replace(obs, state=state)))
+    assert (moved - base_velocity).abs().max() > 1e-4
+    # The saved policy holds the new projection; reloading it reads no lerobot checkpoint.
+    widened.save_pretrained(tmp_path / "ours")
+    assert torch.equal(FlowPolicy.from_pretrained(tmp_path / "ours").vla.model.state_proj.weight, widened.vla.model.state_proj.weight)
+
+    del file_state["model.action_in_proj.weight"]
+    save_file(file_state, str(lerobot_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"lacks 1 of .*model\.action_in_proj\.weight"):
+        build_policy(reinit_config())
 
 
 # -- seed 001: summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------

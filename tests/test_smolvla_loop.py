@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from actors.rollout_actor import RolloutActor
 from common.config import load_config
+from common.diagnostics import BehaviourGapWarning
 from common.envs import TASKS
 from common.policy import FlowPolicy, build_policy
 from learner.learner import Learner
@@ -68,6 +69,28 @@ def test_rollout_record_carries_frames_and_instruction_and_the_learner_reuses_th
     data = learner.prepare(batch)
     assert data.features is not None  # computed once, reused by every epoch and minibatch
     assert data.metrics["logprob/behaviour_gap_max"] < 1e-4
+
+
+def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:
+    config = tiny_run_config(tmp_path / "run", "actors.precision=bfloat16")
+    actor = RolloutActor(config, 0, smolvla_bc)
+    backbone = actor.policy.vla.model.vlm_with_expert
+    assert {p.dtype for p in backbone.parameters()} == {torch.bfloat16}
+    assert {p.dtype for n, p in actor.policy.named_parameters() if not n.startswith("vla.model.vlm_with_expert.")} == {torch.float32}
+
+    learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
+    with torch.no_grad():  # new trainable weights, so the broadcast below visibly lands
+        for p in learner.trainable_state().values():
+            p.add_(0.01 * torch.randn_like(p))
+    # A float32 broadcast of the trainable tensors lands in the actor's own dtypes: the projections stay float32.
+    actor.load_weights(learner.broadcast())
+    assert actor.version == learner.version and actor.policy.vla.model.action_out_proj.weight.dtype == torch.float32
+    assert torch.equal(actor.policy.vla.model.action_out_proj.weight, learner.policy.vla.model.action_out_proj.weight)
+    batch = actor.sample(None, 0)
+    assert batch.actor_precision == "bfloat16 autocast over bfloat16+float32 weights on cpu" and batch.chains.dtype == np.float32
+    with pytest.warns(BehaviourGapWarning, match=r"actors bfloat16 autocast over bfloat16\+float32 weights on cpu, learner float32 on cpu"):
+        data = learner.prepare(batch)
+    assert 1e-5 < data.metrics["logprob/behaviour_gap_max"] < 0.1  # a real precision gap, not a weights mismatch
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import json
 import pytest
 import ray
 
-from learner.manifest import file_sha256
+from common.policy import file_sha256
 from learner.sweep import run_sweep, write_report
 from tests.conftest import tiny_config
 

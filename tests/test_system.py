@@ -91,6 +91,7 @@ def test_bad_flags_fail_with_a_named_field(tmp_path, capsys) -> None:
 
 def test_random_init_runs_only_when_explicitly_allowed(tmp_path, capsys) -> None:
     argv = ["--num-actors", "1", "--iterations", "1", "--set", "eval_every=0", "--set", "eval_episodes=2",
+            "--set", "learner.critic_warmup_iters=0",
             "--set", "actors.decisions_per_rollout=4", "--set", "learner.minibatch_size=8", "--set", "policy.hidden_dim=32"]  # fmt: skip
     assert main([*argv, "--run-dir", str(tmp_path / "a"), "--allow-random-init"]) == 0
     assert (tmp_path / "a" / "checkpoints" / "random_init" / "model.safetensors").is_file()

@@ -5,20 +5,24 @@
 """
 
 from common.policy.base import (
+    CHECKSUMS_FILE,
     CONFIG_FILE,
     POLICY_TYPES,
     WEIGHTS_FILE,
     CheckpointError,
     FlowPolicy,
     build_policy,
+    file_sha256,
     index_features,
     policy_class,
     read_policy_config,
+    verify_checksums,
     write_directory_atomically,
 )
 from common.policy.mlp import OBS_CLIP, OBS_STD_FLOOR, MLPFlowPolicy
 
 __all__ = [
-    "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",
-    "OBS_STD_FLOOR", "build_policy", "index_features", "policy_class", "read_policy_config", "write_directory_atomically",
+    "CHECKSUMS_FILE", "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",
+    "OBS_STD_FLOOR", "build_policy", "index_features", "policy_class", "read_policy_config", "verify_checksums",
+    "write_directory_atomically", "file_sha256",
 ]

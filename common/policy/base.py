@@ -22,6 +22,7 @@ demonstrations); `to_env_action` maps a chunk back to the environment's units.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -41,6 +42,7 @@ from common.observation import Observation
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CHECKSUMS_FILE = "checksums.json"  # sha256 of every other file, written with the directory (write_directory_atomically)
 
 
 class CheckpointError(RuntimeError):
@@ -116,6 +118,11 @@ class FlowPolicy(nn.Module, ABC):
     def critic_parameter_names(self) -> list[str]:
         """Names of the critic's parameters (optimised with the critic's learning rate)."""
 
+    def set_backbone_dtype(self, dtype: torch.dtype) -> FlowPolicy:
+        """Store a large backbone's weights in `dtype` for a reduced-precision actor (actors.precision);
+        a backend without one (the MLP) keeps its weights as they are."""
+        return self
+
     def broadcast_state(self) -> dict[str, Tensor]:
         """The tensors rollout actors need after an update: the trainable parameters only."""
         return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}
@@ -175,9 +182,28 @@ def index_features(features: Any, idx: Tensor | slice) -> Any:
     return features
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
-    so a crash at any point leaves either the old directory or the new one, never half of either."""
+    so a crash at any point leaves either the old directory or the new one, never half of either.
+
+    Before the swap, every file's sha256 goes into CHECKSUMS_FILE (verified by every load, verify_checksums)
+    and every file and directory is fsynced, so a power cut cannot leave a renamed directory of empty files."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
@@ -186,14 +212,41 @@ def write_directory_atomically(directory: str | Path, write: Callable[[Path], No
         shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir()
     write(tmp)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
+    (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
+    for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+        _fsync(path)
     if directory.exists():
         directory.rename(old)
     tmp.rename(directory)
+    _fsync(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
     return directory
 
 
+def verify_checksums(directory: str | Path) -> None:
+    """Every file listed in the directory's CHECKSUMS_FILE is there with its recorded sha256, or CheckpointError
+    names the file. A directory without the file (written by hand, or before checksums existed) passes."""
+    directory = Path(directory)
+    listing = directory / CHECKSUMS_FILE
+    if not listing.is_file():
+        return
+    try:
+        checksums = json.loads(listing.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{listing} is not valid JSON ({exc}): the checkpoint is corrupt") from None
+    for name, expected in checksums.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing but {listing} lists it: the checkpoint is incomplete")
+        if file_sha256(path) != expected:
+            raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
+
+
 def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:
+    """The policy config of a checkpoint directory, after verifying the directory's checksums."""
+    verify_checksums(directory)
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: not a policy checkpoint directory")

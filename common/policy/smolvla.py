@@ -54,6 +54,12 @@ from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy, make_att_2d
 LEROBOT_ARCHITECTURE_FIELDS = (
     "num_vlm_layers", "num_expert_layers", "self_attn_every_n_layers", "expert_width_multiplier", "max_state_dim", "max_action_dim",
 )  # fmt: skip
+STATE_PROJ_PREFIX = "model.state_proj."  # lerobot's state projection, (hidden, max_state_dim) + bias, in a lerobot state dict
+
+
+def reinit_state_proj_requested(config: PolicyConfig) -> bool:
+    """policy.smolvla.reinit_state_proj, False where common/config.py does not declare the field yet."""
+    return bool(getattr(config.smolvla, "reinit_state_proj", False))
 
 
 def lerobot_flow_time(t: Tensor) -> tuple[Tensor, float]:
@@ -225,10 +231,13 @@ class SmolVLAFlowPolicy(FlowPolicy):
         return sum(t.numel() * t.element_size() for t in self.broadcast_state().values())
 
     def set_backbone_dtype(self, dtype: torch.dtype) -> SmolVLAFlowPolicy:
-        """Cast the VLM and the action expert (e.g. bf16 actors on GPU slices); the projections, noise head
-        and critic stay float32, as lerobot expects (it casts the expert output to float32 before
-        action_out_proj). The learner keeps float32; the behaviour-vs-learner log-prob gap this opens is
-        a logged metric."""
+        """Cast the VLM and the action expert (actors with actors.precision bfloat16, which also sample under
+        torch.autocast); the projections, noise head and critic stay float32, as lerobot expects (it casts
+        the expert output to float32 before action_out_proj). Why autocast alone is not enough: its cast
+        cache keeps only weights that require grad, so over float32 weights the frozen VLM is recast at
+        every encode and the frozen expert at every denoising step (tests/test_smolvla.py counts them), and
+        each actor holds the float32 copy. The learner keeps float32; the behaviour-vs-learner log-prob gap
+        this opens is a logged metric."""
         self.vla.model.vlm_with_expert.to(dtype)
         return self
 
@@ -356,6 +365,8 @@ class SmolVLAFlowPolicy(FlowPolicy):
         directory = super().save_pretrained(directory)
         data = json.loads((directory / CONFIG_FILE).read_text())
         data["smolvla"]["lerobot_checkpoint"] = ""
+        if "reinit_state_proj" in data["smolvla"]:  # applied at that load; the saved state_proj is the one to keep
+            data["smolvla"]["reinit_state_proj"] = False
         (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
         return directory
 
@@ -378,6 +389,13 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
     ones. The checkpoint's architecture fields must agree with policy.smolvla (the error says which to
     set). Its `vlm_model_name` (a hub id) is ignored: policy.smolvla.vlm_path supplies the backbone.
     Keys the model does not have (e.g. normalisation buffers older lerobot versions stored) are ignored.
+
+    policy.smolvla.reinit_state_proj: the one explicit exception. smolvla_base's state projection is 32 wide
+    (its max_state_dim) and Metaworld's state has 39 elements; with the flag, `model.state_proj.*` keeps its
+    fresh initialisation at policy.smolvla.max_state_dim (the file's copy, of another width or absent, is
+    not read) and max_state_dim may differ from the file's. Every other tensor is still required from the
+    file. The robot state the checkpoint was trained on has other elements than Metaworld's, so its columns
+    are not reused; behaviour cloning (learner/pretrain.py) trains the new projection.
     """
     directory = Path(config.smolvla.lerobot_checkpoint).expanduser()
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
@@ -389,25 +407,34 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
     saved = json.loads(config_path.read_text())
     if saved.get("type") != "smolvla":
         raise CheckpointError(f"{config_path} is a lerobot {saved.get('type')!r} checkpoint, not smolvla")
+    reinit_state_proj = reinit_state_proj_requested(config)
     mismatched = [
         f"policy.smolvla.{name}={saved[name]!r} (config has {getattr(config.smolvla, name)!r})"
         for name in LEROBOT_ARCHITECTURE_FIELDS
-        if name in saved and saved[name] != getattr(config.smolvla, name)
+        if name in saved and saved[name] != getattr(config.smolvla, name) and not (reinit_state_proj and name == "max_state_dim")
     ]
     if mismatched:
-        raise CheckpointError(f"{config_path}: architecture differs from policy.smolvla; set {', '.join(mismatched)}")
+        state_hint = (
+            f"; for a state of another width (policy.obs_dim={config.obs_dim}) keep max_state_dim and set "
+            "policy.smolvla.reinit_state_proj: true to re-initialise state_proj alone"
+            if any(m.startswith("policy.smolvla.max_state_dim=") for m in mismatched)
+            else ""
+        )
+        raise CheckpointError(f"{config_path}: architecture differs from policy.smolvla; set {', '.join(mismatched)}{state_hint}")
     try:
         state = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"{weights_path} could not be read as safetensors: {exc}") from exc
     own = vla.state_dict()
-    missing = sorted(set(own) - set(state))
+    kept = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()
+    expected = set(own) - kept
+    missing = sorted(expected - set(state))
     wrong_shape = sorted(
-        f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in set(own) & set(state) if own[k].shape != state[k].shape
+        f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in expected & set(state) if own[k].shape != state[k].shape
     )
     if missing or wrong_shape:
         raise CheckpointError(
-            f"{weights_path} lacks {len(missing)} of the model's {len(own)} tensors and has {len(wrong_shape)} of the wrong shape; "
-            f"lerobot would leave these at random init. missing={missing} wrong_shape={wrong_shape}"
+            f"{weights_path} lacks {len(missing)} of the model's {len(expected)} expected tensors and has {len(wrong_shape)} of the wrong "
+            f"shape; lerobot would leave these at random init. missing={missing} wrong_shape={wrong_shape}"
         )
-    vla.load_state_dict({k: state[k] for k in own}, strict=True)
+    vla.load_state_dict({**{k: own[k] for k in kept}, **{k: state[k] for k in expected}}, strict=True)

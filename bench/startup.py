@@ -1,0 +1,114 @@
+"""Start-up: the main command to its first rollout with 10 actors, against a floor measured in the same run.
+
+    nice -n 5 python bench/startup.py                             # 10 actors, the default job
+    python bench/startup.py --actors 2 --main-arg=--allow-random-init --main-arg=--set=actors.decisions_per_rollout=2 \\
+        --main-arg=--set=learner.minibatch_size=4                 # a smoke run
+
+- main command: `python -m learner.main --single-batch --num-actors N --no-dashboard` in a temporary run dir
+  (WANDB_MODE=disabled): the real start-up (config, Ray, learner and N rollout actors building their envs and
+  policies, the first rollout) then one update. --single-batch skips the held-out evaluation before the first
+  iteration, which the default command runs and which is an evaluation cost, not a start-up one. The bench
+  times the subprocess from launch until its first metrics.jsonl row appears and subtracts that row's
+  time/update_seconds: command_to_first_rollout_seconds, which still holds the weight publication and the
+  checkpoint the single batch saves (tens of milliseconds for the MLP policy).
+- floor: in this process, `ray.init` (local, no dashboard) plus N bare actors whose constructor imports torch,
+  until all N have answered; then Ray is shut down. It runs after the main command, so it meets file caches at
+  least as warm.
+- ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (issue 11's goal: within 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
+
+put_repo_on_path()
+
+
+class BareActor:
+    """The least a rollout actor is: a Ray worker process that has imported torch."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.threads = torch.get_num_threads()
+
+    def ready(self) -> int:
+        return os.getpid()
+
+
+def floor_seconds(actors: int) -> float:
+    import ray
+
+    from learner.cluster import start_local_ray
+
+    began = time.perf_counter()
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
+    ray.get([handle.ready.remote() for handle in handles])
+    seconds = time.perf_counter() - began
+    ray.shutdown()
+    return seconds
+
+
+def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as run_dir:
+        metrics_path = Path(run_dir) / "metrics.jsonl"
+        log_path = Path(run_dir) / "console.log"
+        command = [sys.executable, "-m", "learner.main", "--single-batch", "--num-actors", str(actors), "--no-dashboard",
+                   "--run-dir", run_dir, *extra_args]  # fmt: skip
+        with open(log_path, "w") as log:
+            began = time.perf_counter()
+            environment = {**os.environ, "WANDB_MODE": "disabled"}
+            process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+            first_row_seconds = None
+            while process.poll() is None and time.perf_counter() - began < timeout_s:
+                if first_row_seconds is None and metrics_path.exists() and metrics_path.read_text().strip():
+                    first_row_seconds = time.perf_counter() - began
+                time.sleep(0.02)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"{' '.join(command)} ran past {timeout_s} s")
+            command_seconds = time.perf_counter() - began
+        if process.returncode != 0 or first_row_seconds is None:
+            raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}, metrics row seen: {first_row_seconds is not None}):\n"
+                               f"{log_path.read_text()[-4000:]}")  # fmt: skip
+        first_row = json.loads(metrics_path.read_text().splitlines()[0])
+    return {
+        "command_to_first_rollout_seconds": first_row_seconds - first_row["time/update_seconds"],
+        "command_to_first_metrics_row_seconds": first_row_seconds,
+        "first_rollout_sample_seconds": first_row["time/sample_seconds"],
+        "command_seconds": command_seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--actors", type=int, default=10, help="rollout actors (and bare actors of the floor)")
+    parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the main command may take")
+    args = parser.parse_args(argv)
+    if args.actors < 1:
+        raise SystemExit(f"--actors must be >= 1, got {args.actors}")
+    results: dict = {"bench": "startup", "actors": args.actors, "load_average_1m_start": load_average()}
+    results.update(main_command_seconds(args.actors, args.main_arg, args.timeout))
+    results["floor_seconds"] = floor_seconds(args.actors)
+    results["ratio_to_floor"] = ratio(results["command_to_first_rollout_seconds"], results["floor_seconds"])
+    results["load_average_1m_end"] = load_average()
+    emit(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

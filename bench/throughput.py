@@ -1,0 +1,135 @@
+"""The main job's whole-iteration env steps/s against the raw environment limit of the same machine, measured
+one after the other in one run.
+
+    nice -n 5 python bench/throughput.py                        # 12 iterations of the default job, 30 s of bare envs
+    python bench/throughput.py --iterations 2 --warmup-iterations 1 --env-seconds 2 \\
+        --main-arg=--allow-random-init --main-arg=--num-actors=2 --main-arg=--set=actors.decisions_per_rollout=5 \\
+        --main-arg=--set=learner.minibatch_size=10                                        # a smoke run
+
+- main job: `python -m learner.main` (the default config unless --main-arg says otherwise) for --iterations
+  iterations with eval_every=0 (held-out evaluation only before the first and after the last iteration, outside
+  the iteration times), --eval-episodes layouts, no dashboard, WANDB_MODE=disabled, in a temporary run dir. Its
+  metrics.jsonl gives each iteration's env steps and wall time (sampling + update + weight publication); the first
+  --warmup-iterations are left out. main_env_steps_per_second = their env steps / their seconds.
+- env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor builds it (same task, training
+  layouts, gamma, actors.envs_per_actor envs), stepped with uniformly random chunks of the policy's chunk size, in
+  one process per core, all started together, for --env-seconds. env_limit_steps_per_second = the sum over
+  processes of env steps / seconds. No policy, no Ray: what the machine can step at all.
+- ratio_to_env_limit = main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal: >= 0.7).
+
+RLlib PPO on the same task (issue 11's peer figure) is not run here: `ray[rllib]==2.60.0` pins gymnasium==1.2.2,
+which this project's environment does not use, so it needs its own virtual environment:
+
+    python -m venv /tmp/rllib-venv && /tmp/rllib-venv/bin/pip install torch==2.13.0 "ray[rllib]==2.60.0" metaworld==3.1.1
+    /tmp/rllib-venv/bin/pip install --no-deps -e .       # this repo for common.envs (its gymnasium pin stays 1.2.2)
+
+then, in that venv, an RLlib PPOConfig with env_runners(num_env_runners=<cores>, num_envs_per_env_runner=
+<actors x envs per actor / cores>) on an env creator wrapping common.envs.MetaworldTaskEnv (pick-place-v3, the
+training layouts, 200-step episodes, one action per step, train_batch_size ~4000), whole-iteration env steps/s =
+env_runners/num_env_steps_sampled_lifetime differences over time_this_iter_s, warm-up iterations left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
+
+put_repo_on_path()
+
+import numpy as np  # noqa: E402
+
+from common.config import RunConfig  # noqa: E402
+
+
+def step_bare_envs(num_envs: int, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:
+    """One process of the env limit: build the envs as a rollout actor does, wait for the others, step random chunks."""
+    from common.envs import ChunkedVectorEnv, layouts
+    from common.rollout import make_envs
+
+    config = RunConfig()
+    vec_env = ChunkedVectorEnv(make_envs(config.env, num_envs), layouts(config.env.task, config.env.train_benchmark_seeds),
+                               config.learner.gamma)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    low, high = vec_env.single_action_space.low, vec_env.single_action_space.high
+    chunk_shape = (num_envs, config.policy.chunk_size, vec_env.single_action_space.shape[0])
+    vec_env.reset(seed)
+    start.wait()
+    steps, began = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - began) < seconds:
+        steps += int(vec_env.step_chunk(rng.uniform(low, high, chunk_shape).astype(np.float32)).steps.sum())
+    results.put((steps, elapsed))
+
+
+def env_limit(processes: int, num_envs: int, seconds: float) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=step_bare_envs, args=(num_envs, seconds, seed, start, results)) for seed in range(processes)]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return {"env_limit_steps_per_second": sum(steps / elapsed for steps, elapsed in outcomes), "env_limit_processes": processes,
+            "env_limit_envs_per_process": num_envs, "env_limit_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
+
+
+def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as run_dir:
+        command = [sys.executable, "-m", "learner.main", "--iterations", str(iterations), "--set", "eval_every=0",
+                   "--set", f"eval_episodes={eval_episodes}", "--no-dashboard", "--run-dir", run_dir, *extra_args]  # fmt: skip
+        began = time.perf_counter()
+        finished = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True)
+        command_seconds = time.perf_counter() - began
+        if finished.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({finished.returncode}):\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}")
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = [row for row in rows if "time/iteration_seconds" in row and row["iteration"] > warmup]
+    if not timed:
+        raise RuntimeError(f"no iterations after the {warmup} warm-up ones in metrics.jsonl ({len(rows)} rows)")
+    seconds = sum(row["time/iteration_seconds"] for row in timed)
+    return {
+        "main_env_steps_per_second": sum(row["rollout/env_steps"] for row in timed) / seconds,
+        "main_iterations_timed": len(timed),
+        "main_median_iteration_seconds": statistics.median(row["time/iteration_seconds"] for row in timed),
+        "main_median_sample_seconds": statistics.median(row["time/sample_seconds"] for row in timed),
+        "main_median_update_seconds": statistics.median(row["time/update_seconds"] for row in timed),
+        "main_command_seconds": command_seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=12, help="main-job iterations")
+    parser.add_argument("--warmup-iterations", type=int, default=2, help="first main-job iterations left out of the figure")
+    parser.add_argument("--eval-episodes", type=int, default=10, help="held-out layouts of the main job's evaluations (outside the figure)")
+    parser.add_argument("--env-seconds", type=float, default=30.0, help="seconds of bare env stepping per process")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="bare-env processes (default: one per core)")
+    parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
+    args = parser.parse_args(argv)
+    if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
+        raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
+    if args.env_seconds <= 0 or args.processes < 1:
+        raise SystemExit("--env-seconds must be > 0 and --processes >= 1")
+    results: dict = {"bench": "throughput", "load_average_1m_start": load_average()}
+    results.update(main_job(args.iterations, args.warmup_iterations, args.eval_episodes, args.main_arg))
+    results.update(env_limit(args.processes, RunConfig().actors.envs_per_actor, args.env_seconds))
+    results["ratio_to_env_limit"] = ratio(results["main_env_steps_per_second"], results["env_limit_steps_per_second"])
+    results["load_average_1m_end"] = load_average()
+    emit(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

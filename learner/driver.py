@@ -1,0 +1,522 @@
+"""The training loop behind `python -m learner.main`, and what keeps it going when parts of it fail.
+
+Orchestration only: start or join Ray, bring up the learner and the rollout actors, then loop (sample ->
+update -> broadcast -> evaluate/checkpoint/log). The math lives in common/, the optimisation in
+learner/learner.py, the sampling in actors/. Weights flow one way as versioned state (one `ray.put` per
+version by the learner, every actor reads the same reference); rollouts flow the other way as typed numpy
+records, straight from the actors into the learner (their object refs are passed to the learner's update,
+not through the driver).
+
+Faults, and what each costs:
+- A rollout actor that dies, or wedges (no answer within actors.call_timeout_s; it is killed), is restarted
+  by Ray (actors.max_restarts) and its call retried with the same arguments. A rollout is a pure function of
+  (weights, run seed, iteration, actor index), so the retry yields exactly the samples the dead attempt would
+  have: its partial work never reaches the learner, nothing is lost or counted twice. With its restarts spent
+  the actor is dropped with a warning and the rest go on; below actors.min_alive the run stops.
+- A learner actor that dies is started again from the run's latest checkpoint (learner.max_restarts times).
+  The iterations since that checkpoint are redone, identically, and weight versions continue from it.
+- A NaN/Inf update is rolled back and skipped inside the learner (learner.learner.Learner.update).
+- Any other error, Ctrl-C or SIGTERM first saves the learner's progress as a checkpoint, if it is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import yaml
+from ray._private import state
+from ray.exceptions import ActorDiedError, RayActorError
+
+from actors.rollout_actor import RolloutActor
+from common.config import ConfigError, RunConfig
+from common.diagnostics import check_ratio_sensitivity
+from common.envs import layouts
+from common.flow import num_log_prob_elements
+from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
+from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy, file_sha256, read_policy_config
+from common.trajectory import RolloutBatch
+from learner.cluster import (
+    FIRST_ACTOR_BUNDLE,
+    LEARNER_BUNDLE,
+    ResourceRequest,
+    actor_request,
+    learner_request,
+    node_cluster_address,
+    start_local_ray,
+)
+from learner.learner import Learner
+from learner.manifest import reproducibility_manifest
+from learner.monitoring import GaugeExporter, actor_health, per_actor_metrics
+from learner.pretrain import REPORT_FILE, ensure_bc_checkpoint
+from learner.run_dir import RunDirectory
+
+MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
+
+
+class LearnerActor:
+    """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
+
+    def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None):
+        torch.manual_seed(config.seed)
+        if resume_dir or checkpoint_dir:
+            policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
+        else:
+            policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
+        # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
+        policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.learner = Learner(config, policy)
+        if resume_dir is not None:
+            self.learner.load_trainer_state(resume_dir)
+        self.gauges = GaugeExporter(config.env.task)
+
+    def progress(self) -> tuple[int, int]:
+        """(completed iterations, env steps sampled for them), both restored from the checkpoint on resume."""
+        return self.learner.iteration, self.learner.env_steps
+
+    def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
+        for batch in batches:
+            batch.validate(finite=False)  # NaN/Inf: Learner.update rolls the iteration back and counts it
+        batch = RolloutBatch.concat(list(batches))
+        version_before = self.learner.version
+        start = time.perf_counter()
+        metrics = self.learner.update(batch, verbose=verbose)
+        metrics.update(rollout_metrics(batch, version_before))
+        metrics.update(per_actor_metrics(batches, version_before))
+        metrics["time/update_seconds"] = time.perf_counter() - start
+        return metrics
+
+    def publish(self) -> list[ray.ObjectRef]:
+        """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself."""
+        return [ray.put(self.learner.broadcast())]
+
+    def save(self, directory: str) -> str:
+        return str(self.learner.save_checkpoint(directory))
+
+    def export_gauges(self, metrics: dict[str, float]) -> None:
+        """Publish every numeric metric as a tagged ray.util.metrics Gauge (Ray dashboard / Prometheus)."""
+        self.gauges.export(metrics)
+
+
+# ---------------------------------------------------------------------------------------------- faults
+
+
+class LearnerDiedError(RuntimeError):
+    """The learner actor's process is gone."""
+
+
+class ActorsExhaustedError(RuntimeError):
+    """Fewer rollout actors are left than actors.min_alive."""
+
+
+def learner_get(ref: ray.ObjectRef) -> Any:
+    """ray.get on a learner call; the learner's death becomes LearnerDiedError (the driver restarts it)."""
+    try:
+        return ray.get(ref)
+    except RayActorError as exc:
+        raise LearnerDiedError(str(exc).splitlines()[0]) from exc
+
+
+class ActorPool:
+    """The rollout actors by index, called with a deadline; see the module docstring for what a fault does."""
+
+    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any]):
+        self.cfg = config.actors
+        self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
+        self.restarts = dict.fromkeys(self.actors, 0)
+        self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
+                       "faults/resampled_env_steps": 0.0}  # fmt: skip
+
+    def call(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
+             num_returns: int = 1) -> dict[int, list[ray.ObjectRef]]:  # fmt: skip
+        """`method(*args_for(index))` on the live actors (or those of `indices`); returns the result refs of each call
+        that succeeded, by actor index. A call's first result must be small: the driver fetches it to learn whether
+        the call succeeded (a receipt), and leaves any other result in the object store."""
+
+        def submit(index: int) -> list[ray.ObjectRef]:
+            refs = getattr(self.actors[index], method).options(num_returns=num_returns).remote(*args_for(index))
+            return refs if num_returns > 1 else [refs]
+
+        timeout = self.cfg.call_timeout_s
+        pending = {index: submit(index) for index in (self.actors if indices is None else indices)}
+        since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt started
+        done: dict[int, list[ray.ObjectRef]] = {}
+        retried: set[int] = set()
+        while pending:
+            receipts = {refs[0]: index for index, refs in pending.items()}
+            wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
+            ready, _ = ray.wait(list(receipts), num_returns=len(receipts), timeout=wait)
+            for ref, index in receipts.items():
+                if ref in ready:
+                    try:
+                        receipt = ray.get(ref)
+                    except ActorDiedError as exc:  # dead for good: Ray has no restart left for it
+                        self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
+                        del pending[index]
+                        continue
+                    except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
+                        retried.add(index)
+                        if self._count_restarts(index, method):
+                            since[index] = time.monotonic()  # a fresh attempt on a fresh actor
+                        time.sleep(0.5)
+                        pending[index] = submit(index)
+                        continue
+                    done[index] = pending.pop(index)
+                    if index in retried and isinstance(receipt, dict):
+                        self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
+                elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
+                    print(f"[fault] rollout actor {index} wedged (no answer to {method} within actors.call_timeout_s={timeout:g}s): "
+                          "killing it", flush=True)  # fmt: skip
+                    self.faults["faults/actor_timeouts"] += 1
+                    ray.kill(self.actors[index], no_restart=False)
+                    retried.add(index)
+                    pending[index], since[index] = submit(index), time.monotonic()
+        for index in retried & set(self.actors):
+            self._count_restarts(index, method)
+        return done
+
+    def _count_restarts(self, index: int, method: str) -> bool:
+        """Take actor `index`'s restart count from Ray's actor table (Ray restarts it; this only keeps the books).
+        True when it went up."""
+        restarts = int(state.actors(actor_id=self.actors[index]._actor_id.hex()).get("NumRestarts", 0))
+        if restarts <= self.restarts[index]:
+            return False
+        self.faults["faults/actor_restarts"] += restarts - self.restarts[index]
+        self.restarts[index] = restarts
+        print(f"[fault] rollout actor {index} restarted ({restarts}/{self.cfg.max_restarts} restarts): its {method} call retried",
+              flush=True)  # fmt: skip
+        return True
+
+    def _drop(self, index: int, failure: str) -> None:
+        """Go on without actor `index`; below actors.min_alive actors, stop."""
+        del self.actors[index]
+        self.faults["faults/dropped_actors"] += 1
+        message = f"rollout actor {index} {failure} (actors.max_restarts): dropped"
+        if len(self.actors) < self.cfg.min_alive:
+            raise ActorsExhaustedError(f"{message}; {len(self.actors)} left, below actors.min_alive={self.cfg.min_alive}")
+        warnings.warn(f"{message}; training goes on with the {len(self.actors)} left", RuntimeWarning, stacklevel=3)
+
+    def sample(self, weights_ref: ray.ObjectRef, iteration: int) -> list[ray.ObjectRef]:
+        """Every live actor's rollout of `iteration` (refs, in actor order)."""
+        results = self.call("sample_with_receipt", lambda index: (weights_ref, iteration), num_returns=2)
+        return [results[index][1] for index in sorted(results)]
+
+    def evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list) -> tuple[np.ndarray, set[int]]:
+        """Deterministic held-out evaluation, the layouts split across the live actors (a dropped actor's share is
+        dealt out again); returns successes in layout order and the weight versions used."""
+        successes = np.zeros(len(eval_layouts), dtype=bool)
+        versions: set[int] = set()
+        todo = np.arange(len(eval_layouts))
+        while len(todo):
+            shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
+            layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
+            results = self.call("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares)  # noqa: B023 (called at once)
+            for index, (ref,) in results.items():
+                version, values = ray.get(ref)
+                successes[shares[index]] = values
+                versions.add(version)
+            todo = np.concatenate([shares[index] for index in shares if index not in results] or [np.zeros(0, dtype=int)])
+        return successes, versions
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+
+
+def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
+    """Every check that needs no Ray and no run directory, so bad input is refused before anything is written.
+    Returns the held-out layouts."""
+    try:
+        eval_layouts = layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
+        layouts(config.env.task, config.env.train_benchmark_seeds)
+    except ValueError as exc:
+        raise ConfigError(f"env.task: {exc}") from None
+    if len(eval_layouts) < config.eval_episodes:
+        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
+    if config.init_checkpoint is not None and not resume:  # a resumed run loads its own checkpoint
+        check_checkpoint_matches(config, Path(config.init_checkpoint))
+    local = not (address or os.environ.get("RAY_ADDRESS") or node_cluster_address())
+    if local:  # the machine this runs on is the whole cluster: check the request against it now
+        if (config.actors.num_gpus > 0 or config.learner.num_gpus > 0) and not torch.cuda.is_available():
+            raise ConfigError(f"actors.num_gpus={config.actors.num_gpus} / learner.num_gpus={config.learner.num_gpus} ask for GPUs "
+                              "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
+                              "with --address")  # fmt: skip
+        check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
+    return eval_layouts
+
+
+def check_checkpoint_matches(config: RunConfig, checkpoint: Path) -> None:
+    """The run's policy section must describe the checkpoint's network (its architecture comes from the file)."""
+    if not (checkpoint / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"init checkpoint {checkpoint} has no {WEIGHTS_FILE}: expected a directory written by save_pretrained")
+    stored = read_policy_config(checkpoint)
+    sampling = set(config.policy.SAMPLING_FIELDS)
+    differ = {name: (getattr(stored, name), getattr(config.policy, name))
+              for name in ("type", "obs_dim", "action_dim", "chunk_size", "image_size")
+              if name not in sampling and getattr(stored, name) != getattr(config.policy, name)}  # fmt: skip
+    if differ:
+        listing = "; ".join(f"policy.{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in differ.items())
+        raise ConfigError(f"the config disagrees with the checkpoint {checkpoint}: {listing}. Make the config match the checkpoint")
+
+
+def check_actor_cpus(config: RunConfig, request: ResourceRequest) -> None:
+    if request.num_cpus < MIN_CPUS_PER_ACTOR and config.actors.num_gpus == 0:
+        raise ConfigError(
+            f"actors.num_actors={config.actors.num_actors} leaves each actor {request.num_cpus:.3g} CPU on this cluster (< "
+            f"{MIN_CPUS_PER_ACTOR}): use fewer actors and more actors.envs_per_actor, or a bigger cluster"
+        )
+
+
+def resolve_init_checkpoint(config: RunConfig) -> Path | None:
+    """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use)."""
+    if config.init_checkpoint is None:
+        return None if config.allow_random_init else ensure_bc_checkpoint(config)
+    checkpoint = Path(config.init_checkpoint)
+    check_checkpoint_matches(config, checkpoint)
+    return checkpoint
+
+
+def connect_ray(address: str | None, include_dashboard: bool) -> None:
+    """Join the cluster named by `address`, RAY_ADDRESS or this node's cluster file; else start a local Ray on loopback."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        start_local_ray(include_dashboard=include_dashboard, log_to_driver=True)
+
+
+def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:
+    """What the learner and each actor ask of the Ray cluster joined; refuses what the cluster cannot give."""
+    resources = ray.cluster_resources()
+    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
+    learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
+    for section, request in (("learner", learner), ("actors", actor)):
+        missing = {k: v for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v}
+        if missing:  # Ray would leave the actor pending forever
+            raise ConfigError(f"{section} asks for {missing} ({section}.num_gpus / {section}.resources) but the Ray cluster "
+                              f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)")  # fmt: skip
+    check_actor_cpus(config, actor)
+    return learner, actor
+
+
+def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> Any:
+    return (
+        ray.remote(LearnerActor)
+        .options(**request.options(bundle_index=LEARNER_BUNDLE))
+        .remote(config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
+    )
+
+
+def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
+    remote_actor = ray.remote(RolloutActor)
+
+    def start(index: int) -> Any:
+        options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
+        return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(config, index, checkpoint_dir)
+
+    pool = ActorPool(config, start)
+    # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
+    # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
+    ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
+    return pool
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, eval_layouts: list, *, single_batch: bool = False,
+          address: str | None = None, include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
+    wall_start = time.perf_counter()
+    run_dir = directory.path
+    resume = resume_dir is not None
+    # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
+    checkpoint = None if resume_dir else resolve_init_checkpoint(config)
+
+    connect_ray(address, include_dashboard)
+    learner_resources, actor_resources = plan_resources(config)
+    print(banner(config, checkpoint, resume_dir, ray.cluster_resources(), actor_resources.num_cpus), flush=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
+                                config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
+    learner = start_learner(config, checkpoint, resume_dir, learner_resources)
+    actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
+    if actor_checkpoint is None:  # random-init run: actors start from the learner's random weights, saved for them
+        actor_checkpoint = learner_get(learner.save.remote(str(run_dir / "checkpoints" / "random_init")))
+    pool = start_actors(config, actor_checkpoint, actor_resources)
+    start_iteration, total_env_steps = learner_get(learner.progress.remote())
+    weights_ref = learner_get(learner.publish.remote())[0]
+    print(f"[start] {len(pool.actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
+
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl")
+    wandb_run = None if single_batch else init_wandb(config, run_dir, resume)
+    summary_path = run_dir / "summary.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.is_file() else {}
+
+    def run_eval(label: str) -> dict[str, float]:
+        t0 = time.perf_counter()
+        successes, versions = pool.evaluate(weights_ref, eval_layouts)
+        result = eval_metrics(successes, eval_layouts)
+        print(f"[eval:{label}] held-out {format_eval(result)}, weights v{sorted(versions)}, {time.perf_counter() - t0:.1f}s", flush=True)
+        return result
+
+    if start_iteration == 0:  # a resumed run keeps the manifest of the run it continues
+        summary["manifest"] = reproducibility_manifest(config, checkpoint, eval_layouts)
+    if start_iteration == 0 and not single_batch:
+        summary["initial_eval"] = run_eval("initial policy")
+        summary_path.write_text(json.dumps(summary, indent=2))  # kept if the run is interrupted
+
+    def save(iteration: int) -> None:
+        name = f"iter_{iteration:06d}"
+        learner_get(learner.save.remote(str(run_dir / "checkpoints" / name)))
+        directory.write_latest(name)
+
+    last_saved = iteration = start_iteration
+    learner_restarts = 0
+    try:
+        while iteration < config.iterations:
+            t0 = time.perf_counter()
+            try:
+                batch_refs = pool.sample(weights_ref, iteration)
+                metrics = learner_get(learner.update.remote(*batch_refs, verbose=single_batch))
+                weights_ref = learner_get(learner.publish.remote())[0]
+                iteration_seconds = time.perf_counter() - t0
+                done = iteration + 1 == config.iterations
+                if not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0)):
+                    metrics.update(run_eval(f"iteration {iteration + 1}"))
+                if done or (iteration + 1) % config.checkpoint_every == 0:
+                    save(iteration + 1)
+                    last_saved = iteration + 1
+            except LearnerDiedError as exc:
+                learner_restarts += 1
+                if learner_restarts > config.learner.max_restarts:
+                    raise LearnerDiedError(f"the learner died {learner_restarts} times (learner.max_restarts="
+                                           f"{config.learner.max_restarts}); last: {exc}") from exc  # fmt: skip
+                # From the run's latest checkpoint; before the first one, from what the run started with.
+                restart_dir = directory.latest_checkpoint() if last_saved > 0 else resume_dir
+                print(f"[fault] the learner died ({exc}): restarting it ({learner_restarts}/{config.learner.max_restarts}) from "
+                      f"{restart_dir or checkpoint or 'its random initialisation'}", flush=True)  # fmt: skip
+                learner = start_learner(config, None if restart_dir else checkpoint, restart_dir, learner_resources)
+                iteration, total_env_steps = learner_get(learner.progress.remote())
+                weights_ref = learner_get(learner.publish.remote())[0]
+                continue
+            total_env_steps += int(metrics["rollout/env_steps"])
+            metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": total_env_steps,
+                            "time/iteration_seconds": iteration_seconds,
+                            "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
+                            "time/wall_seconds": time.perf_counter() - wall_start,
+                            "faults/learner_restarts": float(learner_restarts), "rollout/actors": float(len(pool.actors)),
+                            **pool.faults, **actor_health(pool.actors)})  # fmt: skip
+            metrics_log.write(metrics)
+            learner.export_gauges.remote(metrics)
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=iteration + 1)
+            print(console_line(metrics), flush=True)
+            if single_batch:
+                print(json.dumps(metrics, indent=1, sort_keys=True), flush=True)
+            iteration += 1
+    except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
+        save_progress(learner, save, last_saved, exc)
+        raise
+
+    rows = metrics_log.read()
+    final_eval = {k: rows[-1][k] for k in rows[-1] if k.startswith("eval/")} if rows else {}
+    summary.update({"iterations": config.iterations, "env_steps": total_env_steps, "final_eval": final_eval,
+                    "wall_seconds_this_session": time.perf_counter() - wall_start, "config_fingerprint": config.fingerprint(),
+                    "init_checkpoint": str(checkpoint) if checkpoint else summary.get("init_checkpoint"),
+                    "faults": {**pool.faults, "faults/learner_restarts": float(learner_restarts)}})  # fmt: skip
+    if "initial_eval" in summary and final_eval:
+        summary["success_gain"] = final_eval["eval/success_rate"] - summary["initial_eval"]["eval/success_rate"]
+    summary_path.write_text(json.dumps(summary, indent=2))
+    if rows and not single_batch:
+        title = f"{config.env.task}: {config.learner.algo.upper()} fine-tuning"
+        summary["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", title, summary.get("initial_eval")))
+        print_summary(summary)
+    if wandb_run is not None:
+        wandb_run.finish()
+    return summary
+
+
+def save_progress(learner: Any, save: Callable[[int], None], last_saved: int, error: BaseException) -> None:
+    """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them."""
+    try:
+        completed, _ = ray.get(learner.progress.remote(), timeout=60)
+        if completed > last_saved:
+            save(completed)
+            what = "interrupted" if isinstance(error, KeyboardInterrupt) else f"stopped by {type(error).__name__}"
+            print(f"\n[{what}] saved iter_{completed:06d}; continue with --resume", flush=True)
+    except Exception as exc:  # the learner is gone or wedged: nothing more can be kept
+        print(f"[fault] could not save the learner's progress ({type(exc).__name__}): --resume continues from the last checkpoint",
+              flush=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
+    lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
+    lines.append(yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    lines.append("-" * 78)
+    lines.append(f"config fingerprint : {config.fingerprint()}")
+    lines.append(f"ray resources      : {resources}")
+    lines.append(f"  per actor        : {cpus_per_actor:.4g} CPU, {config.actors.num_gpus} GPU, custom {config.actors.resources}")
+    lines.append(f"  learner          : {config.learner.num_gpus} GPU, custom {config.learner.resources}")
+    if checkpoint is not None:
+        lines.append(f"init checkpoint    : {checkpoint} (sha256 {file_sha256(checkpoint / WEIGHTS_FILE)[:16]})")
+        report = checkpoint / REPORT_FILE
+        if report.is_file():
+            data = json.loads(report.read_text())
+            lines.append(
+                f"  pre-training     : {data['demos']} demos, held-out success {data['eval_success_rate']:.2f} ({data['eval_layouts']})"
+            )
+    if resume_dir is not None:
+        lines.append(f"resuming from      : {resume_dir}")
+    p = config.policy
+    lines.append(
+        f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
+        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
+    )
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def init_wandb(config: RunConfig, run_dir: Path, resume: bool):
+    os.environ.setdefault("WANDB_MODE", "offline")  # offline by default; WANDB_MODE=online/disabled respected
+    if os.environ["WANDB_MODE"] == "disabled":
+        return None
+    import wandb
+
+    run_id_file = run_dir / "wandb_run_id"
+    run_id = run_id_file.read_text().strip() if resume and run_id_file.is_file() else None
+    run = wandb.init(project=config.wandb_project, dir=str(run_dir), config=config.to_dict(), id=run_id, resume="allow" if run_id else None)
+    run_id_file.write_text(run.id)
+    return run
+
+
+def format_eval(result: dict[str, float]) -> str:
+    return (
+        f"success {result['eval/success_rate']:.3f} (95% CI {result['eval/success_low']:.3f}-{result['eval/success_high']:.3f})"
+        f" on {int(result['eval/episodes'])} layouts"
+    )
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print("=" * 78)
+    initial, final = summary.get("initial_eval"), summary.get("final_eval")
+    if initial:
+        print(f"initial policy : {format_eval(initial)}")
+    if final:
+        print(f"after RL       : {format_eval(final)}")
+    if "success_gain" in summary:
+        print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
+    print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_session']:.0f}s; curve: {summary.get('curve')}")
+    print("=" * 78, flush=True)

@@ -1,0 +1,23 @@
+"""A rollout-actor stand-in for the actor pool's fault tests, in a module of its own so that a Ray worker
+starting it imports nothing heavy (the tests time calls in seconds)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+class Flaky:
+    """Its first call dies (process exit) or hangs (sleeps for an hour), as `mode` says; after a restart it answers."""
+
+    def __init__(self, marker: str, mode: str):
+        self.marker, self.mode = Path(marker), mode
+
+    def work(self, value: int) -> dict[str, int]:
+        if self.mode != "ok" and not self.marker.exists():
+            self.marker.touch()
+            if self.mode == "die":
+                os._exit(1)
+            time.sleep(3600)
+        return {"env_steps": value}
