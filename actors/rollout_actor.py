@@ -14,6 +14,7 @@ uninterrupted run exactly.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,10 +57,16 @@ class RolloutActor:
         """Load a newer weight version (older or equal versions are ignored)."""
         if weights is None or weights.version <= self.version:
             return
-        missing = set(weights.params) - set(dict(self.policy.named_parameters()))
+        params = dict(self.policy.named_parameters())
+        missing = set(weights.params) - set(params)
         if missing:
             raise KeyError(f"weights version {weights.version} has parameters this policy lacks: {sorted(missing)[:5]}")
-        self.policy.load_state_dict(weights.to_tensors(), strict=False)  # copies into the actor's own tensors
+        with torch.no_grad(), warnings.catch_warnings():
+            # One copy, straight from the object store's read-only arrays into the actor's own tensors: the view is
+            # only read (torch warns that it could be written), never kept.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, array in weights.params.items():
+                params[name].copy_(torch.from_numpy(array))
         self.version = weights.version
 
     def precision(self) -> torch.autocast:

@@ -140,13 +140,13 @@ def smolvla_trainable_shapes() -> dict[str, tuple[int, ...]]:
 
 def peak_bytes(path: str, payload: int, actors: int) -> tuple[int, int]:
     """(estimated peak memory, object store use) of one path. Every path: the learner's tensors and each actor's own.
-    project: + the WeightsPayload copy until it is put, the put, each actor's to_tensors copy while loading.
+    project: + the WeightsPayload copy until it is put, and the put (actors copy straight from the store's arrays).
     floor: + the put. state_dict: + one serialised copy per call in the store, one deserialised copy per actor."""
     base = payload + actors * payload
     if path == "floor":
         return base + payload, payload
     if path == "project":
-        return base + payload + actors * payload + payload, payload
+        return base + payload + payload, payload
     return base + 2 * actors * payload, actors * payload
 
 
@@ -191,9 +191,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes", default="10MB,100MB,1GB,smolvla", help="comma-separated payload sizes (KB/MB/GB) or 'smolvla'")
     parser.add_argument("--repeats", type=int, default=3, help="timed broadcasts per path and case (the median is reported)")
     args = parser.parse_args(argv)
-    actor_counts = sorted({int(n) for n in args.actors.split(",")})
+    try:
+        actor_counts = sorted({int(n) for n in args.actors.split(",")})
+    except ValueError:
+        raise SystemExit(f"--actors must be comma-separated integers like 1,4,10, got {args.actors!r}") from None
     if actor_counts[0] < 1 or args.repeats < 1:
-        raise SystemExit("--actors must be positive integers and --repeats >= 1")
+        raise SystemExit(f"--actors must be positive (got {args.actors!r}) and --repeats >= 1 (got {args.repeats})")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     payloads: dict[str, dict[str, tuple[int, ...]]] = {}
     skipped: dict[str, str] = {}
@@ -209,41 +212,43 @@ def main(argv: list[str] | None = None) -> dict:
     available = available_memory_bytes()
     start_local_ray(num_cpus=2, include_dashboard=False, object_store_memory=int(STORE_FRACTION * available), log_to_driver=False)
     store_capacity = int(ray.available_resources().get("object_store_memory", STORE_FRACTION * available))
-    receivers = [ray.remote(Receiver).options(num_cpus=0).remote() for _ in range(actor_counts[-1])]
-    ray.get([r.allocate.remote({}) for r in receivers])  # started and imported before any timing
-    results: dict = {"bench": "broadcast", "repeats": args.repeats, "load_average_1m": load_average(), "cases": {}, "skipped": skipped}
-    version = [0]
-    for size, shapes in payloads.items():
-        generator = torch.Generator().manual_seed(0)
-        state = {name: torch.rand(shape, generator=generator) for name, shape in shapes.items()}
-        payload = sum(t.numel() * t.element_size() for t in state.values())
-        for count in actor_counts:
-            case = f"n{count}_{size}"
-            ray.get([r.allocate.remote({}) for r in receivers])  # the previous case's tensors freed before measuring
+    try:
+        receivers = [ray.remote(Receiver).options(num_cpus=0).remote() for _ in range(actor_counts[-1])]
+        ray.get([r.allocate.remote({}) for r in receivers])  # started and imported before any timing
+        results: dict = {"bench": "broadcast", "repeats": args.repeats, "load_average_1m": load_average(), "cases": {}, "skipped": skipped}
+        version = [0]
+        for size, shapes in payloads.items():
+            generator = torch.Generator().manual_seed(0)
+            state = {name: torch.rand(shape, generator=generator) for name, shape in shapes.items()}
+            payload = sum(t.numel() * t.element_size() for t in state.values())
+            for count in actor_counts:
+                case = f"n{count}_{size}"
+                ray.get([r.allocate.remote({}) for r in receivers])  # the previous case's tensors freed before measuring
+                release_freed_memory()
+                budget = MEMORY_FRACTION * available_memory_bytes()
+                paths = []
+                for path in PATHS:
+                    peak, store = peak_bytes(path, payload, count)
+                    if peak > budget or store > 0.9 * store_capacity:
+                        reason = f"needs ~{peak / 1e9:.1f} GB (object store {store / 1e9:.1f} GB), have {budget / 1e9:.1f} GB "
+                        skipped[f"{case}/{path}"] = reason + f"({MEMORY_FRACTION:.0%} of available; store {store_capacity / 1e9:.1f} GB)"
+                        print(f"skipping {case}/{path}: {skipped[f'{case}/{path}']}", file=sys.stderr, flush=True)
+                    else:
+                        paths.append(path)
+                if not paths:
+                    continue
+                ray.get([r.allocate.remote(shapes) for r in receivers[:count]])
+                figures = run_case(receivers[:count], state, paths, args.repeats, version)
+                floor_seconds = figures.get("floor_seconds")
+                for path in ("project", "state_dict"):
+                    if f"{path}_seconds" in figures:
+                        figures[f"{path}_ratio_to_floor"] = ratio(floor_seconds, figures[f"{path}_seconds"])
+                results["cases"][case] = {"actors": count, "payload_bytes": payload, **figures}
+                print(f"{case}: {figures}", file=sys.stderr, flush=True)
+            del state
             release_freed_memory()
-            budget = MEMORY_FRACTION * available_memory_bytes()
-            paths = []
-            for path in PATHS:
-                peak, store = peak_bytes(path, payload, count)
-                if peak > budget or store > 0.9 * store_capacity:
-                    reason = f"needs ~{peak / 1e9:.1f} GB (object store {store / 1e9:.1f} GB), have {budget / 1e9:.1f} GB "
-                    skipped[f"{case}/{path}"] = reason + f"({MEMORY_FRACTION:.0%} of available; store {store_capacity / 1e9:.1f} GB)"
-                    print(f"skipping {case}/{path}: {skipped[f'{case}/{path}']}", file=sys.stderr, flush=True)
-                else:
-                    paths.append(path)
-            if not paths:
-                continue
-            ray.get([r.allocate.remote(shapes) for r in receivers[:count]])
-            figures = run_case(receivers[:count], state, paths, args.repeats, version)
-            floor_seconds = figures.get("floor_seconds")
-            for path in ("project", "state_dict"):
-                if f"{path}_seconds" in figures:
-                    figures[f"{path}_ratio_to_floor"] = ratio(floor_seconds, figures[f"{path}_seconds"])
-            results["cases"][case] = {"actors": count, "payload_bytes": payload, **figures}
-            print(f"{case}: {figures}", file=sys.stderr, flush=True)
-        del state
-        release_freed_memory()
-    ray.shutdown()
+    finally:
+        ray.shutdown()
     emit(results)
     return results
 

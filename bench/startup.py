@@ -54,11 +54,12 @@ def floor_seconds(actors: int) -> float:
 
     began = time.perf_counter()
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
-    ray.get([handle.ready.remote() for handle in handles])
-    seconds = time.perf_counter() - began
-    ray.shutdown()
-    return seconds
+    try:
+        handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
+        ray.get([handle.ready.remote() for handle in handles])
+        return time.perf_counter() - began
+    finally:
+        ray.shutdown()
 
 
 def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -> dict[str, float]:

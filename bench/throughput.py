@@ -16,6 +16,10 @@ one after the other in one run.
   one process per core, all started together, for --env-seconds. env_limit_steps_per_second = the sum over
   processes of env steps / seconds. No policy, no Ray: what the machine can step at all.
 - ratio_to_env_limit = main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal: >= 0.7).
+- matched env limit: the same, in as many processes as the main job has actors (--matched-processes, default 10).
+  On a machine other jobs load, the scheduler shares the cores per process, so 2 bare processes get a smaller
+  share than the main job's 11: the per-core limit then understates the machine and the ratio overstates the job.
+  ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
 
 RLlib PPO on the same task (issue 11's peer figure) is not run here: `ray[rllib]==2.60.0` pins gymnasium==1.2.2,
 which this project's environment does not use, so it needs its own virtual environment:
@@ -72,7 +76,7 @@ def step_bare_envs(num_envs: int, seconds: float, seed: int, start: multiprocess
     results.put((steps, elapsed))
 
 
-def env_limit(processes: int, num_envs: int, seconds: float) -> dict[str, float]:
+def env_limit(processes: int, num_envs: int, seconds: float, prefix: str = "env_limit") -> dict[str, float]:
     context = multiprocessing.get_context("spawn")
     start, results = context.Barrier(processes), context.Queue()
     workers = [context.Process(target=step_bare_envs, args=(num_envs, seconds, seed, start, results)) for seed in range(processes)]
@@ -81,8 +85,8 @@ def env_limit(processes: int, num_envs: int, seconds: float) -> dict[str, float]
     outcomes = [results.get(timeout=600) for _ in workers]
     for worker in workers:
         worker.join()
-    return {"env_limit_steps_per_second": sum(steps / elapsed for steps, elapsed in outcomes), "env_limit_processes": processes,
-            "env_limit_envs_per_process": num_envs, "env_limit_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
+    return {f"{prefix}_steps_per_second": sum(steps / elapsed for steps, elapsed in outcomes), f"{prefix}_processes": processes,
+            f"{prefix}_envs_per_process": num_envs, f"{prefix}_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
 
 
 def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str]) -> dict[str, float]:
@@ -116,6 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-episodes", type=int, default=10, help="held-out layouts of the main job's evaluations (outside the figure)")
     parser.add_argument("--env-seconds", type=float, default=30.0, help="seconds of bare env stepping per process")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="bare-env processes (default: one per core)")
+    parser.add_argument(
+        "--matched-processes",
+        type=int,
+        default=RunConfig().actors.num_actors,
+        help="a second env limit in this many processes, as many as the main job has actors (0: skip)",
+    )
     parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
     args = parser.parse_args(argv)
     if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
@@ -126,6 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
     results.update(main_job(args.iterations, args.warmup_iterations, args.eval_episodes, args.main_arg))
     results.update(env_limit(args.processes, RunConfig().actors.envs_per_actor, args.env_seconds))
     results["ratio_to_env_limit"] = ratio(results["main_env_steps_per_second"], results["env_limit_steps_per_second"])
+    if args.matched_processes > 0:
+        num_envs = RunConfig().actors.envs_per_actor
+        results.update(env_limit(args.matched_processes, num_envs, args.env_seconds, prefix="matched_env_limit"))
+        results["ratio_to_matched_env_limit"] = ratio(results["main_env_steps_per_second"], results["matched_env_limit_steps_per_second"])
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

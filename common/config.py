@@ -144,7 +144,8 @@ class EnvConfig:
     # Layouts are fixed by Metaworld's benchmark seed (50 per seed). Keep the three sets disjoint:
     # demonstrations, RL training and held-out evaluation.
     demo_benchmark_seed: int = 0
-    train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5])
+    # 500 training layouts: with 200 ([2, 3, 4, 5]) held-out success oscillated while training success climbed.
+    train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
     eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
 
     def validate(self, path: str = "env") -> None:
@@ -207,11 +208,11 @@ class PPOConfig:
 
     gamma: float = 0.99  # discount per ENV STEP; a chunk of n executed steps is discounted by gamma**n
     gae_lambda: float = 0.95  # per chunk decision
-    clip_eps: float = 0.02  # on the ratio of per-element-mean chain probabilities (see policy.log_prob_normalization)
+    clip_eps: float = 0.05  # on the ratio of per-element-mean chain probabilities (see policy.log_prob_normalization)
     value_clip: float | None = None  # None: plain MSE; else clip the new value around the old by this much
     vf_coef: float = 0.5
     ent_coef: float = 0.0
-    actor_lr: float = 3e-5
+    actor_lr: float = 1e-4  # with clip_eps 0.05: +24 points mean, +16 min over 4 seeds (README, "Seeds"); 3e-5/0.02 gave +10 to +35
     critic_lr: float = 5e-4
     update_epochs: int = 8
     minibatch_size: int = 500  # decisions per optimiser step
@@ -325,7 +326,7 @@ class RunConfig:
     learner: PPOConfig = field(default_factory=PPOConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     seed: int = 0
-    iterations: int = 250  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 1M env steps
+    iterations: int = 150  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 0.6M env steps
     eval_every: int = 25  # iterations between deterministic held-out evaluations (0: only at start and end)
     eval_episodes: int = 100  # held-out layouts per evaluation
     checkpoint_every: int = 25

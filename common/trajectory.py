@@ -125,8 +125,3 @@ class WeightsPayload:
     @staticmethod
     def from_state(version: int, state: dict[str, torch.Tensor]) -> WeightsPayload:
         return WeightsPayload(version, {k: v.detach().cpu().numpy().copy() for k, v in state.items()})
-
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        # np.array(copy) rather than torch.from_numpy on the shared, read-only buffer: torch would
-        # hand out a writable tensor over memory every actor reads.
-        return {k: torch.from_numpy(np.array(v)) for k, v in self.params.items()}

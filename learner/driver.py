@@ -362,6 +362,21 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.is_file() else {}
 
+    # What the run costs: the resources it holds (reserved, busy or idle) times wall time, start-up included, summed
+    # over the sessions of a resumed run. Reported per iteration (cost/...) and in summary.json.
+    cost = {key: float(summary.get("cost", {}).get(key, 0.0)) for key in ("wall_seconds", "cpu_seconds_reserved", "gpu_seconds_reserved")}
+    cost_clock = wall_start
+
+    def charge() -> dict[str, float]:
+        nonlocal cost_clock
+        now = time.perf_counter()
+        held = len(pool.actors)
+        cost["wall_seconds"] += now - cost_clock
+        cost["cpu_seconds_reserved"] += (learner_resources.num_cpus + actor_resources.num_cpus * held) * (now - cost_clock)
+        cost["gpu_seconds_reserved"] += (learner_resources.num_gpus + actor_resources.num_gpus * held) * (now - cost_clock)
+        cost_clock = now
+        return {f"cost/{key}": value for key, value in cost.items()}
+
     def run_eval(label: str) -> dict[str, float]:
         t0 = time.perf_counter()
         successes, versions = pool.evaluate(weights_ref, eval_layouts)
@@ -415,7 +430,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                             "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
                             "time/wall_seconds": time.perf_counter() - wall_start,
                             "faults/learner_restarts": float(learner_restarts), "rollout/actors": float(len(pool.actors)),
-                            **pool.faults, **actor_health(pool.actors)})  # fmt: skip
+                            **pool.faults, **actor_health(pool.actors), **charge()})  # fmt: skip
             metrics_log.write(metrics)
             learner.export_gauges.remote(metrics)
             if wandb_run is not None:
@@ -434,6 +449,8 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                     "wall_seconds_this_session": time.perf_counter() - wall_start, "config_fingerprint": config.fingerprint(),
                     "init_checkpoint": str(checkpoint) if checkpoint else summary.get("init_checkpoint"),
                     "faults": {**pool.faults, "faults/learner_restarts": float(learner_restarts)}})  # fmt: skip
+    charge()
+    summary["cost"] = {**cost, "env_steps": total_env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
     if "initial_eval" in summary and final_eval:
         summary["success_gain"] = final_eval["eval/success_rate"] - summary["initial_eval"]["eval/success_rate"]
     summary_path.write_text(json.dumps(summary, indent=2))

@@ -66,11 +66,14 @@ def test_startup_smallest(capsys):
 
 @pytest.mark.slow
 def test_throughput_smallest(capsys):
-    args = ["--iterations", "2", "--warmup-iterations", "1", "--env-seconds", "1", "--eval-episodes", "2", "--processes", "1"]
+    args = ["--iterations", "2", "--warmup-iterations", "1", "--env-seconds", "1", "--eval-episodes", "2", "--processes", "1",
+            "--matched-processes", "2"]  # fmt: skip
     results = throughput.main(args + [f"--main-arg={arg}" for arg in ["--num-actors=2", *TINY_MAIN_ARGS]])
     assert printed(capsys) == json.loads(json.dumps(results))
     assert results["main_iterations_timed"] == 1
     assert results["env_limit_processes"] == 1 and results["env_limit_env_steps"] > 0
     assert_positive(results["main_env_steps_per_second"], results["env_limit_steps_per_second"], results["main_median_iteration_seconds"])
-    quotient = results["main_env_steps_per_second"] / results["env_limit_steps_per_second"]
-    assert results["ratio_to_env_limit"] == pytest.approx(quotient, rel=1e-12)
+    assert results["matched_env_limit_processes"] == 2 and results["matched_env_limit_env_steps"] > 0
+    for limit in ("env_limit", "matched_env_limit"):
+        quotient = results["main_env_steps_per_second"] / results[f"{limit}_steps_per_second"]
+        assert results[f"ratio_to_{limit}"] == pytest.approx(quotient, rel=1e-12)

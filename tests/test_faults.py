@@ -152,6 +152,15 @@ def test_a_run_survives_the_fault_with_the_undisturbed_results(tmp_path, bc_chec
 
 
 @pytest.mark.slow
+def test_the_summary_reports_what_the_run_held_and_for_how_long(undisturbed) -> None:
+    cost = json.loads((undisturbed / "summary.json").read_text())["cost"]
+    # On the 2-CPU local Ray: the learner holds 0.5 CPU and each of the 2 actors (2 - 0.5) / 2, for the whole run.
+    assert cost["cpu_seconds_reserved"] == pytest.approx(2.0 * cost["wall_seconds"], rel=1e-9)
+    assert cost["gpu_seconds_reserved"] == 0.0 and cost["env_steps"] == rows(undisturbed)[-1]["rollout/total_env_steps"]
+    assert 0 < rows(undisturbed)[-1]["cost/wall_seconds"] <= cost["wall_seconds"]
+
+
+@pytest.mark.slow
 def test_an_unexpected_error_saves_the_completed_iterations_first(tmp_path, bc_checkpoint, undisturbed, monkeypatch) -> None:
     from learner import driver
 
@@ -271,7 +280,7 @@ BAD_INPUTS = [
     (["--set", "learner.actor_lr=.nan"], r"learner\.actor_lr must be a finite number", None),
     (["--set", "learner.actor_lr=inf"], r"learner\.actor_lr must be a finite number", None),
     (["--set", "learner.minibatch_size=5000"], r"learner\.minibatch_size \(5000\) exceeds the decisions of one rollout \(1000", None),
-    (["--set", "learner.lr_warmup_iters=300"], r"learner\.lr_warmup_iters \(300\) must be < iterations \(250\)", None),
+    (["--set", "learner.lr_warmup_iters=300"], r"learner\.lr_warmup_iters \(300\) must be < iterations \(150\)", None),
     (["--set", "learner.lr_warmup_iters=-1"], r"learner\.lr_warmup_iters/critic_warmup_iters must be >= 0", None),
     (["--iterations", "2"], r"learner\.critic_warmup_iters \(3\) must be < iterations \(2\)", None),
     (["--set", "env.max_episode_steps=501"], r"env\.max_episode_steps \(501\) exceeds Metaworld's episode limit \(500\)", None),
@@ -324,4 +333,4 @@ def test_bad_input_is_refused_with_a_clear_message_and_nothing_written(tmp_path,
 
 def test_the_bad_input_table_covers_thirty_cases_on_the_defaults_it_assumes() -> None:
     assert len(BAD_INPUTS) >= 30
-    assert RunConfig().learner.critic_warmup_iters == 3 and RunConfig().iterations == 250
+    assert RunConfig().learner.critic_warmup_iters == 3 and RunConfig().iterations == 150

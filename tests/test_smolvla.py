@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, PolicyConfig, PPOConfig, SmolVLAConfig
+from common.config import ConfigError, PolicyConfig, SmolVLAConfig, load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
 from common.observation import Observation
@@ -394,10 +395,13 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
 SEED_001 = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
 
 
+SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").learner
+
+
 def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[str, float]:
-    """One real PPO step (the project's default actor_lr and clip_eps, Adam) on chains sampled by the
+    """One real PPO step (the shipped SmolVLA recipe's actor_lr and clip_eps, Adam) on chains sampled by the
     tiny SmolVLA with a 50-action chunk, then the next minibatch's clip fraction on the same chains."""
-    ppo = PPOConfig()
+    ppo = SMOLVLA_PPO
     policy = tiny_policy(log_prob_normalization=normalization, **SEED_001)
     obs = observations(policy, batch, seed=9)
     with torch.no_grad():
@@ -430,10 +434,10 @@ def test_seed_001_sum_aggregation_warns_and_clips_everything() -> None:
     config = tiny_config(**SEED_001)
     elements = config.chunk_size * config.action_dim * config.num_steps
     with pytest.warns(RatioSensitivityWarning, match="log_prob_normalization='mean'"):
-        check_ratio_sensitivity(elements, config.sigma_min, "sum", PPOConfig().clip_eps)
+        check_ratio_sensitivity(elements, config.sigma_min, "sum", SMOLVLA_PPO.clip_eps)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RatioSensitivityWarning)
-        check_ratio_sensitivity(elements, config.sigma_min, "mean", PPOConfig().clip_eps)
+        check_ratio_sensitivity(elements, config.sigma_min, "mean", SMOLVLA_PPO.clip_eps)
 
     summed, averaged = clip_fraction_after_one_update("sum"), clip_fraction_after_one_update("mean")
     print(f"\nseed 001 on SmolVLA's chunk: sum {summed}\n                              mean {averaged}")

@@ -147,10 +147,7 @@ class FlowPolicy(nn.Module, ABC):
         weights_path = directory / WEIGHTS_FILE
         if not weights_path.is_file():
             raise CheckpointError(f"{weights_path} is missing: not a policy checkpoint directory")
-        try:
-            state = load_file(str(weights_path))
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{weights_path} could not be read as safetensors: {exc}") from exc
+        state = read_safetensors(weights_path)
         own = policy.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
@@ -242,6 +239,14 @@ def verify_checksums(directory: str | Path) -> None:
             raise CheckpointError(f"{path} is missing but {listing} lists it: the checkpoint is incomplete")
         if file_sha256(path) != expected:
             raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file; a corrupt or truncated file is a CheckpointError naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"{path} could not be read as safetensors: {exc}") from exc
 
 
 def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:

@@ -426,8 +426,8 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"{weights_path} could not be read as safetensors: {exc}") from exc
     own = vla.state_dict()
-    kept = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()
-    expected = set(own) - kept
+    fresh = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()  # keep their initialisation
+    expected = set(own) - fresh
     missing = sorted(expected - set(state))
     wrong_shape = sorted(
         f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in expected & set(state) if own[k].shape != state[k].shape
@@ -437,4 +437,4 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
             f"{weights_path} lacks {len(missing)} of the model's {len(expected)} expected tensors and has {len(wrong_shape)} of the wrong "
             f"shape; lerobot would leave these at random init. missing={missing} wrong_shape={wrong_shape}"
         )
-    vla.load_state_dict({**{k: own[k] for k in kept}, **{k: state[k] for k in expected}}, strict=True)
+    vla.load_state_dict({**{k: own[k] for k in fresh}, **{k: state[k] for k in expected}}, strict=True)
