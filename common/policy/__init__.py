@@ -7,6 +7,8 @@
 from common.policy.base import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
+    OBS_CLIP,
+    OBS_STD_FLOOR,
     POLICY_TYPES,
     WEIGHTS_FILE,
     CheckpointError,
@@ -19,7 +21,7 @@ from common.policy.base import (
     verify_checksums,
     write_directory_atomically,
 )
-from common.policy.mlp import OBS_CLIP, OBS_STD_FLOOR, MLPFlowPolicy
+from common.policy.mlp import MLPFlowPolicy
 
 __all__ = [
     "CHECKSUMS_FILE", "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",

@@ -11,9 +11,6 @@ from common.config import PolicyConfig
 from common.observation import Observation
 from common.policy.base import FlowPolicy
 
-OBS_STD_FLOOR = 0.05  # in env units (metres for positions, unit quaternion components)
-OBS_CLIP = 5.0  # normalised features are clipped to +-OBS_CLIP
-
 
 def time_embedding(t: Tensor, dim: int) -> Tensor:
     """Sinusoidal embedding of flow time t (B,) in [0, 1] -> (B, dim)."""
@@ -46,36 +43,13 @@ class MLPFlowPolicy(FlowPolicy):
         # The noise head sees time and state, not the noisy action (as in ReinFlow).
         self.noise_net = mlp(config.obs_dim + config.time_embed_dim, config.hidden_dim // 2, d, 2)
         self.critic_net = mlp(config.obs_dim, config.hidden_dim, 1, 2)
-        self.register_buffer("obs_mean", torch.zeros(config.obs_dim))
-        self.register_buffer("obs_std", torch.ones(config.obs_dim))
-        self.register_buffer("action_mean", torch.zeros(config.action_dim))
-        self.register_buffer("action_std", torch.ones(config.action_dim))
+        self.register_normalization()
         self.log_var_min = 2.0 * math.log(config.sigma_min)
         self.log_var_max = 2.0 * math.log(config.sigma_max)
 
-    def set_normalization(self, obs_mean: Tensor, obs_std: Tensor, action_mean: Tensor, action_std: Tensor) -> None:
-        """Store normalisation statistics (saved with the weights).
-
-        Observation stds are floored at OBS_STD_FLOOR: a few demonstrations barely move some state
-        elements (the block's orientation quaternion varies by ~0.003), and dividing by that turned a
-        block knocked over during RL into features of ~650, gradient norms 10x the usual, and a run whose
-        held-out success fell from 0.43 to 0.26 (seed 2 before this fix)."""
-        self.obs_mean.copy_(obs_mean)
-        self.obs_std.copy_(obs_std.clamp_min(OBS_STD_FLOOR))
-        self.action_mean.copy_(action_mean)
-        self.action_std.copy_(action_std.clamp_min(1e-3))
-
-    def normalize_action(self, action: Tensor) -> Tensor:
-        return (action - self.action_mean) / self.action_std
-
-    def to_env_action(self, chunk: Tensor) -> Tensor:
-        return (chunk * self.action_std + self.action_mean).clamp(-1.0, 1.0)
-
     def encode(self, obs: Observation) -> Tensor:
-        """The normalised state (B, obs_dim); frames and instruction, if any, are not read.
-        Clipped like gymnasium's NormalizeObservation users do: states unseen in the demonstrations
-        saturate instead of dominating every layer."""
-        return ((obs.state - self.obs_mean) / self.obs_std).clamp(-OBS_CLIP, OBS_CLIP)
+        """The normalised, clipped state (B, obs_dim); frames and instruction, if any, are not read."""
+        return self.normalized_state(obs)
 
     @property
     def encoder_is_trainable(self) -> bool:

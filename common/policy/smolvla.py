@@ -33,13 +33,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from common.config import PolicyConfig
 from common.observation import Observation
-from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, read_policy_config
-from common.policy.mlp import OBS_CLIP, OBS_STD_FLOOR, mlp
+from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, read_policy_config, read_safetensors
+from common.policy.mlp import mlp
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 
@@ -180,10 +179,7 @@ class SmolVLAFlowPolicy(FlowPolicy):
         # The noise head reads the expert hidden state of each action token (B, H, expert_width).
         self.noise_head = mlp(expert_width, config.hidden_dim, config.action_dim, 2)
         self.critic_head = mlp(text_width + config.obs_dim, config.hidden_dim, 1, 2)
-        self.register_buffer("obs_mean", torch.zeros(config.obs_dim))
-        self.register_buffer("obs_std", torch.ones(config.obs_dim))
-        self.register_buffer("action_mean", torch.zeros(config.action_dim))
-        self.register_buffer("action_std", torch.ones(config.action_dim))
+        self.register_normalization()  # as the MLP backend: buffers saved with the weights
         self.apply_trainable_flags()
         self.eval()
 
@@ -249,21 +245,6 @@ class SmolVLAFlowPolicy(FlowPolicy):
         self.vla.eval()
         return self
 
-    # -- normalisation (as the MLP backend: buffers saved with the weights) --------------------------
-
-    def set_normalization(self, obs_mean: Tensor, obs_std: Tensor, action_mean: Tensor, action_std: Tensor) -> None:
-        """Store normalisation statistics; state stds floored at OBS_STD_FLOOR (see MLPFlowPolicy.set_normalization)."""
-        self.obs_mean.copy_(obs_mean)
-        self.obs_std.copy_(obs_std.clamp_min(OBS_STD_FLOOR))
-        self.action_mean.copy_(action_mean)
-        self.action_std.copy_(action_std.clamp_min(1e-3))
-
-    def normalize_action(self, action: Tensor) -> Tensor:
-        return (action - self.action_mean) / self.action_std
-
-    def to_env_action(self, chunk: Tensor) -> Tensor:
-        return (chunk * self.action_std + self.action_mean).clamp(-1.0, 1.0)
-
     # -- inputs ------------------------------------------------------------------------------------
 
     def tokenize(self, instructions: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -296,8 +277,7 @@ class SmolVLAFlowPolicy(FlowPolicy):
                 frame = resize_with_pad(frame, *size, pad_value=0)
             images.append(frame * 2.0 - 1.0)
         masks = [torch.ones(obs.state.shape[0], dtype=torch.bool, device=obs.state.device) for _ in images]
-        state = ((obs.state - self.obs_mean) / self.obs_std).clamp(-OBS_CLIP, OBS_CLIP)
-        return images, masks, obs.tokens, obs.token_mask, pad_vector(state, self.config.smolvla.max_state_dim)
+        return images, masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.smolvla.max_state_dim)
 
     # -- the FlowPolicy pieces ---------------------------------------------------------------------
 
@@ -421,10 +401,7 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
             else ""
         )
         raise CheckpointError(f"{config_path}: architecture differs from policy.smolvla; set {', '.join(mismatched)}{state_hint}")
-    try:
-        state = load_file(str(weights_path))
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise CheckpointError(f"{weights_path} could not be read as safetensors: {exc}") from exc
+    state = read_safetensors(weights_path)
     own = vla.state_dict()
     fresh = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()  # keep their initialisation
     expected = set(own) - fresh
