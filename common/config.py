@@ -40,6 +40,9 @@ class SmolVLAConfig:
     self_attn_every_n_layers: int = 2
     expert_width_multiplier: float = 0.75
     max_state_dim: int = 32  # the state is zero-padded to this width; >= policy.obs_dim
+    # Load lerobot_checkpoint with state_proj freshly initialised at max_state_dim (the file's may be another
+    # width): smolvla_base's is 32 wide, Metaworld's state 39. Every other tensor still comes from the file.
+    reinit_state_proj: bool = False
     max_action_dim: int = 32  # actions are zero-padded to this width; >= policy.action_dim
     tokenizer_max_length: int = 48  # instruction tokens, padded/truncated to this length
     # What trains (requires_grad; only these are broadcast to actors). The VLM is frozen unless asked.

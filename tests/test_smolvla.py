@@ -356,13 +356,8 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
     with pytest.raises(CheckpointError, match=r"max_state_dim=32 \(config has 39\).*reinit_state_proj: true"):
         tiny_policy(smolvla=smolvla)
 
-    def reinit_config(**smolvla_overrides) -> PolicyConfig:
-        config = tiny_config(smolvla={**smolvla, **smolvla_overrides})
-        config.smolvla.reinit_state_proj = True  # a plain attribute until common/config.py declares the field
-        return config
-
     torch.manual_seed(3)
-    widened = build_policy(reinit_config())
+    widened = build_policy(tiny_config(smolvla={**smolvla, "reinit_state_proj": True}))
     loaded = widened.vla.state_dict()
     reinitialised = {k for k in loaded if k.startswith("model.state_proj.")}
     assert reinitialised == {"model.state_proj.weight", "model.state_proj.bias"}
@@ -387,7 +382,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
     del file_state["model.action_in_proj.weight"]
     save_file(file_state, str(lerobot_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"lacks 1 of .*model\.action_in_proj\.weight"):
-        build_policy(reinit_config())
+        build_policy(tiny_config(smolvla={**smolvla, "reinit_state_proj": True}))
 
 
 # -- seed 001: summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------

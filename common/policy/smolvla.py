@@ -56,11 +56,6 @@ LEROBOT_ARCHITECTURE_FIELDS = (
 STATE_PROJ_PREFIX = "model.state_proj."  # lerobot's state projection, (hidden, max_state_dim) + bias, in a lerobot state dict
 
 
-def reinit_state_proj_requested(config: PolicyConfig) -> bool:
-    """policy.smolvla.reinit_state_proj, False where common/config.py does not declare the field yet."""
-    return bool(getattr(config.smolvla, "reinit_state_proj", False))
-
-
 def lerobot_flow_time(t: Tensor) -> tuple[Tensor, float]:
     """The ONE map between the project's flow time and lerobot's: t (B,) -> (lerobot time (B,), velocity sign).
 
@@ -345,8 +340,7 @@ class SmolVLAFlowPolicy(FlowPolicy):
         directory = super().save_pretrained(directory)
         data = json.loads((directory / CONFIG_FILE).read_text())
         data["smolvla"]["lerobot_checkpoint"] = ""
-        if "reinit_state_proj" in data["smolvla"]:  # applied at that load; the saved state_proj is the one to keep
-            data["smolvla"]["reinit_state_proj"] = False
+        data["smolvla"]["reinit_state_proj"] = False  # applied at that load; the saved state_proj is the one to keep
         (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
         return directory
 
@@ -387,7 +381,7 @@ def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:
     saved = json.loads(config_path.read_text())
     if saved.get("type") != "smolvla":
         raise CheckpointError(f"{config_path} is a lerobot {saved.get('type')!r} checkpoint, not smolvla")
-    reinit_state_proj = reinit_state_proj_requested(config)
+    reinit_state_proj = config.smolvla.reinit_state_proj
     mismatched = [
         f"policy.smolvla.{name}={saved[name]!r} (config has {getattr(config.smolvla, name)!r})"
         for name in LEROBOT_ARCHITECTURE_FIELDS
