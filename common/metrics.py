@@ -148,6 +148,7 @@ def _save_success_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> Pa
 def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
     """Held-out success with its Wilson 95% interval, overall and per layout group (Metaworld benchmark seed),
     so that a collapse on one group shows even when the overall rate holds. successes (L,) bool, layouts (L,)."""
+
     def interval(prefix: str, values: np.ndarray) -> dict[str, float]:
         rate, low, high = success_interval(values)
         return {f"{prefix}success_rate": rate, f"{prefix}success_low": low, f"{prefix}success_high": high,

@@ -23,7 +23,7 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.slow
 
 GRAFANA = Path(__file__).resolve().parents[1] / "cluster" / "grafana_dashboard.json"
-SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$")
 
 
 def listening_sockets() -> dict[str, tuple[str, int]]:

@@ -289,8 +289,11 @@ BAD_INPUTS = [
     (["--num-actors", "100000"], r"actors\.num_actors=100000 leaves each actor .* CPU", None),
     (["--set", "policy.obs_dim=20"], r"disagrees with the checkpoint .*policy\.obs_dim: checkpoint 39, config 20", None),
     ([], r"init checkpoint .*missing has no model\.safetensors", lambda p, c: ["--checkpoint", str(p / "missing")]),
-    ([], r"config\.json is not valid JSON",  # a hand-made directory (no checksums) with a broken config
-     lambda p, c: ["--checkpoint", str(corrupt_copy(c, p, break_config_json))]),
+    (
+        [],
+        r"config\.json is not valid JSON",  # a hand-made directory (no checksums) with a broken config
+        lambda p, c: ["--checkpoint", str(corrupt_copy(c, p, break_config_json))],
+    ),
     ([], r"model\.safetensors does not match its sha256", lambda p, c: ["--checkpoint", str(corrupt_copy(c, p, flip_last_byte))]),
     (["--set", "eval_episodes=1000"], r"eval_episodes=1000 but env\.eval_benchmark_seeds give only 100 layouts", None),
     (["--run-dir", ""], r"run_dir must not be empty", None),

@@ -24,7 +24,20 @@ from common.policy.base import (
 from common.policy.mlp import MLPFlowPolicy
 
 __all__ = [
-    "CHECKSUMS_FILE", "CONFIG_FILE", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError", "FlowPolicy", "MLPFlowPolicy", "OBS_CLIP",
-    "OBS_STD_FLOOR", "build_policy", "index_features", "policy_class", "read_policy_config", "verify_checksums",
-    "write_directory_atomically", "file_sha256",
+    "CHECKSUMS_FILE",
+    "CONFIG_FILE",
+    "POLICY_TYPES",
+    "WEIGHTS_FILE",
+    "CheckpointError",
+    "FlowPolicy",
+    "MLPFlowPolicy",
+    "OBS_CLIP",
+    "OBS_STD_FLOOR",
+    "build_policy",
+    "index_features",
+    "policy_class",
+    "read_policy_config",
+    "verify_checksums",
+    "write_directory_atomically",
+    "file_sha256",
 ]
