@@ -6,20 +6,23 @@ one after the other in one run.
         --main-arg=--allow-random-init --main-arg=--num-actors=2 --main-arg=--set=actors.decisions_per_rollout=5 \\
         --main-arg=--set=learner.minibatch_size=10                                        # a smoke run
 
-- main job: `python -m learner.main` (the default config unless --main-arg says otherwise) for --iterations
+- main job: `python -m learner.main` (the default config unless --main-arg says otherwise), once per
+  actors.policy_lag of --policy-lags (0: synchronous; 1: sampling overlaps the update), for --iterations
   iterations with eval_every=0 (held-out evaluation only before the first and after the last iteration, outside
   the iteration times), --eval-episodes layouts, no dashboard, WANDB_MODE=disabled, in a temporary run dir. Its
   metrics.jsonl gives each iteration's env steps and wall time (sampling + update + weight publication); the first
-  --warmup-iterations are left out. main_env_steps_per_second = their env steps / their seconds.
+  --warmup-iterations are left out. lag<L>_main_env_steps_per_second = their env steps / their seconds, and
+  lag<L>_over_lag0 compares each lag with the synchronous loop of the same run.
 - env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor builds it (same task, training
   layouts, gamma, actors.envs_per_actor envs), stepped with uniformly random chunks of the policy's chunk size, in
   one process per core, all started together, for --env-seconds. env_limit_steps_per_second = the sum over
   processes of env steps / seconds. No policy, no Ray: what the machine can step at all.
-- ratio_to_env_limit = main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal: >= 0.7).
+- lag<L>_ratio_to_env_limit = lag<L>_main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal:
+  >= 0.7).
 - matched env limit: the same, in as many processes as the main job has actors (--matched-processes, default 10).
   On a machine other jobs load, the scheduler shares the cores per process, so 2 bare processes get a smaller
   share than the main job's 11: the per-core limit then understates the machine and the ratio overstates the job.
-  ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
+  lag<L>_ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
 
 RLlib PPO on the same task (issue 11's peer figure) is not run here: `ray[rllib]==2.60.0` pins gymnasium==1.2.2,
 which this project's environment does not use, so it needs its own virtual environment:
@@ -126,20 +129,30 @@ def main(argv: list[str] | None = None) -> dict:
         default=RunConfig().actors.num_actors,
         help="a second env limit in this many processes, as many as the main job has actors (0: skip)",
     )
+    parser.add_argument("--policy-lags", default="0,1", help="actors.policy_lag of each main-job run, comma-separated")
     parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
     args = parser.parse_args(argv)
+    lags = [int(lag) for lag in args.policy_lags.split(",")]
     if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
     if args.env_seconds <= 0 or args.processes < 1:
         raise SystemExit("--env-seconds must be > 0 and --processes >= 1")
     results: dict = {"bench": "throughput", "load_average_1m_start": load_average()}
-    results.update(main_job(args.iterations, args.warmup_iterations, args.eval_episodes, args.main_arg))
-    results.update(env_limit(args.processes, RunConfig().actors.envs_per_actor, args.env_seconds))
-    results["ratio_to_env_limit"] = ratio(results["main_env_steps_per_second"], results["env_limit_steps_per_second"])
+    for lag in lags:
+        job = main_job(args.iterations, args.warmup_iterations, args.eval_episodes, [*args.main_arg, f"--set=actors.policy_lag={lag}"])
+        results.update({f"lag{lag}_{key}": value for key, value in job.items()})
+    num_envs = RunConfig().actors.envs_per_actor
+    limits = ["env_limit"]
+    results.update(env_limit(args.processes, num_envs, args.env_seconds))
     if args.matched_processes > 0:
-        num_envs = RunConfig().actors.envs_per_actor
+        limits.append("matched_env_limit")
         results.update(env_limit(args.matched_processes, num_envs, args.env_seconds, prefix="matched_env_limit"))
-        results["ratio_to_matched_env_limit"] = ratio(results["main_env_steps_per_second"], results["matched_env_limit_steps_per_second"])
+    for lag in lags:
+        speed = results[f"lag{lag}_main_env_steps_per_second"]
+        for limit in limits:
+            results[f"lag{lag}_ratio_to_{limit}"] = ratio(speed, results[f"{limit}_steps_per_second"])
+        if lag != 0 and 0 in lags:
+            results[f"lag{lag}_over_lag0"] = ratio(speed, results["lag0_main_env_steps_per_second"])
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

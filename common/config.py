@@ -133,6 +133,9 @@ class PolicyConfig:
         return self.chunk_size * self.action_dim
 
 
+# actors.policy_lag: beyond a few versions the behaviour weights drift far from the proximal policy, and the
+# learner keeps one copy of the trainable tensors per version in flight.
+MAX_POLICY_LAG = 2
 METAWORLD_MAX_EPISODE_STEPS = 500  # Metaworld v3's max_path_length: its envs truncate every episode there
 
 
@@ -194,6 +197,11 @@ class ActorsConfig:
     # Arithmetic of the actors' sampling: "float32", or "bfloat16" (torch.autocast over float32 weights; the
     # learner stays float32 and warns when the behaviour log-probs drift: learner.behaviour_gap_warn).
     precision: str = "float32"
+    # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
+    # v+1, sample again). 1: the actors sample iteration i+1 with version v while the learner trains on
+    # iteration i, so sampling and update overlap; the learner then scores the chains with the behaviour
+    # weights it kept and applies decoupled PPO (common.rl.ppo_policy_loss). Logged as rollout/weight_version_lag.
+    policy_lag: int = 0
 
     def validate(self, path: str = "actors") -> None:
         _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
@@ -203,6 +211,7 @@ class ActorsConfig:
         _positive(self, path, "call_timeout_s", "min_alive")
         _require(self.min_alive <= self.num_actors, f"{path}.min_alive ({self.min_alive}) must be <= {path}.num_actors ({self.num_actors})")
         _choice(self, path, "precision", ("float32", "bfloat16"))
+        _require(0 <= self.policy_lag <= MAX_POLICY_LAG, f"{path}.policy_lag must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
 
 
 @dataclass

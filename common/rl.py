@@ -51,13 +51,24 @@ def gae(
     return advantages, advantages + values
 
 
-def ppo_policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_eps: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped PPO surrogate. All inputs (B,). Returns (pg_loss, metrics)."""
+def ppo_policy_loss(
+    logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_eps: float, behaviour_weight: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO surrogate. All inputs (B,). Returns (pg_loss, metrics).
+
+    logp_old is the proximal policy's: the learner's weights before this iteration's first step. When the
+    chains were sampled by an older weight version (actors.policy_lag > 0), behaviour_weight (B,) is
+    pi_prox / pi_behaviour, decoupled PPO's importance weight (Hilton et al. 2021, "Batch size-invariance
+    for policy optimization"): the clip stays around the proximal policy, and each sample's clipped term is
+    reweighted towards it. None: the chains came from the proximal policy itself (weight 1)."""
     logratio = logp_new - logp_old
     ratio = logratio.exp()
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2).mean()
+    per_sample = torch.maximum(pg_loss1, pg_loss2)
+    if behaviour_weight is not None:
+        per_sample = behaviour_weight * per_sample
+    pg_loss = per_sample.mean()
     with torch.no_grad():
         metrics = {
             "approx_kl": k3(logp_old, logp_new).mean(),  # KL(old || new) for samples of the old policy

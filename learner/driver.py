@@ -1,7 +1,9 @@
 """The training loop behind `python -m learner.main`, and what keeps it going when parts of it fail.
 
 Orchestration only: start or join Ray, bring up the learner and the rollout actors, then loop (sample ->
-update -> broadcast -> evaluate/checkpoint/log). The math lives in common/, the optimisation in
+update -> broadcast -> evaluate/checkpoint/log). With actors.policy_lag = L > 0 the sampling of the next L
+iterations is submitted before each update, so the actors sample with the versions before it while the
+learner trains (learner.learner explains how the update accounts for the lag). The math lives in common/, the optimisation in
 learner/learner.py, the sampling in actors/. Weights flow one way as versioned state (one `ray.put` per
 version by the learner, every actor reads the same reference); rollouts flow the other way as typed numpy
 records, straight from the actors into the learner (their object refs are passed to the learner's update,
@@ -15,6 +17,7 @@ Faults, and what each costs:
   the actor is dropped with a warning and the rest go on; below actors.min_alive the run stops.
 - A learner actor that dies is started again from the run's latest checkpoint (learner.max_restarts times).
   The iterations since that checkpoint are redone, identically, and weight versions continue from it.
+  Rollouts in flight (policy_lag > 0) are dropped and sampled again with the restored weights, as on --resume.
 - A NaN/Inf update is rolled back and skipped inside the learner (learner.learner.Learner.update).
 - Any other error, Ctrl-C or SIGTERM first saves the learner's progress as a checkpoint, if it is alive.
 """
@@ -25,7 +28,9 @@ import json
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +130,17 @@ def learner_get(ref: ray.ObjectRef) -> Any:
         raise LearnerDiedError(str(exc).splitlines()[0]) from exc
 
 
+@dataclass
+class PendingCall:
+    """One method call on every actor of a pool, submitted and not yet collected (ActorPool.collect)."""
+
+    method: str
+    args_for: Callable[[int], tuple]
+    num_returns: int
+    refs: dict[int, list[ray.ObjectRef]]  # the current attempt's result refs, by actor index
+    retried: set[int] = field(default_factory=set)
+
+
 class ActorPool:
     """The rollout actors by index, called with a deadline; see the module docstring for what a fault does."""
 
@@ -140,16 +156,28 @@ class ActorPool:
         """`method(*args_for(index))` on the live actors (or those of `indices`); returns the result refs of each call
         that succeeded, by actor index. A call's first result must be small: the driver fetches it to learn whether
         the call succeeded (a receipt), and leaves any other result in the object store."""
+        return self.collect(self.submit(method, args_for, indices, num_returns))
 
-        def submit(index: int) -> list[ray.ObjectRef]:
-            refs = getattr(self.actors[index], method).options(num_returns=num_returns).remote(*args_for(index))
-            return refs if num_returns > 1 else [refs]
+    def submit(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
+               num_returns: int = 1) -> PendingCall:  # fmt: skip
+        """Start `call` without waiting: the actors queue it behind the calls they already have."""
+        call = PendingCall(method, args_for, num_returns, {})
+        for index in self.actors if indices is None else indices:
+            self._attempt(call, index)
+        return call
 
+    def _attempt(self, call: PendingCall, index: int) -> None:
+        refs = getattr(self.actors[index], call.method).options(num_returns=call.num_returns).remote(*call.args_for(index))
+        call.refs[index] = refs if call.num_returns > 1 else [refs]
+
+    def collect(self, call: PendingCall) -> dict[int, list[ray.ObjectRef]]:
+        """Wait for a submitted call; dead actors are asked again after their restart, wedged ones killed first."""
         timeout = self.cfg.call_timeout_s
-        pending = {index: submit(index) for index in (self.actors if indices is None else indices)}
+        pending = {index: refs for index, refs in call.refs.items() if index in self.actors}  # not those dropped since
+        # The deadline runs from now: a call submitted ahead (policy_lag) waited behind the actor's previous one.
         since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt started
         done: dict[int, list[ray.ObjectRef]] = {}
-        retried: set[int] = set()
+        retried = call.retried
         while pending:
             receipts = {refs[0]: index for index, refs in pending.items()}
             wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
@@ -164,23 +192,25 @@ class ActorPool:
                         continue
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
                         retried.add(index)
-                        if self._count_restarts(index, method):
+                        if self._count_restarts(index, call.method):
                             since[index] = time.monotonic()  # a fresh attempt on a fresh actor
                         time.sleep(0.5)
-                        pending[index] = submit(index)
+                        self._attempt(call, index)
+                        pending[index] = call.refs[index]
                         continue
                     done[index] = pending.pop(index)
                     if index in retried and isinstance(receipt, dict):
                         self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
                 elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
-                    print(f"[fault] rollout actor {index} wedged (no answer to {method} within actors.call_timeout_s={timeout:g}s): "
-                          "killing it", flush=True)  # fmt: skip
+                    print(f"[fault] rollout actor {index} wedged (no answer to {call.method} within actors.call_timeout_s="
+                          f"{timeout:g}s): killing it", flush=True)  # fmt: skip
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
                     retried.add(index)
-                    pending[index], since[index] = submit(index), time.monotonic()
+                    self._attempt(call, index)
+                    pending[index], since[index] = call.refs[index], time.monotonic()
         for index in retried & set(self.actors):
-            self._count_restarts(index, method)
+            self._count_restarts(index, call.method)
         return done
 
     def _count_restarts(self, index: int, method: str) -> bool:
@@ -204,9 +234,13 @@ class ActorPool:
             raise ActorsExhaustedError(f"{message}; {len(self.actors)} left, below actors.min_alive={self.cfg.min_alive}")
         warnings.warn(f"{message}; training goes on with the {len(self.actors)} left", RuntimeWarning, stacklevel=3)
 
-    def sample(self, weights_ref: ray.ObjectRef, iteration: int) -> list[ray.ObjectRef]:
-        """Every live actor's rollout of `iteration` (refs, in actor order)."""
-        results = self.call("sample_with_receipt", lambda index: (weights_ref, iteration), num_returns=2)
+    def submit_sample(self, weights_ref: ray.ObjectRef, iteration: int) -> PendingCall:
+        """Every live actor's rollout of `iteration` with the weights of `weights_ref`, started."""
+        return self.submit("sample_with_receipt", lambda index: (weights_ref, iteration), num_returns=2)
+
+    def collect_sample(self, call: PendingCall) -> list[ray.ObjectRef]:
+        """The rollouts of a submitted sample call (refs, in actor order)."""
+        results = self.collect(call)
         return [results[index][1] for index in sorted(results)]
 
     def evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list) -> tuple[np.ndarray, set[int]]:
@@ -397,11 +431,14 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
 
     last_saved = iteration = start_iteration
     learner_restarts = 0
+    in_flight: deque[PendingCall] = deque()  # sample calls of iterations iteration, iteration + 1, ... (policy_lag + 1 at most)
     try:
         while iteration < config.iterations:
             t0 = time.perf_counter()
             try:
-                batch_refs = pool.sample(weights_ref, iteration)
+                while len(in_flight) <= config.actors.policy_lag and iteration + len(in_flight) < config.iterations:
+                    in_flight.append(pool.submit_sample(weights_ref, iteration + len(in_flight)))
+                batch_refs = pool.collect_sample(in_flight.popleft())
                 metrics = learner_get(learner.update.remote(*batch_refs, verbose=single_batch))
                 weights_ref = learner_get(learner.publish.remote())[0]
                 iteration_seconds = time.perf_counter() - t0
@@ -423,6 +460,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 learner = start_learner(config, None if restart_dir else checkpoint, restart_dir, learner_resources)
                 iteration, total_env_steps = learner_get(learner.progress.remote())
                 weights_ref = learner_get(learner.publish.remote())[0]
+                in_flight.clear()  # sampled with the dead learner's versions: sampled again with the restored weights
                 continue
             total_env_steps += int(metrics["rollout/env_steps"])
             metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": total_env_steps,

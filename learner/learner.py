@@ -13,10 +13,17 @@ learner.algo "grpo" replaces GAE with group-relative episode advantages (common.
 critic is frozen (neither trained nor broadcast) and decisions of incomplete groups are dropped from the
 batch. With learner.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
 eval mode: never broadcast, saved with every checkpoint so a resumed run keeps the same reference.
+
+With actors.policy_lag > 0 a rollout may come from an older weight version than the learner's. The learner
+keeps the trainable tensors of every version still in flight, scores the chains with them (the behaviour
+log-probs, compared with the actors' own as in the synchronous loop), and applies decoupled PPO: the clip
+around the proximal policy (its weights before this iteration's first step, whose recomputed log-probs
+pass the same ratio == 1 check) and pi_prox / pi_behaviour as a per-sample weight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -119,12 +126,13 @@ def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
     quantities = {
         "rewards": batch.rewards, "discounts": batch.discounts, "terminated": batch.terminated, "truncated": batch.truncated,
         "behaviour log-prob (actor)": batch.log_probs, "old log-prob (learner)": data.old_log_probs,
+        "behaviour log-prob (learner)": data.behaviour_log_probs,
         "per-element log-prob (actor)": batch.log_probs_per_element, "values": data.old_values,
         "advantages": data.advantages, "returns": data.returns,
     }  # fmt: skip
     lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
     for name, values in quantities.items():
-        if values is None:  # GRPO: no critic values or returns
+        if values is None:  # GRPO: no critic values or returns; no weight lag: behaviour = old
             continue
         array = _numpy(values)
         lines.append(
@@ -150,6 +158,9 @@ class PreparedBatch:
     # parameter feeds encode() (the MLP; SmolVLA with a frozen VLM). None: re-encode every micro-batch.
     features: Any = None
     reference: ChainLogProb | None = None  # (B, ...) the reference policy's scores of the chains, when kl_beta > 0
+    # (B,) the learner's scores of the chains under the weights that sampled them, when those are older than the
+    # current ones (actors.policy_lag > 0); None: the chains came from the current weights (behaviour = old).
+    behaviour_log_probs: Tensor | None = None
 
 
 class Learner:
@@ -180,13 +191,40 @@ class Learner:
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
+        # Trainable tensors of the published versions that rollouts in flight may still come from (policy_lag > 0).
+        self.policy_lag = config.actors.policy_lag
+        self.published: dict[int, dict[str, Tensor]] = {}
 
     # -- weights --------------------------------------------------------------------------------
 
     def broadcast(self) -> WeightsPayload:
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
+        if self.policy_lag > 0:
+            self.published[self.version] = {name: tensor.clone() for name, tensor in state.items()}
+            for version in [v for v in self.published if v < self.version - self.policy_lag]:
+                del self.published[version]
         return WeightsPayload.from_state(self.version, state)
+
+    @contextlib.contextmanager
+    def weights_of(self, version: int):
+        """The policy with the trainable tensors of published `version` in place of the current ones, restored after."""
+        if version not in self.published:
+            raise ValueError(
+                f"a rollout of weight version {version} reached the learner at version {self.version}, which keeps versions "
+                f"{sorted(self.published)} (actors.policy_lag={self.policy_lag}): the actors ran further behind than the config allows"
+            )
+        params = dict(self.policy.named_parameters())
+        current = {name: params[name].detach().clone() for name in self.published[version]}
+        with torch.no_grad():
+            for name, tensor in self.published[version].items():
+                params[name].copy_(tensor)
+        try:
+            yield self.policy
+        finally:
+            with torch.no_grad():
+                for name, tensor in current.items():
+                    params[name].copy_(tensor)
 
     def trainable_state(self) -> dict[str, Tensor]:
         return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
@@ -206,11 +244,18 @@ class Learner:
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
         features = policy.encode(b_obs)
         old = chain_log_prob(policy, features, b_chains)
-        behaviour_gap = (old.log_prob - t["log_probs"].flatten()).abs()
+        # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
+        # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
+        lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
+        behaviour = old
+        if lag:
+            with self.weights_of(batch.weight_version):
+                behaviour = chain_log_prob(policy, policy.encode(b_obs) if policy.encoder_is_trainable else features, b_chains)
+        behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
         metrics = {
             "logprob/old_mean": old.log_prob.mean().item(),
             "logprob/per_element": old.log_prob_per_element.mean().item(),
-            "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0 only with weight lag or a bug
+            "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0: another precision or device, or a bug
             "policy/sigma_mean": old.std.mean().item(),
             "policy/entropy": old.entropy.mean().item(),
         }
@@ -250,11 +295,16 @@ class Learner:
                 "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
                 "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
             })  # fmt: skip
-        finite = {"old_log_probs": old.log_prob, "advantages": b_advantages} | ({} if b_values is None else {"values": b_values})
+        finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
+        finite |= {} if b_values is None else {"values": b_values}
         check_finite_tensors(finite, "learner.prepare")
         self.check_behaviour_gap(batch, metrics["logprob/behaviour_gap_max"])
         cached = None if policy.encoder_is_trainable else features
-        data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference)
+        if lag:
+            weight = (old.log_prob - behaviour.log_prob).exp()
+            metrics.update({"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()})
+        data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference,
+                             behaviour_log_probs=behaviour.log_prob if lag else None)  # fmt: skip
         # Decisions of episodes an env broke (NaN/Inf output) never enter the loss; with GRPO, neither do those of
         # incomplete groups.
         keep_decisions = t["valid"].flatten().to(b_advantages.device)
@@ -267,10 +317,10 @@ class Learner:
         return data
 
     def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
-        """Warn when actors and learner score the same weights differently (only the gap on rollouts of the
-        learner's own weight version says so: with weight lag the log-probs differ legitimately)."""
+        """Warn when actors and learner score the same weights differently (the learner scores a lagged rollout
+        with the weights that sampled it, so the gap means the same at any lag)."""
         threshold = self.cfg.behaviour_gap_warn
-        if threshold is None or batch.weight_version != self.version or gap <= threshold:
+        if threshold is None or gap <= threshold:
             return
         actors, learner = batch.actor_precision or "not reported", self.policy.precision
         cause = (
@@ -281,7 +331,7 @@ class Learner:
         )
         warnings.warn(
             f"behaviour log-probs differ from the learner's by up to {gap:.3g} > learner.behaviour_gap_warn={threshold} on "
-            f"weight version {self.version}: actors {actors}, learner {learner}; {cause}",
+            f"weight version {batch.weight_version}: actors {actors}, learner {learner}; {cause}",
             BehaviourGapWarning,
             stacklevel=2,
         )
@@ -362,7 +412,12 @@ class Learner:
                         print(f"  new log-prob {_head(new.log_prob)}  ratio {_head((new.log_prob - data.old_log_probs[micro]).exp())}")
 
                     # policy loss
-                    pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, data.old_log_probs[micro], data.advantages[micro], cfg.clip_eps)
+                    behaviour_weight = None
+                    if data.behaviour_log_probs is not None:  # decoupled PPO: pi_prox / pi_behaviour
+                        behaviour_weight = (data.old_log_probs[micro] - data.behaviour_log_probs[micro]).exp()
+                    pg_loss, pg_metrics = ppo_policy_loss(
+                        new.log_prob, data.old_log_probs[micro], data.advantages[micro], cfg.clip_eps, behaviour_weight
+                    )
                     entropy = new.entropy.mean()
                     actor_loss = pg_loss - cfg.ent_coef * entropy
                     terms = {"pg_loss": pg_loss, "entropy": entropy, **pg_metrics}

@@ -67,13 +67,16 @@ def test_startup_smallest(capsys):
 @pytest.mark.slow
 def test_throughput_smallest(capsys):
     args = ["--iterations", "2", "--warmup-iterations", "1", "--env-seconds", "1", "--eval-episodes", "2", "--processes", "1",
-            "--matched-processes", "2"]  # fmt: skip
+            "--matched-processes", "2", "--policy-lags", "0,1"]  # fmt: skip
     results = throughput.main(args + [f"--main-arg={arg}" for arg in ["--num-actors=2", *TINY_MAIN_ARGS]])
     assert printed(capsys) == json.loads(json.dumps(results))
-    assert results["main_iterations_timed"] == 1
     assert results["env_limit_processes"] == 1 and results["env_limit_env_steps"] > 0
-    assert_positive(results["main_env_steps_per_second"], results["env_limit_steps_per_second"], results["main_median_iteration_seconds"])
     assert results["matched_env_limit_processes"] == 2 and results["matched_env_limit_env_steps"] > 0
-    for limit in ("env_limit", "matched_env_limit"):
-        quotient = results["main_env_steps_per_second"] / results[f"{limit}_steps_per_second"]
-        assert results[f"ratio_to_{limit}"] == pytest.approx(quotient, rel=1e-12)
+    for lag in (0, 1):
+        assert results[f"lag{lag}_main_iterations_timed"] == 1
+        speed = results[f"lag{lag}_main_env_steps_per_second"]
+        assert_positive(speed, results["env_limit_steps_per_second"], results[f"lag{lag}_main_median_iteration_seconds"])
+        for limit in ("env_limit", "matched_env_limit"):
+            assert results[f"lag{lag}_ratio_to_{limit}"] == pytest.approx(speed / results[f"{limit}_steps_per_second"], rel=1e-12)
+    quotient = results["lag1_main_env_steps_per_second"] / results["lag0_main_env_steps_per_second"]
+    assert results["lag1_over_lag0"] == pytest.approx(quotient, rel=1e-12)

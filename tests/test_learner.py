@@ -204,3 +204,34 @@ def test_critic_warmup_leaves_the_actor_untouched(tmp_path, bc_checkpoint) -> No
     assert metrics["ppo/actor_lr"] == 0.0
     learner.update(actor.sample(None, 1))
     assert not torch.equal(learner.policy.velocity_net[0].weight, before["velocity_net.0.weight"])
+
+
+def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, bc_checkpoint) -> None:
+    """actors.policy_lag=1: the learner keeps the published version the chains came from, recomputes their
+    behaviour log-probs with it (equal to the actor's), leaves its current weights untouched doing so, and
+    passes the ratio == 1 check against its own (proximal) weights."""
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1})
+    actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    v0 = learner.broadcast()
+    first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)  # iteration 1 sampled while iteration 0 trains
+    assert "ppo/behaviour_weight_min" not in learner.update(first)  # same version: the synchronous loss
+    learner.broadcast()
+    current = params(learner.policy)
+    with learner.weights_of(0) as behaviour_policy:
+        assert any(not torch.equal(v, current[k]) for k, v in behaviour_policy.state_dict().items())
+    assert all(torch.equal(v, current[k]) for k, v in learner.policy.state_dict().items())  # restored exactly
+    metrics = learner.update(ahead)
+    assert ahead.weight_version == 0 and learner.version == 2
+    assert metrics["logprob/behaviour_gap_max"] < 1e-5  # the learner's v0 scores match the actor's v0 scores
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert metrics["ppo/behaviour_weight_min"] < 1 < metrics["ppo/behaviour_weight_max"]  # v1 != v0 on these chains
+    learner.broadcast()
+    assert sorted(learner.published) == [1, 2]  # only what a rollout in flight can still come from
+
+
+def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> None:
+    _, actor, learner = setup  # policy_lag 0: nothing kept
+    stale = actor.sample(learner.broadcast(), 1)
+    learner.update(actor.sample(None, 0))
+    with pytest.raises(ValueError, match=r"version 0 reached the learner at version 1.*actors.policy_lag=0"):
+        learner.update(stale)

@@ -81,6 +81,24 @@ def test_ppo_policy_loss_against_plain_loop() -> None:
     assert metrics["approx_kl"].item() == pytest.approx(((ratio - 1) - (new - old)).mean().item(), rel=1e-5)
 
 
+def test_decoupled_ppo_loss_weights_each_clipped_term_by_prox_over_behaviour() -> None:
+    """actors.policy_lag > 0: the clip stays around the proximal policy and each sample's clipped term is
+    multiplied by pi_prox / pi_behaviour; a weight of exactly 1 is the synchronous loss, bit for bit."""
+    torch.manual_seed(2)
+    new, prox, behaviour, adv, eps = torch.randn(40) * 0.1, torch.randn(40) * 0.1, torch.randn(40) * 0.1, torch.randn(40), 0.05
+    weight = (prox - behaviour).exp()
+    loss, metrics = ppo_policy_loss(new, prox, adv, eps, weight)
+    terms = []
+    for n, o, b, a in zip(new.tolist(), prox.tolist(), behaviour.tolist(), adv.tolist()):
+        r = math.exp(n - o)
+        terms.append(math.exp(o - b) * max(-a * r, -a * min(max(r, 1 - eps), 1 + eps)))
+    assert loss.item() == pytest.approx(sum(terms) / 40, rel=1e-5)
+    assert metrics["approx_kl"].item() == pytest.approx(((new - prox).exp() - 1 - (new - prox)).mean().item(), rel=1e-5)
+    synchronous, _ = ppo_policy_loss(new, prox, adv, eps)
+    assert torch.equal(ppo_policy_loss(new, prox, adv, eps, torch.ones(40))[0], synchronous)
+    assert not torch.equal(loss, synchronous)
+
+
 def test_ppo_gradient_is_zero_where_clipped() -> None:
     old = torch.zeros(2)
     new = torch.tensor([0.5, 0.5], requires_grad=True)  # ratio e^0.5, far outside 1 +- 0.2

@@ -96,3 +96,20 @@ def test_random_init_runs_only_when_explicitly_allowed(tmp_path, capsys) -> None
     assert main([*argv, "--run-dir", str(tmp_path / "a"), "--allow-random-init"]) == 0
     assert (tmp_path / "a" / "checkpoints" / "random_init" / "model.safetensors").is_file()
     assert (tmp_path / "a" / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
+
+
+def test_policy_lag_one_overlaps_sampling_with_the_update(tmp_path, bc_checkpoint) -> None:
+    """actors.policy_lag=1: iteration 1 trains on v0's rollouts (lag 0); from iteration 2 on, every rollout comes
+    from the version before the learner's (it was sampled during the previous update). The behaviour log-probs
+    the learner recomputes with those older weights equal the actors' own, and the ratio check passes."""
+    run_dir = tmp_path / "lagged"
+    assert main(tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", "actors.policy_lag=1")) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/weight_version_lag"] for r in rows] == [0, 1, 1]
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
+    for row in rows:
+        assert row["logprob/behaviour_gap_max"] < 1e-5 and row["ppo/first_minibatch_ratio_dev"] <= 1e-5
+        assert row["actor/0/weight_version_lag"] == row["rollout/weight_version_lag"]
+    assert all(0.5 < r["ppo/behaviour_weight_min"] <= r["ppo/behaviour_weight_max"] < 2 for r in rows[1:])
+    state = __import__("torch").load(run_dir / "checkpoints" / "iter_000003" / "trainer_state.pt", weights_only=True)
+    assert state["version"] == 3
