@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from common.config import RunConfig
-from common.envs import ChunkedVectorEnv, Layout, layouts
+from common.envs import ChunkedVectorEnv, Layout, adopt_benchmark_tasks, layouts
 from common.policy import FlowPolicy
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, evaluate_layouts, make_envs
 from common.trajectory import RolloutBatch, WeightsPayload
@@ -34,8 +34,12 @@ def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
 
 
 class RolloutActor:
-    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path):
+    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path, benchmark_tables: dict | None = None):
+        """benchmark_tables: common.envs.benchmark_task_tables of the run's layouts, built once by the driver; None: the
+        actor builds each benchmark seed it needs itself (about 0.7 s each)."""
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
+        if benchmark_tables:
+            adopt_benchmark_tasks(benchmark_tables)
         self.config = config
         self.actor_index = actor_index
         # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.

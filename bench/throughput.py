@@ -92,16 +92,18 @@ def env_limit(processes: int, num_envs: int, seconds: float, prefix: str = "env_
             f"{prefix}_envs_per_process": num_envs, f"{prefix}_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
 
 
-def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str]) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as run_dir:
+def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str], run_dir: Path | None = None) -> dict[str, float]:
+    """The figures of one learner.main run; in `run_dir` when given (kept), else in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as scratch:
+        run_dir = run_dir or Path(scratch) / "run"
         command = [sys.executable, "-m", "learner.main", "--iterations", str(iterations), "--set", "eval_every=0",
-                   "--set", f"eval_episodes={eval_episodes}", "--no-dashboard", "--run-dir", run_dir, *extra_args]  # fmt: skip
+                   "--set", f"eval_episodes={eval_episodes}", "--no-dashboard", "--run-dir", str(run_dir), *extra_args]  # fmt: skip
         began = time.perf_counter()
         finished = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True)
         command_seconds = time.perf_counter() - began
         if finished.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({finished.returncode}):\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [row for row in rows if "time/iteration_seconds" in row and row["iteration"] > warmup]
     if not timed:
         raise RuntimeError(f"no iterations after the {warmup} warm-up ones in metrics.jsonl ({len(rows)} rows)")
@@ -112,6 +114,9 @@ def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[
         "main_median_iteration_seconds": statistics.median(row["time/iteration_seconds"] for row in timed),
         "main_median_sample_seconds": statistics.median(row["time/sample_seconds"] for row in timed),
         "main_median_update_seconds": statistics.median(row["time/update_seconds"] for row in timed),
+        # The share of the timed iterations spent outside the slowest actor's sampling and the learner's update (each
+        # measured where it runs): scheduling, transfers, weight publication, the driver's waits.
+        "main_outside_work_share": 1 - sum(row["time/sample_seconds"] + row["time/update_seconds"] for row in timed) / seconds,
         "main_command_seconds": command_seconds,
     }
 

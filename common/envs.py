@@ -14,7 +14,6 @@ import os
 # import. EGL gives headless rendering (Mesa llvmpipe on CPU-only machines); a caller's choice wins.
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,18 +70,33 @@ class Layout:
     index: int  # Position in that benchmark's `train_tasks` (0..49).
 
 
-@functools.lru_cache(maxsize=64)
-def _benchmark(task: str, benchmark_seed: int) -> metaworld.MT1:
-    # Building an MT1 benchmark simulates 50 resets (~0.7 s), and every env needs one per seed.
-    return metaworld.MT1(task, seed=benchmark_seed)
+# (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
+# benchmark simulates 50 resets (~0.7 s per seed), so each process builds a seed once, and the driver builds them
+# for every rollout actor (benchmark_task_tables -> adopt_benchmark_tasks) instead of 10 actors building 12 each.
+_BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
+
+
+def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...]:
+    key = (task, benchmark_seed)
+    if key not in _BENCHMARK_TASKS:
+        _BENCHMARK_TASKS[key] = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
+    return _BENCHMARK_TASKS[key]
+
+
+def benchmark_task_tables(task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
+    """The layouts of these benchmark seeds, built here once, to hand to other processes (adopt_benchmark_tasks)."""
+    return {(task, seed): benchmark_tasks(task, seed) for seed in dict.fromkeys(benchmark_seeds)}
+
+
+def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ...]]) -> None:
+    """Use layouts another process built (benchmark_task_tables): the same Tasks, without simulating them again."""
+    _BENCHMARK_TASKS.update(tables)
 
 
 def layouts(task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
     """All layouts of `task` for each benchmark seed, seed-major and in benchmark order."""
     _task_spec(task)
-    return [
-        Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(len(_benchmark(task, seed).train_tasks))
-    ]
+    return [Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(len(benchmark_tasks(task, seed)))]
 
 
 @dataclass(frozen=True)
@@ -179,8 +193,10 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._reward_mode = reward
         self._stop_on_success = stop_on_success
 
-        self._layout = Layout(benchmark_seed=0, index=0)
-        self._env = _benchmark(task, self._layout.benchmark_seed).train_classes[task]()
+        # A layout to start from, of a benchmark seed this process already holds (seed 0 otherwise): every reset
+        # follows a set_layout, and a layout's episode does not depend on the layouts set before it.
+        self._layout = Layout(benchmark_seed=next((seed for name, seed in _BENCHMARK_TASKS if name == task), 0), index=0)
+        self._env = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]()  # MT1's train_classes[task], without building an MT1
         # Metaworld refuses to step past its own path length, so a longer limit cannot be honoured.
         if not 1 <= max_episode_steps <= self._env.max_path_length:
             raise ValueError(f"max_episode_steps must be in [1, {self._env.max_path_length}], got {max_episode_steps}")
@@ -224,7 +240,7 @@ class MetaworldTaskEnv(gymnasium.Env):
 
     def set_layout(self, layout: Layout) -> None:
         """Use `layout` from the next reset on."""
-        tasks = _benchmark(self.task, layout.benchmark_seed).train_tasks
+        tasks = benchmark_tasks(self.task, layout.benchmark_seed)
         if not 0 <= layout.index < len(tasks):
             raise ValueError(f"layout index must be in [0, {len(tasks)}), got {layout.index}")
         self._env.set_task(tasks[layout.index])

@@ -44,7 +44,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, RunConfig
 from common.diagnostics import check_ratio_sensitivity
-from common.envs import layouts
+from common.envs import benchmark_task_tables, layouts
 from common.flow import num_log_prob_elements
 from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
 from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy, file_sha256, read_policy_config
@@ -352,10 +352,13 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
 
 def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
     remote_actor = ray.remote(RolloutActor)
+    # Every actor needs the same layouts: simulated here once (0.7 s per benchmark seed) and shared through one put.
+    seeds = [*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]
+    tables = ray.put(benchmark_task_tables(config.env.task, seeds))
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
-        return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(config, index, checkpoint_dir)
+        return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(config, index, checkpoint_dir, tables)
 
     pool = ActorPool(config, start)
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from bench import broadcast, startup, throughput
+from bench import broadcast, overhead, startup, throughput
 from bench.report import flatten
 
 # learner.main with a random policy and a few decisions: the start-up is the cost, not the work.
@@ -80,3 +80,17 @@ def test_throughput_smallest(capsys):
             assert results[f"lag{lag}_ratio_to_{limit}"] == pytest.approx(speed / results[f"{limit}_steps_per_second"], rel=1e-12)
     quotient = results["lag1_main_env_steps_per_second"] / results["lag0_main_env_steps_per_second"]
     assert results["lag1_over_lag0"] == pytest.approx(quotient, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_overhead_smallest_replays_the_ray_run_in_one_process(capsys):
+    results = overhead.main(
+        ["--iterations", "2", "--warmup-iterations", "1", "--main-arg=--num-actors=2", *(f"--main-arg={arg}" for arg in TINY_MAIN_ARGS)]
+    )
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert results["same_final_weights"] == 1  # the same rollouts and updates, with and without Ray
+    assert_positive(results["ray_median_iteration_seconds"], results["in_process_median_iteration_seconds"])
+    assert results["ray_share"] < 1
+    assert results["in_process_over_ray"] == pytest.approx(
+        results["in_process_median_iteration_seconds"] / results["ray_median_iteration_seconds"], rel=1e-12
+    )

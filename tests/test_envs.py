@@ -19,6 +19,8 @@ import mujoco
 import numpy as np
 import pytest
 
+from common import envs as envs_module
+
 # Indices 4:7 of the state vector are the object position.
 OBJECT_POS = slice(4, 7)
 
@@ -241,3 +243,20 @@ def test_clear_errors():
         env.step(np.zeros(4))
     with pytest.raises(ValueError, match="layout index"):
         env.set_layout(Layout(0, 50))
+
+
+def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(monkeypatch) -> None:
+    """The driver builds each benchmark seed's layouts once and hands them to every actor: an actor that adopts
+    them builds no MT1 benchmark, and its envs reset to the same initial states."""
+    tables = envs_module.benchmark_task_tables("pick-place-v3", [2, 2, 3])
+    assert set(tables) == {("pick-place-v3", 2), ("pick-place-v3", 3)} and all(len(tasks) == 50 for tasks in tables.values())
+    reference = MetaworldTaskEnv("pick-place-v3")
+    reference.set_layout(Layout(3, 7))
+    expected, _ = reference.reset(seed=0)
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
+    envs_module.adopt_benchmark_tasks(tables)
+    assert len(envs_module.layouts("pick-place-v3", [2, 3])) == 100
+    env = MetaworldTaskEnv("pick-place-v3")
+    env.set_layout(Layout(3, 7))
+    np.testing.assert_array_equal(env.reset(seed=0)[0], expected)

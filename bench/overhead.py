@@ -1,0 +1,121 @@
+"""Ray's share of an iteration: the main job on Ray against the same rollouts and update in one process, in one run.
+
+    nice -n 5 python bench/overhead.py                  # 6 iterations of the default job (10 actors), 2 left out
+    python bench/overhead.py --iterations 2 --warmup-iterations 1 --main-arg=--num-actors=2 ...   # a smoke run
+
+- on Ray: `python -m learner.main --checkpoint <the config's BC checkpoint>` (bench/throughput.py's main_job,
+  eval_every=0, lag 0). Per iteration, metrics.jsonl holds the wall time, the slowest actor's sampling time measured
+  inside that actor and the learner's update time measured inside the learner. ray_share = 1 - (sampling +
+  update) / iteration, over the timed iterations: what the iteration spends outside the work (scheduling, object
+  transfers, weight publication, the driver's waits). Issue 11's goal: under 0.05.
+- in one process: the same config's rollout actors (actors.rollout_actor.RolloutActor) and learner
+  (learner.learner.Learner) as plain objects, each actor sampling in turn with the published weights, then the
+  update and the broadcast: no Ray, no parallelism. Rollouts are a pure function of (weights, seed, iteration,
+  actor), so these are the same rollouts and updates as on Ray: same_final_weights is 1 when the in-process
+  learner ends with the Ray run's checkpoint, bit for bit.
+- in_process_over_ray: in-process iteration seconds / Ray's, what the actors' parallelism buys on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import emit, load_average, put_repo_on_path, ratio  # noqa: E402
+
+put_repo_on_path()
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from actors.rollout_actor import RolloutActor  # noqa: E402
+from bench.throughput import main_job  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy  # noqa: E402
+from common.trajectory import RolloutBatch  # noqa: E402
+from learner.driver import resolve_init_checkpoint  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+
+
+def main_args_to_overrides(main_args: list[str]) -> tuple[list[str], int | None]:
+    """The config overrides and --num-actors among learner.main arguments written as --flag=value."""
+    overrides, num_actors = [], None
+    for arg in main_args:
+        flag, _, value = arg.partition("=")
+        if flag == "--set":
+            overrides.append(value)
+        elif flag == "--num-actors":
+            num_actors = int(value)
+        elif flag == "--allow-random-init":
+            overrides.append("allow_random_init=true")
+        else:
+            raise SystemExit(f"bench/overhead.py: --main-arg {arg!r} is not supported here (only --set=..., --num-actors=...)")
+    return overrides, num_actors
+
+
+def in_process(
+    config, checkpoint: Path | None, iterations: int, warmup: int, scratch: Path
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The Ray run's loop with plain objects in this process; its figures and the learner's final weights."""
+    torch.manual_seed(config.seed)  # as LearnerActor does, so a random init (no checkpoint) is the Ray run's too
+    policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides()) if checkpoint else build_policy(config.policy)
+    learner = Learner(config, policy)
+    actor_checkpoint = checkpoint or learner.save_checkpoint(scratch / "random_init")
+    actors = [RolloutActor(config, index, str(actor_checkpoint)) for index in range(config.actors.num_actors)]
+    weights = learner.broadcast()
+    seconds: dict[str, list[float]] = {"iteration": [], "sample": [], "update": []}
+    for iteration in range(iterations):
+        began = time.perf_counter()
+        batches = [actor.sample(weights, iteration) for actor in actors]
+        sampled = time.perf_counter()
+        learner.update(RolloutBatch.concat(batches))
+        updated = time.perf_counter()
+        weights = learner.broadcast()
+        if iteration >= warmup:
+            seconds["iteration"].append(time.perf_counter() - began)
+            seconds["sample"].append(sampled - began)
+            seconds["update"].append(updated - sampled)
+    figures = {f"in_process_median_{name}_seconds": statistics.median(values) for name, values in seconds.items()}
+    return figures, {name: tensor.detach().clone() for name, tensor in learner.policy.state_dict().items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=6, help="iterations of each loop")
+    parser.add_argument("--warmup-iterations", type=int, default=2, help="first iterations left out of the figures")
+    parser.add_argument("--main-arg", action="append", default=[], help="extra learner.main argument, --flag=value (repeatable)")
+    args = parser.parse_args(argv)
+    if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
+        raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
+    overrides, num_actors = main_args_to_overrides(args.main_arg)
+    config = load_config(None, [*overrides, f"iterations={args.iterations}", "eval_every=0", "actors.policy_lag=0"])
+    if num_actors is not None:
+        config.actors.num_actors = num_actors
+    checkpoint = resolve_init_checkpoint(config)
+    results: dict = {"bench": "overhead", "actors": config.actors.num_actors, "load_average_1m_start": load_average()}
+    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as scratch:
+        run_dir = Path(scratch) / "run"
+        main_args = [*args.main_arg, *([f"--checkpoint={checkpoint}"] if checkpoint else []), "--set=actors.policy_lag=0"]
+        on_ray = main_job(args.iterations, args.warmup_iterations, 2, main_args, run_dir=run_dir)
+        ray_weights = load_file(str(run_dir / "checkpoints" / f"iter_{args.iterations:06d}" / WEIGHTS_FILE))
+        figures, weights = in_process(config, checkpoint, args.iterations, args.warmup_iterations, Path(scratch))
+    results.update({key.replace("main_", "ray_", 1): value for key, value in on_ray.items()})
+    results["ray_share"] = results.pop("ray_outside_work_share")
+    results.update(figures)
+    results["in_process_over_ray"] = ratio(results["in_process_median_iteration_seconds"], results["ray_median_iteration_seconds"])
+    results["same_final_weights"] = int(
+        weights.keys() == ray_weights.keys() and all(torch.equal(weights[k], ray_weights[k]) for k in weights)
+    )
+    results["load_average_1m_end"] = load_average()
+    emit(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
