@@ -6,7 +6,7 @@ torch state_dict path, side by side in one run (one Ray instance, the same actor
 
 Each case is N actors x one payload (float32 tensors of at most 16 MB each; MB = 10^6 bytes). Three paths:
   - project: what learner/driver.py and actors/rollout_actor.py do. `Learner.broadcast` makes a
-    `common.trajectory.WeightsPayload` (WeightsPayload.from_state: numpy copies of the learner's tensors), the
+    `common.trajectory.WeightsPayload` (WeightsPayload.from_state, copy=False: numpy views of the learner's tensors), the
     learner publishes it with ONE `ray.put`, every actor receives the same reference and loads it with
     `RolloutActor.load_weights` itself (here bound to a stand-in actor holding tensors of the payload's shapes).
   - floor: one `ray.put` of the learner's tensors as numpy arrays, each actor copies them into its own
@@ -166,7 +166,7 @@ def run_case(receivers: list, state: dict[str, torch.Tensor], paths: list[str], 
 
     def project() -> None:
         version[0] += 1
-        ref = ray.put(WeightsPayload.from_state(version[0], state))
+        ref = ray.put(WeightsPayload.from_state(version[0], state, copy=False))
         loaded = ray.get([r.load_project.remote(ref) for r in receivers])
         if loaded != [version[0]] * len(receivers):
             raise RuntimeError(f"actors report weight versions {loaded}, expected {version[0]}")

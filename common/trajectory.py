@@ -123,5 +123,9 @@ class WeightsPayload:
     params: dict[str, np.ndarray]
 
     @staticmethod
-    def from_state(version: int, state: dict[str, torch.Tensor]) -> WeightsPayload:
-        return WeightsPayload(version, {k: v.detach().cpu().numpy().copy() for k, v in state.items()})
+    def from_state(version: int, state: dict[str, torch.Tensor], copy: bool = True) -> WeightsPayload:
+        """copy=False: arrays that view the CPU tensors' memory (a GPU tensor is copied to the CPU either way), for a
+        payload serialised at once: ray.put copies it into the object store before it returns, so the later
+        updates of the tensors never reach it. A payload kept in Python needs copy=True."""
+        arrays = {k: v.detach().cpu().numpy() for k, v in state.items()}
+        return WeightsPayload(version, {k: a.copy() for k, a in arrays.items()} if copy else arrays)

@@ -100,8 +100,9 @@ class LearnerActor:
         return metrics
 
     def publish(self) -> list[ray.ObjectRef]:
-        """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself."""
-        return [ray.put(self.learner.broadcast())]
+        """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself. The payload
+        views the weights (no copy): ray.put has serialised it into the object store when it returns."""
+        return [ray.put(self.learner.broadcast(copy=False))]
 
     def save(self, directory: str) -> str:
         return str(self.learner.save_checkpoint(directory))

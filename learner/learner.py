@@ -197,14 +197,15 @@ class Learner:
 
     # -- weights --------------------------------------------------------------------------------
 
-    def broadcast(self) -> WeightsPayload:
+    def broadcast(self, copy: bool = True) -> WeightsPayload:
+        """The current version's trainable tensors; copy=False for a payload serialised at once (WeightsPayload.from_state)."""
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
         if self.policy_lag > 0:
             self.published[self.version] = {name: tensor.clone() for name, tensor in state.items()}
             for version in [v for v in self.published if v < self.version - self.policy_lag]:
                 del self.published[version]
-        return WeightsPayload.from_state(self.version, state)
+        return WeightsPayload.from_state(self.version, state, copy=copy)
 
     @contextlib.contextmanager
     def weights_of(self, version: int):

@@ -113,3 +113,19 @@ def test_policy_lag_one_overlaps_sampling_with_the_update(tmp_path, bc_checkpoin
     assert all(0.5 < r["ppo/behaviour_weight_min"] <= r["ppo/behaviour_weight_max"] < 2 for r in rows[1:])
     state = __import__("torch").load(run_dir / "checkpoints" / "iter_000003" / "trainer_state.pt", weights_only=True)
     assert state["version"] == 3
+
+
+def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
+    """The learner publishes views of its weights (no copy): ray.put serialises them before it returns, so the
+    updates that follow never reach the published version."""
+    import torch
+
+    from common.trajectory import WeightsPayload
+
+    weight = torch.zeros(1000)
+    payload = WeightsPayload.from_state(7, {"w": weight}, copy=False)
+    assert np.shares_memory(payload.params["w"], weight.numpy())
+    assert not np.shares_memory(WeightsPayload.from_state(7, {"w": weight}).params["w"], weight.numpy())
+    ref = ray.put(payload)
+    weight += 1.0  # the next update, in place
+    assert ray.get(ref).params["w"].max() == 0.0
