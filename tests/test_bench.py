@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from bench import broadcast, overhead, startup, throughput
+from bench import broadcast, overhead, recompute, startup, throughput
 from bench.report import flatten
 
 # learner.main with a random policy and a few decisions: the start-up is the cost, not the work.
@@ -94,3 +94,14 @@ def test_overhead_smallest_replays_the_ray_run_in_one_process(capsys):
     assert results["in_process_over_ray"] == pytest.approx(
         results["in_process_median_iteration_seconds"] / results["ray_median_iteration_seconds"], rel=1e-12
     )
+
+
+def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
+    results = recompute.main(["--repeats", "1", "--steps", "2,4", "--horizons", "4", "--batches", "20", "--plot", str(tmp_path / "r.png")])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert set(results["cases"]) == {"K2_H4_B500", "K4_H4_B500", "K4_H4_B20"}
+    for case in results["cases"].values():
+        assert_positive(case["sample_seconds"], case["recompute_seconds"], case["train_seconds"])
+        assert case["recompute_over_sample"] == pytest.approx(case["recompute_seconds"] / case["sample_seconds"], rel=1e-12)
+        assert case["train_over_sample"] == pytest.approx(case["train_seconds"] / case["sample_seconds"], rel=1e-12)
+    assert (tmp_path / "r.png").stat().st_size > 1000
