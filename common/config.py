@@ -248,6 +248,10 @@ class PPOConfig:
     # the frozen starting policy. 0: off, and no reference is built. Estimators: common.rl.kl_to_reference.
     kl_beta: float = 0.0
     kl_estimator: str = "exact"  # "exact" (analytic, per transition), "k1", "k2" or "k3"
+    # A rollout from an older weight version (actors.policy_lag > 0): "decoupled" clips the ratio to the learner's
+    # weights before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021);
+    # "behaviour" clips the ratio to the policy that sampled the chains, so every update stays within clip_eps of it.
+    stale_rollouts: str = "decoupled"
     # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
@@ -283,6 +287,7 @@ class PPOConfig:
         _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
         _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
         _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
+        _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
         _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
         _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         _positive(self, path, "nonfinite_backoff_after")

@@ -413,12 +413,12 @@ class Learner:
                         print(f"  new log-prob {_head(new.log_prob)}  ratio {_head((new.log_prob - data.old_log_probs[micro]).exp())}")
 
                     # policy loss
-                    behaviour_weight = None
-                    if data.behaviour_log_probs is not None:  # decoupled PPO: pi_prox / pi_behaviour
+                    anchor, behaviour_weight = data.old_log_probs[micro], None
+                    if data.behaviour_log_probs is not None and cfg.stale_rollouts == "behaviour":
+                        anchor = data.behaviour_log_probs[micro]  # clip to the policy that sampled the chains
+                    elif data.behaviour_log_probs is not None:  # decoupled PPO: pi_prox / pi_behaviour
                         behaviour_weight = (data.old_log_probs[micro] - data.behaviour_log_probs[micro]).exp()
-                    pg_loss, pg_metrics = ppo_policy_loss(
-                        new.log_prob, data.old_log_probs[micro], data.advantages[micro], cfg.clip_eps, behaviour_weight
-                    )
+                    pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, anchor, data.advantages[micro], cfg.clip_eps, behaviour_weight)
                     entropy = new.entropy.mean()
                     actor_loss = pg_loss - cfg.ent_coef * entropy
                     terms = {"pg_loss": pg_loss, "entropy": entropy, **pg_metrics}

@@ -11,6 +11,7 @@ import torch
 from actors.rollout_actor import RolloutActor
 from common.diagnostics import NonDeterministicPolicyError, NonFiniteError, NonFiniteUpdateWarning
 from common.policy import FlowPolicy
+from common.rl import ppo_policy_loss
 from common.trajectory import RolloutBatch
 from learner import learner as learner_module
 from learner.learner import Learner, lr_scale
@@ -206,11 +207,12 @@ def test_critic_warmup_leaves_the_actor_untouched(tmp_path, bc_checkpoint) -> No
     assert not torch.equal(learner.policy.velocity_net[0].weight, before["velocity_net.0.weight"])
 
 
-def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, bc_checkpoint) -> None:
+@pytest.mark.parametrize("stale_rollouts", ["decoupled", "behaviour"])
+def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, bc_checkpoint, stale_rollouts, monkeypatch) -> None:
     """actors.policy_lag=1: the learner keeps the published version the chains came from, recomputes their
     behaviour log-probs with it (equal to the actor's), leaves its current weights untouched doing so, and
-    passes the ratio == 1 check against its own (proximal) weights."""
-    config = tiny_config(tmp_path, **{"actors.policy_lag": 1})
+    passes the ratio == 1 check against its own (proximal) weights, whichever policy the loss clips to."""
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "learner.stale_rollouts": stale_rollouts})
     actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     v0 = learner.broadcast()
     first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)  # iteration 1 sampled while iteration 0 trains
@@ -220,11 +222,25 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     with learner.weights_of(0) as behaviour_policy:
         assert any(not torch.equal(v, current[k]) for k, v in behaviour_policy.state_dict().items())
     assert all(torch.equal(v, current[k]) for k, v in learner.policy.state_dict().items())  # restored exactly
+    calls = []
+
+    def spy(logp_new, logp_old, advantages, clip_eps, behaviour_weight=None):
+        calls.append((logp_new.detach(), logp_old.detach(), behaviour_weight))
+        return ppo_policy_loss(logp_new, logp_old, advantages, clip_eps, behaviour_weight)
+
+    monkeypatch.setattr(learner_module, "ppo_policy_loss", spy)
     metrics = learner.update(ahead)
     assert ahead.weight_version == 0 and learner.version == 2
     assert metrics["logprob/behaviour_gap_max"] < 1e-5  # the learner's v0 scores match the actor's v0 scores
     assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
     assert metrics["ppo/behaviour_weight_min"] < 1 < metrics["ppo/behaviour_weight_max"]  # v1 != v0 on these chains
+    # What the loss clipped to, seen on its first call: the proximal weights (ratio 1 before any step) with
+    # behaviour weights, or the behaviour policy (ratio already off 1, no weights).
+    first_new, first_anchor, first_weight = calls[0]
+    if stale_rollouts == "decoupled":
+        assert (first_new - first_anchor).abs().max() <= 1e-5 and first_weight is not None
+    else:
+        assert (first_new - first_anchor).abs().max() > 1e-4 and first_weight is None
     learner.broadcast()
     assert sorted(learner.published) == [1, 2]  # only what a rollout in flight can still come from
 
