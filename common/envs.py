@@ -185,7 +185,10 @@ class MetaworldTaskEnv(gymnasium.Env):
         reward: str = "success",
         image: ImageConfig | None = None,
         cameras: Sequence[ImageConfig] = (),
+        layout: Layout = Layout(benchmark_seed=0, index=0),
     ) -> None:
+        """layout: the one used until set_layout (a rollout actor passes one of its own benchmark seeds, so that it
+        builds no benchmark seed 0 just to start)."""
         self.task = task
         self.instruction = _task_spec(task).instruction
         if reward not in REWARD_MODES:
@@ -193,9 +196,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._reward_mode = reward
         self._stop_on_success = stop_on_success
 
-        # A layout to start from, of a benchmark seed this process already holds (seed 0 otherwise): every reset
-        # follows a set_layout, and a layout's episode does not depend on the layouts set before it.
-        self._layout = Layout(benchmark_seed=next((seed for name, seed in _BENCHMARK_TASKS if name == task), 0), index=0)
+        self._layout = layout
         self._env = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]()  # MT1's train_classes[task], without building an MT1
         # Metaworld refuses to step past its own path length, so a longer limit cannot be honoured.
         if not 1 <= max_episode_steps <= self._env.max_path_length:

@@ -92,8 +92,12 @@ class GroupVectorEnv(ChunkedVectorEnv):
 
 
 def make_envs(env_config: EnvConfig, count: int, cameras: Sequence[ImageConfig] = ()) -> list[MetaworldTaskEnv]:
+    """`count` envs, starting from the first training layout (every rollout sets its own layouts before it resets)."""
+    first = Layout(env_config.train_benchmark_seeds[0], 0)
     return [
-        MetaworldTaskEnv(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward, cameras=cameras)
+        MetaworldTaskEnv(
+            env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward, cameras=cameras, layout=first
+        )  # fmt: skip
         for _ in range(count)
     ]
 

@@ -257,6 +257,6 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
     envs_module.adopt_benchmark_tasks(tables)
     assert len(envs_module.layouts("pick-place-v3", [2, 3])) == 100
-    env = MetaworldTaskEnv("pick-place-v3")
+    env = MetaworldTaskEnv("pick-place-v3", layout=Layout(2, 0))  # an actor's envs start on a training layout
     env.set_layout(Layout(3, 7))
     np.testing.assert_array_equal(env.reset(seed=0)[0], expected)
