@@ -16,9 +16,10 @@ eval mode: never broadcast, saved with every checkpoint so a resumed run keeps t
 
 With actors.policy_lag > 0 a rollout may come from an older weight version than the learner's. The learner
 keeps the trainable tensors of every version still in flight, scores the chains with them (the behaviour
-log-probs, compared with the actors' own as in the synchronous loop), and applies decoupled PPO: the clip
-around the proximal policy (its weights before this iteration's first step, whose recomputed log-probs
-pass the same ratio == 1 check) and pi_prox / pi_behaviour as a per-sample weight.
+log-probs, compared with the actors' own as in the synchronous loop). learner.stale_rollouts chooses what
+the ratio is clipped to: the behaviour policy (default), or, as decoupled PPO does, the proximal policy (the
+weights before this iteration's first step) with pi_prox / pi_behaviour as a per-sample weight. Either way
+the first minibatch's recomputed log-probs pass the same ratio == 1 check against the proximal weights.
 """
 
 from __future__ import annotations
