@@ -36,27 +36,11 @@ from safetensors.torch import load_file  # noqa: E402
 
 from actors.rollout_actor import RolloutActor  # noqa: E402
 from bench.throughput import main_job  # noqa: E402
-from common.config import load_config  # noqa: E402
 from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
 from learner.driver import resolve_init_checkpoint  # noqa: E402
 from learner.learner import Learner  # noqa: E402
-
-
-def main_args_to_overrides(main_args: list[str]) -> tuple[list[str], int | None]:
-    """The config overrides and --num-actors among learner.main arguments written as --flag=value."""
-    overrides, num_actors = [], None
-    for arg in main_args:
-        flag, _, value = arg.partition("=")
-        if flag == "--set":
-            overrides.append(value)
-        elif flag == "--num-actors":
-            num_actors = int(value)
-        elif flag == "--allow-random-init":
-            overrides.append("allow_random_init=true")
-        else:
-            raise SystemExit(f"bench/overhead.py: --main-arg {arg!r} is not supported here (only --set=..., --num-actors=...)")
-    return overrides, num_actors
+from learner.main import parse_args, resolve_config  # noqa: E402
 
 
 def in_process(
@@ -93,15 +77,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
-    overrides, num_actors = main_args_to_overrides(args.main_arg)
-    config = load_config(None, [*overrides, f"iterations={args.iterations}", "eval_every=0", "actors.policy_lag=0"])
-    if num_actors is not None:
-        config.actors.num_actors = num_actors
+    # The config learner.main resolves from the same arguments (main_job adds the same iterations and eval_every).
+    main_argv = [*args.main_arg, "--set=actors.policy_lag=0"]
+    config = resolve_config(parse_args([*main_argv, "--iterations", str(args.iterations), "--set", "eval_every=0"]))
     checkpoint = resolve_init_checkpoint(config)
     results: dict = {"bench": "overhead", "actors": config.actors.num_actors, "load_average_1m_start": load_average()}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as scratch:
         run_dir = Path(scratch) / "run"
-        main_args = [*args.main_arg, *([f"--checkpoint={checkpoint}"] if checkpoint else []), "--set=actors.policy_lag=0"]
+        main_args = [*main_argv, *([f"--checkpoint={checkpoint}"] if checkpoint else [])]
         on_ray = main_job(args.iterations, args.warmup_iterations, 2, main_args, run_dir=run_dir)
         ray_weights = load_file(str(run_dir / "checkpoints" / f"iter_{args.iterations:06d}" / WEIGHTS_FILE))
         figures, weights = in_process(config, checkpoint, args.iterations, args.warmup_iterations, Path(scratch))

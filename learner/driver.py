@@ -145,13 +145,13 @@ class PendingCall:
 class ActorPool:
     """The rollout actors by index, called with a deadline; see the module docstring for what a fault does."""
 
-    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any]):
+    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any], creation_refs: Iterable[ray.ObjectRef] = ()):
         self.cfg = config.actors
         self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
         self.restarts = dict.fromkeys(self.actors, 0)
         # Objects the actors were created with (ray.put refs): Ray re-runs an actor's constructor with them when it
         # restarts the actor, so they must live as long as the pool, not just until the actors first start.
-        self.creation_refs: list[ray.ObjectRef] = []
+        self.creation_refs = list(creation_refs)
         self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
                        "faults/resampled_env_steps": 0.0}  # fmt: skip
 
@@ -364,8 +364,7 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
         return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(config, index, checkpoint_dir, tables)
 
-    pool = ActorPool(config, start)
-    pool.creation_refs.append(tables)
+    pool = ActorPool(config, start, creation_refs=[tables])
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
     # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])

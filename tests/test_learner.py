@@ -253,3 +253,29 @@ def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> No
     learner.update(actor.sample(None, 0))
     with pytest.raises(ValueError, match=r"version 0 reached the learner at version 1.*actors.policy_lag=0"):
         learner.update(stale)
+
+
+def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
+    """The bare main command's config, not a tiny one: the default policy, env, rollout length and learner
+    (minibatch 500 over this actor's 100 decisions, 8 epochs, critic warm-up) on one default actor. Only the
+    initialisation differs (random, allowed explicitly; BC would cost minutes here)."""
+    import dataclasses
+
+    from common.config import RunConfig, load_config
+    from common.policy import build_policy
+
+    config = load_config(None, ["allow_random_init=true", f"run_dir={tmp_path / 'run'}"])
+    assert dataclasses.replace(config, allow_random_init=False, run_dir=RunConfig().run_dir) == RunConfig()  # nothing else changed
+    torch.manual_seed(0)
+    learner = Learner(config, build_policy(config.policy))
+    learner.save_checkpoint(tmp_path / "init")
+    actor = RolloutActor(config, 0, tmp_path / "init")
+    batch = actor.sample(learner.broadcast(), 0)
+    assert batch.chains.shape == (config.actors.decisions_per_rollout, config.actors.envs_per_actor, config.policy.num_steps + 1,
+                                  config.policy.chunk_size, config.policy.action_dim)  # fmt: skip
+    critic_before = {k: v.clone() for k, v in learner.policy.state_dict().items() if k.startswith("critic_net")}
+    metrics = learner.update(batch)
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
+    assert metrics["ppo/actor_lr"] == 0.0  # critic warm-up: the default's first iteration trains the critic only
+    assert metrics["ppo/epochs_run"] == config.learner.update_epochs
+    assert any(not torch.equal(learner.policy.state_dict()[k], v) for k, v in critic_before.items())
