@@ -58,8 +58,10 @@ class RolloutActor:
         self.eval_envs = self.vec_env.envs
 
     def load_weights(self, weights: WeightsPayload | None) -> None:
-        """Load a newer weight version (older or equal versions are ignored)."""
-        if weights is None or weights.version <= self.version:
+        """Load the call's weight version unless it is the one held. Not only newer ones: a learner restarted from a
+        checkpoint publishes versions again that the actors have already moved past, and each call must run with the
+        weights it names."""
+        if weights is None or weights.version == self.version:
             return
         params = dict(self.policy.named_parameters())
         missing = set(weights.params) - set(params)

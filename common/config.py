@@ -198,10 +198,11 @@ class ActorsConfig:
     # learner stays float32 and warns when the behaviour log-probs drift: learner.behaviour_gap_warn).
     precision: str = "float32"
     # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
-    # v+1, sample again). 1: the actors sample iteration i+1 with version v while the learner trains on
-    # iteration i, so sampling and update overlap; the learner then scores the chains with the behaviour
-    # weights it kept and applies decoupled PPO (common.rl.ppo_policy_loss). Logged as rollout/weight_version_lag.
-    policy_lag: int = 0
+    # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
+    # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
+    # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. On pick-place, 4 seeds
+    # at equal env steps: lag 1 gained +47 to +61 points, lag 0 +16 to +33 (README "Across seeds").
+    policy_lag: int = 1
 
     def validate(self, path: str = "actors") -> None:
         _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")

@@ -17,7 +17,8 @@ Faults, and what each costs:
   the actor is dropped with a warning and the rest go on; below actors.min_alive the run stops.
 - A learner actor that dies is started again from the run's latest checkpoint (learner.max_restarts times).
   The iterations since that checkpoint are redone, identically, and weight versions continue from it.
-  Rollouts in flight (policy_lag > 0) are dropped and sampled again with the restored weights, as on --resume.
+  Rollouts in flight (policy_lag > 0) are dropped and sampled again with the versions that sampled them first,
+  which the checkpoint keeps (as on --resume), so the redone iterations are the same at any lag.
 - A NaN/Inf update is rolled back and skipped inside the learner (learner.learner.Learner.update).
 - Any other error, Ctrl-C or SIGTERM first saves the learner's progress as a checkpoint, if it is alive.
 """
@@ -103,6 +104,16 @@ class LearnerActor:
         """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself. The payload
         views the weights (no copy): ray.put has serialised it into the object store when it returns."""
         return [ray.put(self.learner.broadcast(copy=False))]
+
+    def publish_in_flight(self) -> list[ray.ObjectRef]:
+        """The weights that sample iterations k, ..., k + policy_lag (k: completed iterations; Learner.in_flight_versions),
+        one ray.put per distinct version; the last is the current version. Called when a learner (re)starts."""
+        refs = {self.learner.version: self.publish()[0]}
+        versions = self.learner.in_flight_versions()
+        for version in versions:
+            if version not in refs:
+                refs[version] = ray.put(self.learner.payload_of(version))
+        return [refs[version] for version in versions]
 
     def save(self, directory: str) -> str:
         return str(self.learner.save_checkpoint(directory))
@@ -395,7 +406,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         actor_checkpoint = learner_get(learner.save.remote(str(run_dir / "checkpoints" / "random_init")))
     pool = start_actors(config, actor_checkpoint, actor_resources)
     start_iteration, total_env_steps = learner_get(learner.progress.remote())
-    weights_ref = learner_get(learner.publish.remote())[0]
+    # The weights of iterations start_iteration, ..., + policy_lag, submitted once the loop starts; then each update's.
+    sampling_refs = deque(learner_get(learner.publish_in_flight.remote()))
+    weights_ref = sampling_refs[-1]
     print(f"[start] {len(pool.actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
 
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
@@ -444,7 +457,8 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
             t0 = time.perf_counter()
             try:
                 while len(in_flight) <= config.actors.policy_lag and iteration + len(in_flight) < config.iterations:
-                    in_flight.append(pool.submit_sample(weights_ref, iteration + len(in_flight)))
+                    ref = sampling_refs.popleft() if sampling_refs else weights_ref
+                    in_flight.append(pool.submit_sample(ref, iteration + len(in_flight)))
                 batch_refs = pool.collect_sample(in_flight.popleft())
                 metrics = learner_get(learner.update.remote(*batch_refs, verbose=single_batch))
                 weights_ref = learner_get(learner.publish.remote())[0]
@@ -466,8 +480,10 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                       f"{restart_dir or checkpoint or 'its random initialisation'}", flush=True)  # fmt: skip
                 learner = start_learner(config, None if restart_dir else checkpoint, restart_dir, learner_resources)
                 iteration, total_env_steps = learner_get(learner.progress.remote())
-                weights_ref = learner_get(learner.publish.remote())[0]
-                in_flight.clear()  # sampled with the dead learner's versions: sampled again with the restored weights
+                # The calls in flight are dropped and submitted again with the versions the checkpoint kept for them.
+                sampling_refs = deque(learner_get(learner.publish_in_flight.remote()))
+                weights_ref = sampling_refs[-1]
+                in_flight.clear()
                 continue
             total_env_steps += int(metrics["rollout/env_steps"])
             metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": total_env_steps,

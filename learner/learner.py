@@ -192,8 +192,13 @@ class Learner:
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
-        # Trainable tensors of the published versions that rollouts in flight may still come from (policy_lag > 0).
+        # What the rollouts in flight were sampled with (policy_lag = L > 0): iteration m with the version published after
+        # m - L completed iterations (the first L + 1 iterations with the starting weights). sampling_versions maps a
+        # completed-iteration count to the version published then, for the last L + 1 counts; published holds those
+        # versions' trainable tensors. Both are saved with checkpoints, so a resumed or restarted learner hands the
+        # actors the versions the uninterrupted run sampled with (in_flight_versions) and scores their chains with them.
         self.policy_lag = config.actors.policy_lag
+        self.sampling_versions: dict[int, int] = {}
         self.published: dict[int, dict[str, Tensor]] = {}
 
     # -- weights --------------------------------------------------------------------------------
@@ -203,10 +208,24 @@ class Learner:
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
         if self.policy_lag > 0:
-            self.published[self.version] = {name: tensor.clone() for name, tensor in state.items()}
-            for version in [v for v in self.published if v < self.version - self.policy_lag]:
-                del self.published[version]
+            self.sampling_versions[self.iteration] = self.version
+            self.sampling_versions = {n: v for n, v in self.sampling_versions.items() if n >= self.iteration - self.policy_lag}
+            self.published.setdefault(self.version, {name: tensor.detach().clone() for name, tensor in state.items()})
+            self.published = {v: tensors for v, tensors in self.published.items() if v in self.sampling_versions.values()}
         return WeightsPayload.from_state(self.version, state, copy=copy)
+
+    def in_flight_versions(self) -> list[int]:
+        """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations), as the
+        uninterrupted run sampled them: at the start of a run the current version for all of them; after a resume or
+        a learner restart the older ones too, restored from the checkpoint. Call after broadcast()."""
+        if self.policy_lag == 0:
+            return [self.version]
+        first = min(self.sampling_versions)  # counts before the first one (the run's start) used its version
+        return [self.sampling_versions[max(first, self.iteration + ahead - self.policy_lag)] for ahead in range(self.policy_lag + 1)]
+
+    def payload_of(self, version: int) -> WeightsPayload:
+        """A kept version's payload, for ray.put at once (its arrays view the kept tensors)."""
+        return WeightsPayload.from_state(version, self.published[version], copy=False)
 
     @contextlib.contextmanager
     def weights_of(self, version: int):
@@ -504,7 +523,8 @@ class Learner:
         check_finite_tensors(self.trainable_state(), f"weights version {self.version} before saving")
         state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
                  "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint(),
-                 "skipped_updates": self.skipped_updates, "lr_backoff": self.lr_backoff}  # fmt: skip
+                 "skipped_updates": self.skipped_updates, "lr_backoff": self.lr_backoff,
+                 "sampling_versions": self.sampling_versions, "published": self.published}  # fmt: skip
 
         def write(tmp: Path) -> None:
             self.policy.save_pretrained(tmp)
@@ -524,6 +544,9 @@ class Learner:
         self.env_steps = int(state["env_steps"])
         self.skipped_updates = int(state.get("skipped_updates", 0))  # absent from checkpoints older than the rollback
         self.lr_backoff = float(state.get("lr_backoff", 1.0))
+        if self.policy_lag > 0:  # absent from checkpoints older than exact lagged resume: the current version samples
+            self.sampling_versions = {int(n): int(v) for n, v in state.get("sampling_versions", {}).items()}
+            self.published = {int(v): tensors for v, tensors in state.get("published", {}).items()}
         if self.reference is not None:
             reference_dir = Path(directory) / REFERENCE_DIR
             if not reference_dir.is_dir():

@@ -46,10 +46,14 @@ def test_missing_config_file_is_named(tmp_path) -> None:
         load_config(tmp_path / "nope.yaml")
 
 
-def test_shipped_config_is_the_embedded_default() -> None:
+def test_shipped_config_is_the_embedded_default_with_every_field_written_out() -> None:
     from pathlib import Path
 
-    assert load_config(Path(__file__).parents[1] / "configs" / "pick_place.yaml") == RunConfig()
+    import yaml
+
+    path = Path(__file__).parents[1] / "configs" / "pick_place.yaml"
+    assert load_config(path) == RunConfig()
+    assert yaml.safe_load(path.read_text()) == RunConfig().to_dict()  # no field left to its default unseen
 
 
 def _leaves(config, prefix: str = ""):

@@ -137,7 +137,9 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     ("RolloutActor", signal.SIGKILL, (), "faults/actor_restarts"),
     ("RolloutActor", signal.SIGSTOP, ("--set", "actors.call_timeout_s=20"), "faults/actor_timeouts"),
     ("LearnerActor", signal.SIGKILL, (), "faults/learner_restarts"),
-], ids=["rollout-actor-killed", "rollout-actor-wedged", "learner-killed"])  # fmt: skip
+    # No checkpoint before the kill: the learner restarts from the run's start while the actors hold newer versions.
+    ("LearnerActor", signal.SIGKILL, ("--set", "checkpoint_every=5"), "faults/learner_restarts"),
+], ids=["rollout-actor-killed", "rollout-actor-wedged", "learner-killed", "learner-killed-before-any-checkpoint"])  # fmt: skip
 def test_a_run_survives_the_fault_with_the_undisturbed_results(tmp_path, bc_checkpoint, undisturbed, actor_class, signum, extra,
                                                                counter, capsys) -> None:  # fmt: skip
     run_dir = tmp_path / "run"

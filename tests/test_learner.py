@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from actors.rollout_actor import RolloutActor
+from common.config import RunConfig
 from common.diagnostics import BehaviourGapWarning, NonDeterministicPolicyError, NonFiniteError, NonFiniteUpdateWarning
 from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
@@ -248,11 +249,61 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
 
 
 def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> None:
-    _, actor, learner = setup  # policy_lag 0: nothing kept
-    stale = actor.sample(learner.broadcast(), 1)
-    learner.update(actor.sample(None, 0))
-    with pytest.raises(ValueError, match=r"version 0 reached the learner at version 1.*actors.policy_lag=0"):
+    _, actor, learner = setup  # the default policy_lag 1: the learner keeps its current version and the one before
+    stale = actor.sample(learner.broadcast(), 2)
+    for iteration in range(2):
+        learner.update(actor.sample(None, iteration))  # v0's rollouts, at most one version behind
+        learner.broadcast()
+    with pytest.raises(ValueError, match=r"version 0 reached the learner at version 2.*actors.policy_lag=1"):
         learner.update(stale)
+
+
+def test_resume_at_policy_lag_one_samples_with_the_versions_the_uninterrupted_run_used(tmp_path, bc_checkpoint) -> None:
+    """The driver's schedule at lag 1: iteration m is sampled with the version published after m - 1 updates. A
+    checkpoint after 2 updates keeps version 1, which samples iteration 2, so the resumed learner hands it out again
+    (in_flight_versions), scores the chains with it, and ends with the uninterrupted run's weights bit for bit."""
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1})
+    assert RunConfig().actors.policy_lag == 1  # the default this test is about
+    actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    v0 = learner.broadcast()
+    assert learner.in_flight_versions() == [0, 0]  # a fresh run samples its first two iterations with the start
+    batches = [actor.sample(v0, 0), actor.sample(v0, 1)]
+    for iteration in range(4):
+        learner.update(batches[iteration])
+        published = learner.broadcast()
+        if iteration == 1:
+            learner.save_checkpoint(tmp_path / "k2")
+        if iteration + 2 < 4:
+            batches.append(actor.sample(published, iteration + 2))
+    assert [b.weight_version for b in batches] == [0, 0, 1, 2]
+
+    resumed = Learner(config, FlowPolicy.from_pretrained(tmp_path / "k2"))
+    resumed.load_trainer_state(tmp_path / "k2")
+    current = resumed.broadcast()
+    assert resumed.in_flight_versions() == [1, 2]  # iterations 2 and 3, as the uninterrupted run sampled them
+    fresh_actor = RolloutActor(config, 0, tmp_path / "k2")  # holds v2 (the checkpoint's own weights)
+    again = [fresh_actor.sample(resumed.payload_of(1), 2), fresh_actor.sample(current, 3)]
+    for batch, original in zip(again, batches[2:]):
+        assert batch.weight_version == original.weight_version
+        np.testing.assert_array_equal(batch.chains, original.chains)
+        metrics = resumed.update(batch)
+        resumed.broadcast()
+        assert metrics["logprob/behaviour_gap_max"] < 1e-5
+    for name, tensor in learner.policy.state_dict().items():
+        assert torch.equal(tensor, resumed.policy.state_dict()[name]), name
+
+
+def test_an_actor_loads_an_older_version_when_a_call_names_it(setup, bc_checkpoint) -> None:
+    """A learner restarted from a checkpoint publishes versions the actors have moved past: each call runs with
+    the weights it names, not with the newest an actor has seen."""
+    config, actor, learner = setup
+    v0 = learner.broadcast()
+    learner.update(actor.sample(v0, 0))
+    actor.load_weights(learner.broadcast())
+    assert actor.version == 1
+    again = actor.sample(v0, 5)
+    assert actor.version == again.weight_version == 0
+    np.testing.assert_array_equal(again.chains, RolloutActor(config, 0, bc_checkpoint).sample(v0, 5).chains)
 
 
 def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:

@@ -41,10 +41,11 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
-    for version, row in enumerate(rows):
+    # The default actors.policy_lag=1: iteration 2 was sampled with v0 while iteration 1 trained.
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0] and [r["rollout/weight_version_lag"] for r in rows] == [0, 1]
+    for row in rows:
         assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5  # ratio == 1 before each iteration's first step
-        assert row["rollout/weight_version"] == version  # iteration 2's rollouts used the weights of update 1
-        assert row["rollout/weight_version_lag"] == 0
+        assert row["logprob/behaviour_gap_max"] < 1e-5  # the learner scores v0's chains with v0, as the actors did
         assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
         assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000002"
@@ -67,17 +68,24 @@ def test_a_second_run_never_overwrites_the_first(tmp_path, bc_checkpoint, capsys
     assert "already holds a run" in capsys.readouterr().err
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint) -> None:
+@pytest.mark.parametrize("policy_lag", [0, 1])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint, policy_lag) -> None:
+    """Stopped after 2 of 3 iterations and resumed. At lag 1 iteration 3 was sampled with v1 in the uninterrupted
+    run, so the checkpoint must hand v1 out again: the weights and every logged figure match."""
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    assert main(tiny_args(straight, bc_checkpoint, 2, "--set", "eval_every=0")) == 0
-    assert main(tiny_args(interrupted, bc_checkpoint, 1, "--set", "eval_every=0")) == 0
-    assert main(tiny_args(interrupted, bc_checkpoint, 2, "--set", "eval_every=0", "--resume")) == 0
-    a, b = weights(straight / "checkpoints" / "iter_000002"), weights(interrupted / "checkpoints" / "iter_000002")
+    lag = ("--set", "eval_every=0", "--set", f"actors.policy_lag={policy_lag}")
+    assert main(tiny_args(straight, bc_checkpoint, 3, *lag)) == 0
+    assert main(tiny_args(interrupted, bc_checkpoint, 2, *lag)) == 0
+    assert main(tiny_args(interrupted, bc_checkpoint, 3, *lag, "--resume")) == 0
+    a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-    rows = [json.loads(line)["iteration"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2]
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, interrupted)]
+    assert [r["iteration"] for r in rows[1]] == [1, 2, 3]
+    compared = ("rollout/weight_version", "rollout/episode_return", "losses/pg_loss", "losses/v_loss")
+    assert [[r[k] for k in compared] for r in rows[0]] == [[r[k] for k in compared] for r in rows[1]]
+    assert [r["rollout/weight_version"] for r in rows[1]] == ([0, 1, 2] if policy_lag == 0 else [0, 0, 1])
 
 
 def test_bad_flags_fail_with_a_named_field(tmp_path, capsys) -> None:
@@ -98,21 +106,25 @@ def test_random_init_runs_only_when_explicitly_allowed(tmp_path, capsys) -> None
     assert (tmp_path / "a" / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
 
 
-def test_policy_lag_one_overlaps_sampling_with_the_update(tmp_path, bc_checkpoint) -> None:
-    """actors.policy_lag=1: iteration 1 trains on v0's rollouts (lag 0); from iteration 2 on, every rollout comes
-    from the version before the learner's (it was sampled during the previous update). The behaviour log-probs
-    the learner recomputes with those older weights equal the actors' own, and the ratio check passes."""
+@pytest.mark.parametrize("policy_lag", [0, 1])
+def test_policy_lag_sets_which_version_samples_each_iteration(tmp_path, bc_checkpoint, policy_lag) -> None:
+    """actors.policy_lag=1 (default): iteration 1 trains on v0's rollouts (lag 0); from iteration 2 on, every rollout
+    comes from the version before the learner's (it was sampled during the previous update). The behaviour
+    log-probs the learner recomputes with those older weights equal the actors' own, and the ratio check passes.
+    actors.policy_lag=0 is the synchronous loop: every rollout from the learner's current version."""
     run_dir = tmp_path / "lagged"
-    assert main(tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", "actors.policy_lag=1")) == 0
+    assert main(tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", f"actors.policy_lag={policy_lag}")) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["rollout/weight_version_lag"] for r in rows] == [0, 1, 1]
-    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
+    assert [r["rollout/weight_version_lag"] for r in rows] == ([0, 0, 0] if policy_lag == 0 else [0, 1, 1])
+    assert [r["rollout/weight_version"] for r in rows] == ([0, 1, 2] if policy_lag == 0 else [0, 0, 1])
     for row in rows:
         assert row["logprob/behaviour_gap_max"] < 1e-5 and row["ppo/first_minibatch_ratio_dev"] <= 1e-5
         assert row["actor/0/weight_version_lag"] == row["rollout/weight_version_lag"]
-    assert all(0.5 < r["ppo/behaviour_weight_min"] <= r["ppo/behaviour_weight_max"] < 2 for r in rows[1:])
+    if policy_lag:
+        assert all(0.5 < r["ppo/behaviour_weight_min"] <= r["ppo/behaviour_weight_max"] < 2 for r in rows[1:])
     state = __import__("torch").load(run_dir / "checkpoints" / "iter_000003" / "trainer_state.pt", weights_only=True)
     assert state["version"] == 3
+    assert sorted(state["published"]) == ([] if policy_lag == 0 else [2, 3])  # what iterations 3 and 4 would sample with
 
 
 def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
