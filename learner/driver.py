@@ -259,21 +259,51 @@ class ActorPool:
         return [results[index][1] for index in sorted(results)]
 
     def evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list) -> tuple[np.ndarray, set[int]]:
-        """Deterministic held-out evaluation, the layouts split across the live actors (a dropped actor's share is
-        dealt out again); returns successes in layout order and the weight versions used."""
-        successes = np.zeros(len(eval_layouts), dtype=bool)
-        versions: set[int] = set()
-        todo = np.arange(len(eval_layouts))
-        while len(todo):
-            shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
-            layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
-            results = self.call("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares)  # noqa: B023 (called at once)
-            for index, (ref,) in results.items():
-                version, values = ray.get(ref)
-                successes[shares[index]] = values
-                versions.add(version)
-            todo = np.concatenate([shares[index] for index in shares if index not in results] or [np.zeros(0, dtype=int)])
-        return successes, versions
+        """Deterministic held-out evaluation, the layouts split across the live actors; returns successes in layout
+        order and the weight versions used."""
+        return self.collect_evaluate(self.submit_evaluate(weights_ref, eval_layouts))
+
+    def submit_evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list, todo: np.ndarray | None = None) -> PendingEvaluation:
+        """Start `evaluate` without waiting (the layouts of `todo`, by default all): the actors run it after the calls
+        they already have, so the learner goes on training meanwhile."""
+        todo = np.arange(len(eval_layouts)) if todo is None else todo
+        shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
+        layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
+        call = self.submit("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares)
+        return PendingEvaluation(call, shares, weights_ref, eval_layouts, np.zeros(len(eval_layouts), dtype=bool), set())
+
+    def collect_evaluate(self, pending: PendingEvaluation) -> tuple[np.ndarray, set[int]]:
+        """Wait for a submitted evaluation; the share of an actor dropped meanwhile is dealt out again."""
+        results = self.collect(pending.call)
+        for index, (ref,) in results.items():
+            version, values = ray.get(ref)
+            pending.successes[pending.shares[index]] = values
+            pending.versions.add(version)
+        todo = [pending.shares[index] for index in pending.shares if index not in results]
+        if todo:
+            again = self.submit_evaluate(pending.weights_ref, pending.eval_layouts, np.concatenate(todo))
+            again.successes, again.versions = pending.successes, pending.versions
+            return self.collect_evaluate(again)
+        return pending.successes, pending.versions
+
+    @staticmethod
+    def finished(pending: PendingCall | PendingEvaluation) -> bool:
+        """Whether every actor has answered a submitted call (an answer may be an error that collect handles)."""
+        call = pending.call if isinstance(pending, PendingEvaluation) else pending
+        receipts = [refs[0] for refs in call.refs.values()]
+        return len(ray.wait(receipts, num_returns=len(receipts), timeout=0)[0]) == len(receipts)
+
+
+@dataclass
+class PendingEvaluation:
+    """A held-out evaluation submitted to the actors (ActorPool.submit_evaluate), and what it has gathered."""
+
+    call: PendingCall
+    shares: dict[int, np.ndarray]  # actor index -> indices of its layouts
+    weights_ref: ray.ObjectRef
+    eval_layouts: list
+    successes: np.ndarray  # (layouts,) bool, filled in as the actors answer
+    versions: set[int]
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -431,12 +461,39 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         cost_clock = now
         return {f"cost/{key}": value for key, value in cost.items()}
 
-    def run_eval(label: str) -> dict[str, float]:
+    def finish_eval(evaluation: PendingEvaluation, label: str, submitted: float) -> dict[str, float]:
         t0 = time.perf_counter()
-        successes, versions = pool.evaluate(weights_ref, eval_layouts)
+        successes, versions = pool.collect_evaluate(evaluation)
         result = eval_metrics(successes, eval_layouts)
-        print(f"[eval:{label}] held-out {format_eval(result)}, weights v{sorted(versions)}, {time.perf_counter() - t0:.1f}s", flush=True)
+        result["eval/wait_seconds"] = time.perf_counter() - t0  # what the driver spent blocked on it
+        print(f"[eval:{label}] held-out {format_eval(result)}, weights v{sorted(versions)}, {time.perf_counter() - submitted:.1f}s "
+              f"after submission ({result['eval/wait_seconds']:.1f}s waited)", flush=True)  # fmt: skip
         return result
+
+    def run_eval(label: str) -> dict[str, float]:
+        return finish_eval(pool.submit_evaluate(weights_ref, eval_layouts), label, time.perf_counter())
+
+    # Held-out evaluations do not stop training: one is submitted to the actors after its iteration's weights are
+    # published and collected once finished, while the learner trains on. Rows are written in iteration order, so
+    # an evaluated iteration's row (and those after it) waits for its evaluation.
+    held: deque[tuple[dict[str, float], tuple[PendingEvaluation, str, float] | None]] = deque()
+
+    def write_rows(wait: bool) -> None:
+        """Write the held rows in order; a row whose evaluation is unfinished stops there, unless `wait`."""
+        while held:
+            row, evaluation = held[0]
+            if evaluation is not None:
+                if not wait and not pool.finished(evaluation[0]):
+                    return
+                row.update(finish_eval(*evaluation))
+            held.popleft()
+            metrics_log.write(row)
+            learner.export_gauges.remote(row)
+            if wandb_run is not None:
+                wandb_run.log(row, step=int(row["iteration"]))
+            print(console_line(row), flush=True)
+            if single_batch:
+                print(json.dumps(row, indent=1, sort_keys=True), flush=True)
 
     if start_iteration == 0:  # a resumed run keeps the manifest of the run it continues
         summary["manifest"] = reproducibility_manifest(config, checkpoint, eval_layouts)
@@ -464,8 +521,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 weights_ref = learner_get(learner.publish.remote())[0]
                 iteration_seconds = time.perf_counter() - t0
                 done = iteration + 1 == config.iterations
+                evaluation = None
                 if not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0)):
-                    metrics.update(run_eval(f"iteration {iteration + 1}"))
+                    evaluation = (pool.submit_evaluate(weights_ref, eval_layouts), f"iteration {iteration + 1}", time.perf_counter())
                 if done or (iteration + 1) % config.checkpoint_every == 0:
                     save(iteration + 1)
                     last_saved = iteration + 1
@@ -492,15 +550,12 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                             "time/wall_seconds": time.perf_counter() - wall_start,
                             "faults/learner_restarts": float(learner_restarts), "rollout/actors": float(len(pool.actors)),
                             **pool.faults, **actor_health(pool.actors), **charge()})  # fmt: skip
-            metrics_log.write(metrics)
-            learner.export_gauges.remote(metrics)
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=iteration + 1)
-            print(console_line(metrics), flush=True)
-            if single_batch:
-                print(json.dumps(metrics, indent=1, sort_keys=True), flush=True)
+            held.append((metrics, evaluation))
+            write_rows(wait=done)
             iteration += 1
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
+        for row, _ in held:  # rows of completed iterations are kept; their unfinished evaluations are not
+            metrics_log.write(row)
         save_progress(learner, save, last_saved, exc)
         raise
 

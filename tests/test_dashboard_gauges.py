@@ -128,8 +128,9 @@ def test_local_run_listens_on_loopback_only_and_exports_tagged_gauges(tmp_path, 
         assert "actor" not in labels
     assert 0 <= by_name["ray_flowrl_losses_clipfrac"][0][1] <= 1
     assert by_name["ray_flowrl_rollout_env_steps"][0][1] > 0
-    per_actor = {"ray_flowrl_actor_alive": (1, 1), "ray_flowrl_actor_restarts": (0, 0), "ray_flowrl_actor_weight_version_lag": (0, 0),
-                 "ray_flowrl_actor_weight_version": (1, 1), "ray_flowrl_actor_env_steps_per_second": (1e-3, 1e7)}  # fmt: skip
+    # The last iteration (2) was sampled with v0 while iteration 1 trained: the default actors.policy_lag=1.
+    per_actor = {"ray_flowrl_actor_alive": (1, 1), "ray_flowrl_actor_restarts": (0, 0), "ray_flowrl_actor_weight_version_lag": (1, 1),
+                 "ray_flowrl_actor_weight_version": (0, 0), "ray_flowrl_actor_env_steps_per_second": (1e-3, 1e7)}  # fmt: skip
     for name, (low, high) in per_actor.items():
         series = {labels["actor"]: value for labels, value in by_name[name]}
         assert sorted(series) == ["0", "1"], f"{name}: expected one series per actor, got {series}"

@@ -60,6 +60,33 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
+def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """A held-out evaluation is submitted to the actors and collected once finished, while the loop goes on sampling
+    and training. With no evaluation ever reported finished, all 3 iterations still run before any of their
+    evaluations is collected, and the rows are written in order at the end, each with its own evaluation."""
+    from learner import driver
+
+    events = []
+    collect_sample, collect_evaluate = driver.ActorPool.collect_sample, driver.ActorPool.collect_evaluate
+
+    def spy(name, method):
+        def wrapped(self, *args):
+            events.append(name)
+            return method(self, *args)
+
+        return wrapped
+
+    monkeypatch.setattr(driver.ActorPool, "collect_sample", spy("sample", collect_sample))
+    monkeypatch.setattr(driver.ActorPool, "collect_evaluate", spy("eval", collect_evaluate))
+    monkeypatch.setattr(driver.ActorPool, "finished", staticmethod(lambda pending: False))
+    run_dir = tmp_path / "run"
+    assert main(tiny_args(run_dir, bc_checkpoint, 3)) == 0  # eval_every=1
+    assert events == ["eval"] + ["sample"] * 3 + ["eval"] * 3  # the initial evaluation, then training never waited
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["eval/episodes"] == 4 for r in rows)
+    assert rows[-1]["eval/success_rate"] == json.loads((run_dir / "summary.json").read_text())["final_eval"]["eval/success_rate"]
+
+
 def test_a_second_run_never_overwrites_the_first(tmp_path, bc_checkpoint, capsys) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
