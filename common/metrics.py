@@ -31,6 +31,8 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         "rollout/weight_version": float(batch.weight_version),
         "rollout/weight_version_lag": float(learner_version - batch.weight_version),
         "time/sample_seconds": batch.sample_seconds,
+        "time/actors_policy_cpu_seconds": batch.policy_cpu_seconds,
+        "time/actors_env_cpu_seconds": batch.env_cpu_seconds,
     }
 
 

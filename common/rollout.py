@@ -129,10 +129,14 @@ def collect_rollout(
     env_steps = 0
     valid = np.ones((num_decisions, vec_env.num_envs), dtype=bool)
     episode_start = np.zeros(vec_env.num_envs, dtype=np.int64)  # first decision of each env's current episode
+    policy_cpu = env_cpu = 0.0
     for t in range(num_decisions):
         obs = dataclasses.replace(obs, tokens=token_ids, token_mask=token_mask)
+        decided = time.thread_time()
         decision = decide(policy, obs, deterministic=False, generator=generator)
+        stepped = time.thread_time()
         step = vec_env.step_chunk(decision.env_actions)
+        policy_cpu, env_cpu = policy_cpu + stepped - decided, env_cpu + time.thread_time() - stepped
         row = {
             "obs": obs.state, "next_obs": step.next_obs.state, "chains": decision.chain, "actions": decision.env_actions,
             "rewards": step.reward, "discounts": step.discount, "terminated": step.terminated, "truncated": step.truncated,
@@ -161,6 +165,8 @@ def collect_rollout(
         sample_seconds=time.perf_counter() - start,
         env_steps=env_steps,
         actor_precision=policy.precision,
+        policy_cpu_seconds=policy_cpu,
+        env_cpu_seconds=env_cpu,
     )
     batch.validate()
     return batch, obs

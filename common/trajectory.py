@@ -6,7 +6,7 @@ Both are plain numpy so they travel through Ray's object store without pickling 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,7 +40,6 @@ class RolloutBatch:
     actor_index: int
     sample_seconds: float
     env_steps: int
-    extra: dict[str, float] = field(default_factory=dict)
     # Per decision like the arrays above, present only when the policy reads them (None otherwise);
     # compact on purpose: frames stay uint8 and the instruction travels as token ids.
     images: np.ndarray | None = None  # (T, N, C, H, W, 3) uint8  camera frames the chunk was chosen on
@@ -48,6 +47,10 @@ class RolloutBatch:
     tokens: np.ndarray | None = None  # (T, N, L) int64           the env's instruction as token ids
     token_mask: np.ndarray | None = None  # (T, N, L) bool        True on real tokens
     actor_precision: str = ""  # the behaviour policy's parameter dtype(s) and device, e.g. "bfloat16 on cuda:0"
+    # CPU seconds of the sampling thread in the policy (chunk decisions) and in the envs (stepping them): where an
+    # actor's work goes, whatever the machine's load. Summed over the actors by concat.
+    policy_cpu_seconds: float = 0.0
+    env_cpu_seconds: float = 0.0
 
     PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
                     "values", "log_probs", "log_probs_per_element", "valid")  # fmt: skip
@@ -108,6 +111,8 @@ class RolloutBatch:
             sample_seconds=max(b.sample_seconds for b in batches),
             env_steps=sum(b.env_steps for b in batches),
             actor_precision=", ".join(sorted({b.actor_precision for b in batches})),
+            policy_cpu_seconds=sum(b.policy_cpu_seconds for b in batches),
+            env_cpu_seconds=sum(b.env_cpu_seconds for b in batches),
         )
 
     def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:

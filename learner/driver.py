@@ -26,6 +26,7 @@ Faults, and what each costs:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
@@ -93,11 +94,17 @@ class LearnerActor:
             batch.validate(finite=False)  # NaN/Inf: Learner.update rolls the iteration back and counts it
         batch = RolloutBatch.concat(list(batches))
         version_before = self.learner.version
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.update(batch, verbose=verbose)
         metrics.update(rollout_metrics(batch, version_before))
         metrics.update(per_actor_metrics(batches, version_before))
         metrics["time/update_seconds"] = time.perf_counter() - start
+        metrics["time/update_cpu_seconds"] = time.process_time() - start_cpu
+        # The env stepping's share of the CPU work of an iteration (actors' policy and envs, the learner's update):
+        # where everything shares the cores, whole-iteration env steps/s can reach at most this fraction of the
+        # bare envs' rate (bench/throughput.py's ratio to the env limit).
+        work = batch.env_cpu_seconds + batch.policy_cpu_seconds + metrics["time/update_cpu_seconds"]
+        metrics["time/env_cpu_share"] = batch.env_cpu_seconds / work if work > 0 else math.nan
         return metrics
 
     def publish(self) -> list[ray.ObjectRef]:

@@ -194,6 +194,9 @@ def test_concat_keeps_actor_order(setup) -> None:
     a, b = actor.sample(None, 0), actor.sample(None, 1)
     joined = RolloutBatch.concat([a, b])
     assert joined.num_envs == 4 and joined.env_steps == a.env_steps + b.env_steps
+    assert a.policy_cpu_seconds > 0 and a.env_cpu_seconds > 0  # where the sampling thread's CPU went
+    assert joined.env_cpu_seconds == a.env_cpu_seconds + b.env_cpu_seconds
+    assert joined.policy_cpu_seconds == a.policy_cpu_seconds + b.policy_cpu_seconds
     np.testing.assert_array_equal(joined.chains[:, 2:], b.chains)
 
 

@@ -48,6 +48,9 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
         assert row["logprob/behaviour_gap_max"] < 1e-5  # the learner scores v0's chains with v0, as the actors did
         assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
         assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
+        assert row["time/actors_env_cpu_seconds"] > 0 and row["time/update_cpu_seconds"] > 0
+        work = row["time/actors_env_cpu_seconds"] + row["time/actors_policy_cpu_seconds"] + row["time/update_cpu_seconds"]
+        assert row["time/env_cpu_share"] == pytest.approx(row["time/actors_env_cpu_seconds"] / work)
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000002"
     final, initial = weights(run_dir / "checkpoints" / "iter_000002"), weights(bc_checkpoint)
     assert any(not np.array_equal(final[k], initial[k]) for k in final if k.startswith("velocity_net"))
