@@ -4,7 +4,7 @@ one after the other in one run.
     nice -n 5 python bench/throughput.py                        # 12 iterations of the default job, 30 s of bare envs
     python bench/throughput.py --iterations 2 --warmup-iterations 1 --env-seconds 2 \\
         --main-arg=--allow-random-init --main-arg=--num-actors=2 --main-arg=--set=actors.decisions_per_rollout=5 \\
-        --main-arg=--set=learner.minibatch_size=10                                        # a smoke run
+        --main-arg=--set=learner.minibatch_size=10 --main-arg=--set=learner.critic_warmup_iters=0  # a smoke run
 
 - main job: `python -m learner.main` (the default config unless --main-arg says otherwise), once per
   actors.policy_lag of --policy-lags (0: synchronous; 1: sampling overlaps the update), for --iterations
@@ -23,17 +23,17 @@ one after the other in one run.
   On a machine other jobs load, the scheduler shares the cores per process, so 2 bare processes get a smaller
   share than the main job's 11: the per-core limit then understates the machine and the ratio overstates the job.
   lag<L>_ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
+- RLlib (issue 11's peer figure, with --rllib-python): bench/rllib_ppo.py, RLlib's PPO on the same task with the
+  main job's envs spread over one EnvRunner per core and its env steps per iteration, for the same --iterations and
+  --warmup-iterations, run after the main job(s) by that interpreter. Its figures come in prefixed rllib_, and
+  lag<L>_over_rllib = lag<L>_main_env_steps_per_second / rllib_env_steps_per_second (both whole iterations).
+  RLlib 2.60 needs gymnasium 1.2.2, so it gets a virtual environment of its own, outside the repo:
 
-RLlib PPO on the same task (issue 11's peer figure) is not run here: `ray[rllib]==2.60.0` pins gymnasium==1.2.2,
-which this project's environment does not use, so it needs its own virtual environment:
-
-    python -m venv /tmp/rllib-venv && /tmp/rllib-venv/bin/pip install torch==2.13.0 "ray[rllib]==2.60.0" metaworld==3.1.1
-    /tmp/rllib-venv/bin/pip install --no-deps -e .       # this repo for common.envs (its gymnasium pin stays 1.2.2)
-
-then, in that venv, an RLlib PPOConfig with env_runners(num_env_runners=<cores>, num_envs_per_env_runner=
-<actors x envs per actor / cores>) on an env creator wrapping common.envs.MetaworldTaskEnv (pick-place-v3, the
-training layouts, 200-step episodes, one action per step, train_batch_size ~4000), whole-iteration env steps/s =
-env_runners/num_env_steps_sampled_lifetime differences over time_this_iter_s, warm-up iterations left out.
+    python -m venv /work/rllib-venv
+    /work/rllib-venv/bin/pip install torch==2.13.0          # first: the CPU build stays
+    /work/rllib-venv/bin/pip install "ray[rllib]==2.60.0" metaworld==3.1.1
+    /work/rllib-venv/bin/pip install --no-deps -e .        # this repo, for common.envs
+    nice -n 5 python bench/throughput.py --policy-lags 1 --rllib-python /work/rllib-venv/bin/python
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[
     if not timed:
         raise RuntimeError(f"no iterations after the {warmup} warm-up ones in metrics.jsonl ({len(rows)} rows)")
     seconds = sum(row["time/iteration_seconds"] for row in timed)
+    cpu_keys = {"env": "time/actors_env_cpu_seconds", "policy": "time/actors_policy_cpu_seconds", "update": "time/update_cpu_seconds"}
+    cpu = {part: sum(row[key] for row in timed) for part, key in cpu_keys.items()}
     return {
         "main_env_steps_per_second": sum(row["rollout/env_steps"] for row in timed) / seconds,
         "main_iterations_timed": len(timed),
@@ -117,8 +119,40 @@ def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[
         # The share of the timed iterations spent outside the slowest actor's sampling and the learner's update (each
         # measured where it runs): scheduling, transfers, weight publication, the driver's waits.
         "main_outside_work_share": 1 - sum(row["time/sample_seconds"] + row["time/update_seconds"] for row in timed) / seconds,
+        # Shares of the CPU work (the actors' policy and envs, the learner's update). Where they all share the cores,
+        # the env share is the highest ratio to the env limit this job could reach doing the same work per env step.
+        **{f"main_{part}_cpu_share": cpu[part] / sum(cpu.values()) for part in cpu},
         "main_command_seconds": command_seconds,
     }
+
+
+def check_rllib_python(path: str) -> None:
+    """Refuse, before anything runs, an --rllib-python that is not an executable interpreter able to import RLlib and
+    this repo's envs (a failure there would otherwise come after the main jobs' minutes)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--rllib-python {path}: no such file (the venv's python, e.g. /work/rllib-venv/bin/python; see --help)")
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"--rllib-python {path}: not executable")
+    try:
+        probe = subprocess.run([path, "-c", "import ray.rllib, common.envs"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise SystemExit(f"--rllib-python {path}: cannot run it ({error})") from error
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"--rllib-python {path} cannot import ray.rllib and common.envs ({last}); install the venv as --help says")
+
+
+def rllib_job(python: str, iterations: int, warmup: int) -> dict:
+    """bench/rllib_ppo.py's figures, run by `python` (its progress goes to this process's stderr)."""
+    command = [python, str(REPO_ROOT / "bench" / "rllib_ppo.py"), "--iterations", str(iterations), "--warmup-iterations", str(warmup)]
+    began = time.perf_counter()
+    finished = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    if finished.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({finished.returncode}):\n{finished.stdout[-3000:]}")
+    lines = [line for line in finished.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{' '.join(command)} printed no JSON line:\n{finished.stdout[-3000:]}")
+    return {**json.loads(lines[0]), "rllib_command_seconds": time.perf_counter() - began}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,16 +170,21 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--policy-lags", default="0,1", help="actors.policy_lag of each main-job run, comma-separated")
     parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
+    parser.add_argument("--rllib-python", default="", help="the RLlib venv's python: run bench/rllib_ppo.py with it too (default: not run)")
     args = parser.parse_args(argv)
     lags = [int(lag) for lag in args.policy_lags.split(",")]
     if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
     if args.env_seconds <= 0 or args.processes < 1:
         raise SystemExit("--env-seconds must be > 0 and --processes >= 1")
+    if args.rllib_python:
+        check_rllib_python(args.rllib_python)
     results: dict = {"bench": "throughput", "load_average_1m_start": load_average()}
     for lag in lags:
         job = main_job(args.iterations, args.warmup_iterations, args.eval_episodes, [*args.main_arg, f"--set=actors.policy_lag={lag}"])
         results.update({f"lag{lag}_{key}": value for key, value in job.items()})
+    if args.rllib_python:
+        results.update(rllib_job(args.rllib_python, args.iterations, args.warmup_iterations))
     num_envs = RunConfig().actors.envs_per_actor
     limits = ["env_limit"]
     results.update(env_limit(args.processes, num_envs, args.env_seconds))
@@ -158,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[f"lag{lag}_ratio_to_{limit}"] = ratio(speed, results[f"{limit}_steps_per_second"])
         if lag != 0 and 0 in lags:
             results[f"lag{lag}_over_lag0"] = ratio(speed, results["lag0_main_env_steps_per_second"])
+        if args.rllib_python:
+            results[f"lag{lag}_over_rllib"] = ratio(speed, results["rllib_env_steps_per_second"])
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
+import numpy as np
 import pytest
 
-from bench import broadcast, overhead, recompute, startup, throughput
+from bench import broadcast, overhead, recompute, rllib_ppo, startup, throughput
 from bench.report import flatten
+from common.config import RunConfig
 
 # learner.main with a random policy and a few decisions: the start-up is the cost, not the work.
 TINY_MAIN_ARGS = ["--allow-random-init", "--set=actors.envs_per_actor=2", "--set=actors.decisions_per_rollout=3",
@@ -78,6 +81,8 @@ def test_throughput_smallest(capsys):
         assert_positive(speed, results["env_limit_steps_per_second"], results[f"lag{lag}_main_median_iteration_seconds"])
         for limit in ("env_limit", "matched_env_limit"):
             assert results[f"lag{lag}_ratio_to_{limit}"] == pytest.approx(speed / results[f"{limit}_steps_per_second"], rel=1e-12)
+        shares = [results[f"lag{lag}_main_{part}_cpu_share"] for part in ("env", "policy", "update")]
+        assert all(0 < share < 1 for share in shares) and sum(shares) == pytest.approx(1.0)
     quotient = results["lag1_main_env_steps_per_second"] / results["lag0_main_env_steps_per_second"]
     assert results["lag1_over_lag0"] == pytest.approx(quotient, rel=1e-12)
 
@@ -105,3 +110,60 @@ def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
         assert case["recompute_over_sample"] == pytest.approx(case["recompute_seconds"] / case["sample_seconds"], rel=1e-12)
         assert case["train_over_sample"] == pytest.approx(case["train_seconds"] / case["sample_seconds"], rel=1e-12)
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_rllib_env_draws_a_training_layout_at_every_reset_from_its_seed():
+    # The env RLlib's runners build (bench/rllib_ppo.py), checked here without RLlib: the project's env has none.
+    assert "ray.rllib" not in sys.modules  # importing the bench module did not import RLlib
+    config = RunConfig().env
+    train = {(seed, index) for seed in config.train_benchmark_seeds for index in range(50)}
+
+    def layout_sequence(env: rllib_ppo.TrainingLayoutEnv, resets: int) -> list[tuple[int, int]]:
+        drawn = []
+        for _ in range(resets):
+            observation, info = env.reset()
+            assert observation.shape == (39,) and observation.dtype == np.float32
+            drawn.append((info["benchmark_seed"], info["layout_index"]))
+            assert drawn[-1] == (env.layout.benchmark_seed, env.layout.index)
+            done = False
+            while not done:  # an episode to its end (5 steps), then the next reset
+                observation, reward, terminated, truncated, info = env.step(env.action_space.sample())
+                assert observation.shape == (39,) and set(info) == {"success"}
+                done = terminated or truncated
+        return drawn
+
+    envs = [rllib_ppo.make_env({"seed": seed, "max_episode_steps": 5}) for seed in (3, 3, 4)]
+    try:
+        assert envs[0].action_space.shape == (4,) and envs[0].observation_space.shape == (39,)
+        first, again, other = (layout_sequence(env, 6) for env in envs)
+        assert first == again  # the same seed draws the same layouts
+        assert first != other
+        assert len(set(first)) > 1 and set(first + other) <= train  # a new training layout after each episode
+        envs[1].reset(seed=3)  # a reset's seed restarts the sequence with that seed
+        assert layout_sequence(envs[1], 5) == first[1:]
+        # RLlib's runners tell their envs apart by worker index: the same seed on another runner draws other layouts.
+        runner_two = rllib_ppo.make_env({"seed": 3, "max_episode_steps": 5, "worker_index": 2})
+        assert layout_sequence(runner_two, 6) != first
+        runner_two.close()
+    finally:
+        for env in envs:
+            env.close()
+
+
+def test_throughput_refuses_a_bad_rllib_python_before_running_anything(monkeypatch, tmp_path):
+    def ran(*args, **kwargs):
+        raise AssertionError("the bench ran something before checking --rllib-python")
+
+    monkeypatch.setattr(throughput, "main_job", ran)
+    monkeypatch.setattr(throughput, "env_limit", ran)
+    monkeypatch.setattr(throughput, "rllib_job", ran)
+    with pytest.raises(SystemExit, match="no such file"):
+        throughput.main(["--rllib-python", str(tmp_path / "missing" / "python")])
+    not_executable = tmp_path / "python"
+    not_executable.write_text("#!/bin/sh\n")
+    not_executable.chmod(0o644)
+    with pytest.raises(SystemExit, match="not executable"):
+        throughput.main(["--rllib-python", str(not_executable)])
+    # This interpreter runs, but the project's environment has no RLlib.
+    with pytest.raises(SystemExit, match="cannot import ray.rllib"):
+        throughput.main(["--rllib-python", sys.executable])
