@@ -294,9 +294,8 @@ class ActorPool:
         return pending.successes, pending.versions
 
     @staticmethod
-    def finished(pending: PendingCall | PendingEvaluation) -> bool:
+    def finished(call: PendingCall) -> bool:
         """Whether every actor has answered a submitted call (an answer may be an error that collect handles)."""
-        call = pending.call if isinstance(pending, PendingEvaluation) else pending
         receipts = [refs[0] for refs in call.refs.values()]
         return len(ray.wait(receipts, num_returns=len(receipts), timeout=0)[0]) == len(receipts)
 
@@ -490,7 +489,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         while held:
             row, evaluation = held[0]
             if evaluation is not None:
-                if not wait and not pool.finished(evaluation[0]):
+                if not wait and not pool.finished(evaluation[0].call):
                     return
                 row.update(finish_eval(*evaluation))
             held.popleft()

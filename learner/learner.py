@@ -210,7 +210,8 @@ class Learner:
         if self.policy_lag > 0:
             self.sampling_versions[self.iteration] = self.version
             self.sampling_versions = {n: v for n, v in self.sampling_versions.items() if n >= self.iteration - self.policy_lag}
-            self.published.setdefault(self.version, {name: tensor.detach().clone() for name, tensor in state.items()})
+            if self.version not in self.published:  # a skipped update publishes its version again, unchanged
+                self.published[self.version] = {name: tensor.detach().clone() for name, tensor in state.items()}
             self.published = {v: tensors for v, tensors in self.published.items() if v in self.sampling_versions.values()}
         return WeightsPayload.from_state(self.version, state, copy=copy)
 
