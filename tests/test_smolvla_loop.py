@@ -93,6 +93,22 @@ def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weight
     assert 1e-5 < data.metrics["logprob/behaviour_gap_max"] < 0.1  # a real precision gap, not a weights mismatch
 
 
+def test_a_rollout_one_version_behind_is_scored_with_its_own_weights_on_smolvla(smolvla_bc, tmp_path) -> None:
+    """actors.policy_lag=1 on the SmolVLA backend: after an update moved the learner to v1, it scores a v0 rollout
+    (frames, instruction, chains) with the v0 trainable tensors it kept, equal to the actor's own scores, and the
+    ratio check passes against v1."""
+    config = tiny_run_config(tmp_path / "run", "actors.policy_lag=1")
+    actor, learner = RolloutActor(config, 0, smolvla_bc), Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
+    v0 = learner.broadcast()
+    first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)  # iteration 1 sampled while iteration 0 trains
+    learner.update(first)
+    learner.broadcast()
+    metrics = learner.update(ahead)
+    assert ahead.weight_version == 0 and learner.version == 2
+    assert metrics["logprob/behaviour_gap_max"] < 1e-4 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert metrics["ppo/behaviour_weight_min"] < 1 < metrics["ppo/behaviour_weight_max"]  # v1 scores these chains otherwise
+
+
 @pytest.mark.slow
 def test_two_actor_iteration_on_local_ray_with_frames_and_instruction(smolvla_bc, tmp_path) -> None:
     import ray
