@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import broadcast, overhead, recompute, rllib_ppo, startup, throughput
+from bench import broadcast, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
 from bench.report import flatten
 from common.config import RunConfig
 
@@ -167,3 +167,18 @@ def test_throughput_refuses_a_bad_rllib_python_before_running_anything(monkeypat
     # This interpreter runs, but the project's environment has no RLlib.
     with pytest.raises(SystemExit, match="cannot import ray.rllib"):
         throughput.main(["--rllib-python", sys.executable])
+
+
+def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
+    """The full-size SmolVLA bench's path with the tiny VLM on CPU: the stand-in checkpoint loads strictly, the ratio
+    check passes, the scoring pass encodes by micro-batch (and, asked, the whole batch at once), version 1 reaches
+    the actor."""
+    assert smolvla_gpu.main(["--size", "tiny", "--rollouts", "2", "--batch-sizes", "1,2", "--prepare-whole-batch"]) == 0
+    results = printed(capsys)
+    assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
+    assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # the VLM is frozen
+    assert results["update"]["decisions"] == 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert (results["prepare"]["rows_per_encode"], results["prepare_whole_batch"]["rows_per_encode"]) == (2, 4)
+    assert results["publish_load_sample_v1"]["version"] == 1
+    assert_positive(results["decision_latency"]["batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
+                    results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip

@@ -16,6 +16,7 @@ from actors.rollout_actor import RolloutActor
 from common.config import load_config
 from common.diagnostics import BehaviourGapWarning
 from common.envs import TASKS
+from common.flow import chain_log_prob
 from common.policy import FlowPolicy, build_policy
 from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
@@ -107,6 +108,24 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights_on_smolvla(
     assert ahead.weight_version == 0 and learner.version == 2
     assert metrics["logprob/behaviour_gap_max"] < 1e-4 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
     assert metrics["ppo/behaviour_weight_min"] < 1 < metrics["ppo/behaviour_weight_max"]  # v1 scores these chains otherwise
+
+
+def test_the_learner_encodes_one_micro_batch_of_frames_at_a_time(smolvla_bc, tmp_path) -> None:
+    """prepare() encodes at most minibatch_size / grad_accum rows at a time, observations and next observations alike,
+    so a VLM's activations do not grow with the iteration (smolvla_base's shapes on an H100: 32 GiB peak for 512
+    decisions at once, 17 GiB by 16; bench/smolvla_gpu.py); its scores equal one whole-batch encode's."""
+    config = tiny_run_config(tmp_path / "run", "learner.minibatch_size=4", "learner.grad_accum=2")
+    batch = RolloutActor(config, 0, smolvla_bc).sample(None, 0)
+    learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
+    policy, rows = learner.policy, []
+    encode = policy.encode
+    policy.encode = lambda obs: rows.append(obs.batch_shape[0]) or encode(obs)
+    data = learner.prepare(batch)
+    del policy.encode
+    assert rows == [2, 2, 2, 2]  # 4 decisions' observations, then their next observations, 2 at a time
+    with torch.no_grad():
+        whole = chain_log_prob(policy, policy.encode(batch.observations().flatten_leading().to_torch(policy.obs_device)), data.chains)
+    torch.testing.assert_close(data.old_log_probs, whole.log_prob, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

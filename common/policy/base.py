@@ -4,7 +4,7 @@ A backend provides these pieces, all on explicit tensors:
   encode(obs: Observation) -> features, computed once per decision and reused by every call below
                               (the MLP's normalised state; SmolVLA's prefix KV cache). Features are a
                               Tensor, or a dataclass / tuple / list / dict of them, batch first;
-                              `index_features` slices any such structure.
+                              `index_features` slices any such structure, `concat_features` joins them.
   velocity(a_t, t, feats)  -> (B, H, A) flow velocity
   sigma(t, feats)          -> (B, H, A) injected-noise std, bounded to [sigma_min, sigma_max]
   value(feats)             -> (B,) critic value
@@ -208,6 +208,23 @@ def index_features(features: Any, idx: Tensor | slice) -> Any:
         items = [index_features(value, idx) for value in features]
         return type(features)(*items) if hasattr(features, "_fields") else type(features)(items)
     return features
+
+
+def concat_features(parts: list[Any]) -> Any:
+    """The inverse of index_features over consecutive rows: join encode() outputs of the same structure along the
+    batch. Leaves that are not tensors are shared by the whole batch and taken from the first part."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(parts)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: concat_features([getattr(p, f.name) for p in parts])
+                                             for f in dataclasses.fields(first) if f.init})  # fmt: skip
+    if isinstance(first, dict):
+        return type(first)((key, concat_features([p[key] for p in parts])) for key in first)
+    if isinstance(first, (tuple, list)):
+        items = [concat_features([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return first
 
 
 def file_sha256(path: Path) -> str:

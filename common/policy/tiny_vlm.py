@@ -6,6 +6,9 @@ with the `tokenizers` library (printable ASCII plus SmolVLM's image special toke
 and a SmolVLM config a few hundred thousand parameters in size. No hub access, no weights: the policy's
 own checkpoint holds every tensor (see common.policy.smolvla).
 
+SMOLVLM2_500M_SHAPES gives the same offline directory at smolvla_base's backbone sizes (random weights at the
+real compute cost: bench/smolvla_gpu.py); only its vocabulary stays the character tokenizer's.
+
 Shape rules lerobot and transformers impose (checked in TinyVLMSpec.validate):
   - square images whose side is divisible by patch_size * scale_factor (the pixel shuffle of the connector);
   - lerobot's expert is 0.75 x the text width, and its sinusoidal time embedding needs that width even;
@@ -53,6 +56,7 @@ class TinyVLMSpec:
     patch_size: int = 8
     scale_factor: int = 2  # connector pixel shuffle: (image/patch)^2 / scale^2 image tokens per camera
     vision_hidden: int = 32
+    vision_intermediate: int = 64
     vision_layers: int = 1
     vision_heads: int = 2
     vision_attention_dropout: float = 0.1  # > 0 on purpose: train mode would make log-probs random (seed 000)
@@ -78,6 +82,15 @@ class TinyVLMSpec:
     def key(self) -> str:
         payload = json.dumps({"format": TINY_VLM_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# SmolVLM2-500M-Video-Instruct, smolvla_base's backbone: SigLIP-B/16 at 512 px, a 4x pixel shuffle (64 tokens per
+# image), SmolLM2-360M's text model (SmolVLA keeps its first 16 of 32 layers). Its 49k-token vocabulary is the one
+# size not reproduced: the embedding table is only looked up, so it changes memory, not compute.
+SMOLVLM2_500M_SHAPES = TinyVLMSpec(
+    image_size=512, patch_size=16, scale_factor=4, vision_hidden=768, vision_intermediate=3072, vision_layers=12, vision_heads=12,
+    vision_attention_dropout=0.0, text_hidden=960, text_layers=32, text_heads=15, text_kv_heads=5, text_intermediate=2560,
+)  # fmt: skip
 
 
 def vocabulary() -> dict[str, int]:
@@ -109,7 +122,7 @@ def write_tiny_vlm(directory: str | Path, spec: TinyVLMSpec) -> Path:
     config = SmolVLMConfig(
         vision_config={
             "hidden_size": spec.vision_hidden,
-            "intermediate_size": 2 * spec.vision_hidden,
+            "intermediate_size": spec.vision_intermediate,
             "num_hidden_layers": spec.vision_layers,
             "num_attention_heads": spec.vision_heads,
             "image_size": spec.image_size,

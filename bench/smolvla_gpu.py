@@ -1,0 +1,296 @@
+"""SmolVLA at smolvla_base's size through the loop's own pieces on one GPU, without Ray: the recipe of
+configs/smolvla_pick.yaml (3 cameras at 256 px, 50-action chunks, 10 denoising steps, a bfloat16 actor and a
+float32 learner), timed stage by stage, with the numerics the learner checks.
+
+    python bench/smolvla_gpu.py                 # full size; needs a GPU (a chunk takes tens of seconds on CPU)
+    python bench/smolvla_gpu.py --size tiny     # the same path with the tiny VLM, on CPU (tests/test_bench.py)
+
+Nothing downloads. The backbone directory is written offline at SmolVLM2-500M's shapes
+(common.policy.tiny_vlm.SMOLVLM2_500M_SHAPES). A stand-in for smolvla_base, a lerobot SmolVLA checkpoint with
+random tensors at its shapes (max_state_dim 32), is saved with lerobot's own save_pretrained and loaded strictly
+as the config's lerobot_checkpoint with reinit_state_proj, as a real smolvla_base would be. The weights are
+random, so the figures are about cost and numerics (the ratio check, the bfloat16 behaviour gap, memory), not
+learning.
+
+Stages: write the backbone and the stand-in, load it strictly and save the policy checkpoint; chunk-decision
+latency of the bfloat16 actor at several batch sizes; one RolloutActor samples `--rollouts` rollouts with version
+0 (as that many actors would, each with its own seed); the Learner updates on all of them; the actor loads
+version 1 and samples again; the learner scores that rollout (behaviour gap at the new version). Prints JSON, then
+`name: value` lines; a failing stage is reported (`<stage>/error`) and the stages that do not depend on it still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import REPO_ROOT, emit  # noqa: E402
+from common.config import RunConfig, load_config  # noqa: E402
+from common.diagnostics import BehaviourGapWarning  # noqa: E402
+from common.observation import Observation  # noqa: E402
+from common.policy import FlowPolicy, build_policy  # noqa: E402
+from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
+from common.trajectory import RolloutBatch  # noqa: E402
+
+RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
+# --size tiny: the same stages at test size (the tiny VLM has 2 text layers; CPU, small chunks and batches).
+TINY_SETS = (
+    "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "policy.smolvla.num_vlm_layers=2",
+    "actors.envs_per_actor=1", "actors.decisions_per_rollout=2", "actors.num_gpus=0", "learner.num_gpus=0",
+    "learner.minibatch_size=4", "learner.grad_accum=2", "learner.update_epochs=1", "env.max_episode_steps=20",
+)  # fmt: skip
+
+
+class Clock:
+    """Wall seconds of a block, synchronising the GPU first so queued kernels are counted where they ran."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def gpu_memory(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    gib = 2.0**30
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+    }
+
+
+def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, Any]], device: torch.device) -> bool:
+    """Run one stage into results[name]; on an exception record it and go on (one device lease, every figure it can give)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    print(f"[smolvla_gpu] {name} ...", file=sys.stderr, flush=True)
+    try:
+        results[name] = {**stage(), **gpu_memory(device)}
+        return True
+    except Exception as exc:  # noqa: BLE001 - reported, and the remaining stages still measure what they can
+        traceback.print_exc()
+        results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        return False
+
+
+def write_inputs(work: Path, size: str, sets: list[str]) -> tuple[RunConfig, Path, dict[str, Any]]:
+    """The backbone directory, the smolvla_base stand-in, and the run config that loads it (strictly)."""
+    spec = SMOLVLM2_500M_SHAPES if size == "full" else TinyVLMSpec(image_size=32)
+    vlm_dir = write_tiny_vlm(work / "vlm", spec)
+    stand_in = work / "smolvla_base_stand_in"
+    base_sets = [
+        f"policy.smolvla.vlm_path={vlm_dir}",
+        "policy.smolvla.lerobot_checkpoint=''",
+        *(TINY_SETS if size == "tiny" else ()),
+        *sets,
+    ]
+    # smolvla_base's own state width: the recipe's reinit_state_proj then re-initialises state_proj at 39.
+    saved_as = load_config(
+        RECIPE, [*base_sets, "policy.obs_dim=32", "policy.smolvla.max_state_dim=32", "policy.smolvla.reinit_state_proj=false"]
+    )
+    torch.manual_seed(0)
+    build_policy(saved_as.policy).vla.save_pretrained(stand_in)
+    config = load_config(RECIPE, [*base_sets, f"policy.smolvla.lerobot_checkpoint={stand_in}"])
+    policy = build_policy(config.policy)  # the strict load of the stand-in
+    checkpoint = policy.save_pretrained(work / "checkpoint")
+    counts = {
+        "parameters": sum(p.numel() for p in policy.parameters()),
+        "trainable_parameters": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        "broadcast_mib": policy.broadcast_bytes() / 2.0**20,
+    }
+    return config, checkpoint, counts
+
+
+def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:
+    """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer;
+    profile: print torch.profiler's table of one decision at the first batch size."""
+    from common.rollout import decide
+
+    policy = actor.policy
+    size, cameras = policy.config.image_size, len(policy.config.cameras)
+    rng = np.random.default_rng(0)
+    figures: dict[str, Any] = {}
+    for batch in batch_sizes:
+        tokens, mask = policy.tokenize(["pick up the block and place it at the goal"] * batch)
+        obs = Observation(rng.normal(size=(batch, policy.config.obs_dim)).astype(np.float32),
+                          rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
+        times = []
+        with torch.no_grad(), actor.precision():
+            for _ in range(repeats + 1):  # the first call warms up kernels and allocator
+                start = clock.now()
+                decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+                times.append(clock.now() - start)
+        figures[f"batch{batch}_seconds"] = statistics.median(times[1:])
+        if profile:
+            with torch.no_grad(), actor.precision(), torch.profiler.profile(record_shapes=False) as prof:
+                decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+            print(f"[smolvla_gpu] one decision for {batch} envs, by CPU time:", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+            profile = False
+    return figures
+
+
+def rollout_figures(batch, seconds: float) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "env_steps": batch.env_steps,
+        "env_steps_per_second": batch.env_steps / seconds,
+        "policy_cpu_seconds": batch.policy_cpu_seconds,
+        "env_cpu_seconds": batch.env_cpu_seconds,
+        "actor_precision": batch.actor_precision,
+    }
+
+
+def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.device) -> None:
+    """Every stage into `results`, on `device`."""
+    from actors.rollout_actor import RolloutActor
+    from learner.learner import Learner
+
+    cuda, clock = device.type == "cuda", Clock(device)
+    # stdout carries the figures only: what lerobot and the stages print goes to stderr.
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp, contextlib.redirect_stdout(sys.stderr):
+        work = Path(tmp)
+        built: dict[str, Any] = {}
+
+        def build() -> dict[str, Any]:
+            start = time.perf_counter()
+            config, checkpoint, counts = write_inputs(work, args.size, args.set)
+            if not cuda:  # the recipe asks for GPUs; the tiny path runs where it is
+                config.actors.num_gpus = config.learner.num_gpus = 0.0
+            built.update(config=config, checkpoint=checkpoint)
+            return {**counts, "seconds": time.perf_counter() - start}
+
+        if not run_stage(results, "build", build, device):
+            return
+        config, checkpoint = built["config"], built["checkpoint"]
+        state: dict[str, Any] = {}
+
+        def start_actor() -> dict[str, Any]:
+            start = clock.now()
+            state["actor"] = RolloutActor(config, 0, checkpoint)
+            return {"seconds": clock.now() - start, "device": str(state["actor"].device), "precision": config.actors.precision}
+
+        def latency() -> dict[str, Any]:
+            return decision_latency(state["actor"], [int(b) for b in args.batch_sizes.split(",")], args.repeats, clock, args.profile)
+
+        def sample_version_0() -> dict[str, Any]:
+            batches, per_rollout = [], []
+            for index in range(args.rollouts):
+                start = clock.now()
+                batches.append(state["actor"].sample(None, iteration=index))  # iteration index: each rollout its own seed
+                per_rollout.append(rollout_figures(batches[-1], clock.now() - start))
+            state["batches"] = batches
+            return {"rollouts": len(batches), "decisions_per_rollout": batches[0].num_decisions * batches[0].num_envs,
+                    **{key: statistics.median(r[key] for r in per_rollout) for key in ("seconds", "env_steps_per_second",
+                       "policy_cpu_seconds", "env_cpu_seconds")}, "actor_precision": per_rollout[0]["actor_precision"]}  # fmt: skip
+
+        def start_learner() -> dict[str, Any]:
+            start = clock.now()
+            policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
+            state["learner"] = Learner(config, policy.to(device))
+            state["learner"].broadcast()  # version 0, as the driver publishes it before the first rollout
+            return {"seconds": clock.now() - start}
+
+        def prepare(rows: int | None) -> Callable[[], dict[str, Any]]:
+            """The learner's scoring pass alone (encode, old log-probs, values, GAE), encoding `rows` observations at a
+            time (None: the config's micro-batch, minibatch_size / grad_accum)."""
+
+            def stage() -> dict[str, Any]:
+                learner, batch = state["learner"], RolloutBatch.concat(state["batches"])
+                cfg = learner.cfg
+                if rows is not None:
+                    learner.cfg = dataclasses.replace(cfg, minibatch_size=rows, grad_accum=1)
+                try:
+                    start = clock.now()
+                    learner.prepare(batch)
+                    return {"seconds": clock.now() - start, "rows_per_encode": rows or cfg.minibatch_size // cfg.grad_accum}
+                finally:
+                    learner.cfg = cfg
+
+            return stage
+
+        def update() -> dict[str, Any]:
+            batch = RolloutBatch.concat(state["batches"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", BehaviourGapWarning)
+                start = clock.now()
+                metrics = state["learner"].update(batch)
+                seconds = clock.now() - start
+            keep = ("logprob/behaviour_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac", "losses/approx_kl",
+                    "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean")  # fmt: skip
+            return {"seconds": seconds, "decisions": batch.num_decisions * batch.num_envs, **{k: metrics[k] for k in keep if k in metrics},
+                    "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
+
+        def publish_and_load() -> dict[str, Any]:
+            start = clock.now()
+            payload = state["learner"].broadcast()
+            published = clock.now()
+            state["actor"].load_weights(payload)
+            loaded = clock.now()
+            start_sample = clock.now()
+            batch = state["actor"].sample(payload, iteration=args.rollouts)
+            sampled = clock.now()
+            prepared = state["learner"].prepare(batch)  # scores the version-1 rollout with the learner's float32 weights
+            return {"publish_seconds": published - start, "load_seconds": loaded - published, "version": payload.version,
+                    "behaviour_gap_max": prepared.metrics["logprob/behaviour_gap_max"],
+                    **{f"rollout_{k}": v for k, v in rollout_figures(batch, sampled - start_sample).items()}}  # fmt: skip
+
+        if run_stage(results, "actor_start", start_actor, device):
+            run_stage(results, "decision_latency", latency, device)
+            sampled = run_stage(results, "sample_v0", sample_version_0, device)
+            if run_stage(results, "learner_start", start_learner, device) and sampled:
+                run_stage(results, "prepare", prepare(None), device)
+                if args.prepare_whole_batch:
+                    run_stage(results, "prepare_whole_batch", prepare(sum(b.num_decisions * b.num_envs for b in state["batches"])), device)
+                if run_stage(results, "update", update, device):
+                    run_stage(results, "publish_load_sample_v1", publish_and_load, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("full", "tiny"), default="full")
+    parser.add_argument("--rollouts", type=int, default=4, help="rollouts of version 0 for the update (the recipe has 16 actors)")
+    parser.add_argument("--batch-sizes", default="1,4,16", help="decision latency at these numbers of envs per call")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--prepare-whole-batch",
+        action="store_true",
+        help="also time the scoring pass encoding the whole batch at once (the learner before it encoded by micro-batch)",
+    )
+    parser.add_argument("--profile", action="store_true", help="print the profiler's table of one chunk decision")
+    parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
+    args = parser.parse_args(argv)
+
+    results: dict[str, Any] = {"size": args.size, "torch": torch.__version__}
+    cuda = torch.cuda.is_available() and args.size == "full"
+    device = torch.device("cuda" if cuda else "cpu")
+    results["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+    if args.size == "full" and not cuda:
+        print("[smolvla_gpu] no GPU: the full-size model runs on CPU (tens of seconds per chunk decision)", file=sys.stderr, flush=True)
+    measure(args, results, device)
+    emit(results)
+    return 0 if not any(isinstance(v, dict) and "error" in v for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
