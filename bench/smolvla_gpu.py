@@ -51,7 +51,7 @@ RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 # --size tiny: the same stages at test size (the tiny VLM has 2 text layers; CPU, small chunks and batches).
 TINY_SETS = (
     "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "policy.smolvla.num_vlm_layers=2",
-    "actors.envs_per_actor=1", "actors.decisions_per_rollout=2", "actors.num_gpus=0", "learner.num_gpus=0",
+    "actors.envs_per_actor=1", "actors.decisions_per_rollout=2",
     "learner.minibatch_size=4", "learner.grad_accum=2", "learner.update_epochs=1", "env.max_episode_steps=20",
 )  # fmt: skip
 
@@ -130,7 +130,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     rng = np.random.default_rng(0)
     figures: dict[str, Any] = {}
     for batch in batch_sizes:
-        tokens, mask = policy.tokenize(["pick up the block and place it at the goal"] * batch)
+        tokens, mask = policy.tokenize([actor.vec_env.envs[0].instruction] * batch)
         obs = Observation(rng.normal(size=(batch, policy.config.obs_dim)).astype(np.float32),
                           rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
         times = []
