@@ -265,14 +265,9 @@ class ActorPool:
         results = self.collect(call)
         return [results[index][1] for index in sorted(results)]
 
-    def evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list) -> tuple[np.ndarray, set[int]]:
-        """Deterministic held-out evaluation, the layouts split across the live actors; returns successes in layout
-        order and the weight versions used."""
-        return self.collect_evaluate(self.submit_evaluate(weights_ref, eval_layouts))
-
     def submit_evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list, todo: np.ndarray | None = None) -> PendingEvaluation:
-        """Start `evaluate` without waiting (the layouts of `todo`, by default all): the actors run it after the calls
-        they already have, so the learner goes on training meanwhile."""
+        """Start a deterministic held-out evaluation without waiting, the layouts of `todo` (by default all) split across
+        the live actors: they run it after the calls they already have, so the learner goes on training meanwhile."""
         todo = np.arange(len(eval_layouts)) if todo is None else todo
         shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
         layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
