@@ -93,6 +93,26 @@ def test_layouts_differ_across_benchmark_seeds_and_reset_is_deterministic():
     np.testing.assert_array_equal(_reset_obs(env, Layout(0, 2)), seed0[2])
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_reset_is_metaworlds_own_bit_for_bit(task):
+    """MetaworldTaskEnv skips the first of the two reset_model() calls in Metaworld's reset (its effect is wiped by
+    mj_resetData before the second). The initial state and every later step must still be Metaworld's exactly: a raw
+    Metaworld env with the same layout, reset its own way, driven by the same actions."""
+    env = MetaworldTaskEnv(task)
+    raw = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]()
+    rng = np.random.default_rng(0)
+    for index in (0, 17, 49):  # episodes follow each other in both envs, as in training
+        layout = Layout(2, index)
+        raw.set_task(envs_module.benchmark_tasks(task, layout.benchmark_seed)[index])
+        expected, _ = raw.reset()
+        np.testing.assert_array_equal(_reset_obs(env, layout), expected.astype(np.float32))
+        for action in rng.uniform(-1, 1, (25, 4)).astype(np.float32):
+            want = raw.step(action)
+            got = env.step(action)
+            np.testing.assert_array_equal(got[0], want[0].astype(np.float32))
+            assert got[4]["success"] == bool(want[4]["success"]) and got[4]["obj_to_target"] == want[4]["obj_to_target"]
+
+
 def test_chunk_truncated_mid_chunk_matches_single_env_replay():
     """max_episode_steps=6 with H=4: the second chunk runs 2 steps, then the env auto-resets."""
     horizon, max_steps, gamma = 4, 6, 0.9
