@@ -61,8 +61,9 @@ def mlp(in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.
     modules: list[nn.Module] = []
     width = in_dim
     for _ in range(layers):
-        # Dropout is always present (p = 0 is a no-op) so checkpoints load whatever p a run asks for.
-        modules += [nn.Linear(width, hidden), Mish(), nn.Dropout(dropout)]
+        # A dropout slot is always present so that checkpoints load whatever p a run asks for (no parameters either
+        # way); at p = 0 it is an Identity, which costs an actor's small decisions less than a no-op nn.Dropout call.
+        modules += [nn.Linear(width, hidden), Mish(), nn.Dropout(dropout) if dropout > 0 else nn.Identity()]
         width = hidden
     modules.append(nn.Linear(width, out_dim))
     return nn.Sequential(*modules)
