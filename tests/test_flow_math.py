@@ -217,3 +217,14 @@ def test_policy_mish_is_bit_identical_with_and_without_gradients() -> None:
     with_grad = Mish()(x.clone().requires_grad_(True))
     assert with_grad.requires_grad
     assert torch.equal(without, with_grad.detach())
+
+
+def test_step_sigmas_equal_sigma_at_each_step() -> None:
+    """The MLP's one-call noise head for all K steps (what sampling and scoring use) against sigma() step by step."""
+    policy = make_policy(num_steps=5)
+    features = policy.encode(Observation(torch.randn(7, policy.config.obs_dim)))
+    stacked = policy.step_sigmas(features, 7)
+    assert stacked.shape == (7, 5, policy.chunk_size, policy.action_dim)
+    times, _ = time_grid(5)
+    for k in range(5):
+        torch.testing.assert_close(stacked[:, k], policy.sigma(times[k].expand(7), features), rtol=1e-6, atol=1e-7)
