@@ -212,12 +212,15 @@ class MetaworldTaskEnv(gymnasium.Env):
         image: ImageConfig | None = None,
         cameras: Sequence[ImageConfig] = (),
         layout: Layout = Layout(benchmark_seed=0, index=0),
+        metaworld_shortcuts: bool = True,
     ) -> None:
         """layout: the one used until set_layout (a rollout actor passes one of its own benchmark seeds, so that it
-        builds no benchmark seed 0 just to start)."""
+        builds no benchmark seed 0 just to start). metaworld_shortcuts: the faster reset (TaskSpec.reset_model_once)
+        and contact check (_touching_object), both bit for bit Metaworld's; False runs Metaworld's own, for
+        bench/env_step.py's comparison."""
         self.task = task
         self.instruction = _task_spec(task).instruction
-        self._reset_model_once = _task_spec(task).reset_model_once
+        self._reset_model_once = metaworld_shortcuts and _task_spec(task).reset_model_once
         if reward not in REWARD_MODES:
             raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
         self._reward_mode = reward
@@ -225,7 +228,8 @@ class MetaworldTaskEnv(gymnasium.Env):
 
         self._layout = layout
         self._env = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]()  # MT1's train_classes[task], without building an MT1
-        self._env.touching_object = types.MethodType(_touching_object, self._env)
+        if metaworld_shortcuts:
+            self._env.touching_object = types.MethodType(_touching_object, self._env)
         # Metaworld refuses to step past its own path length, so a longer limit cannot be honoured.
         if not 1 <= max_episode_steps <= self._env.max_path_length:
             raise ValueError(f"max_episode_steps must be in [1, {self._env.max_path_length}], got {max_episode_steps}")

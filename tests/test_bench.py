@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import broadcast, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
+from bench import broadcast, env_step, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
 from bench.report import flatten
 from common.config import RunConfig
 
@@ -115,6 +115,20 @@ def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
             results[f"mish_policy_{work}_seconds"] / results[f"mish_torch_{work}_seconds"], rel=1e-12
         )
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_env_step_smallest_compares_both_variants_on_both_kinds_of_actions(capsys):
+    results = env_step.main(["--envs", "2", "--seconds", "0.2", "--rounds", "1"])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    for kind in ("random", "expert"):
+        assert_positive(results[f"{kind}_metaworld_us_per_step"], results[f"{kind}_project_us_per_step"])
+        assert results[f"{kind}_project_over_metaworld"] == pytest.approx(
+            results[f"{kind}_project_us_per_step"] / results[f"{kind}_metaworld_us_per_step"], rel=1e-12
+        )
+    for variant in ("metaworld", "project"):
+        assert results[f"expert_over_random_{variant}"] == pytest.approx(
+            results[f"expert_{variant}_us_per_step"] / results[f"random_{variant}_us_per_step"], rel=1e-12
+        )
 
 
 def test_rllib_env_draws_a_training_layout_at_every_reset_from_its_seed():
