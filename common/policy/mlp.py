@@ -22,8 +22,8 @@ def time_embedding(t: Tensor, dim: int) -> Tensor:
 
 
 def _tanh_softplus(x: Tensor) -> tuple[Tensor, Tensor]:
-    """tanh(softplus(x)) as n / (n + 2) with n = e^x (e^x + 2), and e^x. Above x = 20, n / (n + 2) is 1 in float32,
-    so clamping there loses nothing and keeps e^x finite."""
+    """tanh(softplus(x)) as n / (n + 2) with n = e^x (e^x + 2), and e^x. Above x = 20, n / (n + 2) rounds to 1 in float32
+    and in float64, so clamping there loses nothing and keeps e^x finite."""
     e = x.clamp(max=20.0).exp_()
     n = (e + 2.0).mul_(e)
     return n.div_(n + 2.0), e
