@@ -11,10 +11,6 @@ B of 500) the default MLP flow policy (random weights: the cost does not depend 
 Seconds are the median of --repeats after one untimed pass. recompute_over_sample and train_over_sample compare
 each with the sampling pass of the same chains. All of it in one thread, so the ratios are the work's, not the
 scheduler's.
-
-mish_*: the MLP's activation at the update's size (B x hidden_dim of the default policy), torch's own mish against
-the policy's `common.policy.mlp.Mish`, forward alone (what sampling and recomputing run) and forward + backward
-(what training runs), side by side; mish_*_over_torch < 1 means the policy's is faster.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from common.config import PolicyConfig  # noqa: E402
 from common.flow import chain_log_prob, sample_chain  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.policy import build_policy  # noqa: E402
-from common.policy.mlp import Mish  # noqa: E402
 
 DEFAULT_K, DEFAULT_H, DEFAULT_B = 4, 4, 500
 
@@ -79,27 +74,6 @@ def measure(num_steps: int, chunk_size: int, batch: int, repeats: int) -> dict[s
         "recompute_over_sample": figures["recompute"] / figures["sample"],
         "train_over_sample": figures["train"] / figures["sample"],
     }
-
-
-def measure_mish(batch: int, repeats: int) -> dict[str, float]:
-    """torch's mish against the policy's Mish on a (batch, hidden_dim) activation."""
-    x = torch.randn(batch, PolicyConfig().hidden_dim, generator=torch.Generator().manual_seed(0)) * 3
-    figures = {}
-    for name, function in (("torch", torch.nn.functional.mish), ("policy", Mish())):
-        trained = x.clone().requires_grad_(True)
-
-        def forward(function=function) -> None:
-            with torch.no_grad():
-                function(x)
-
-        def train(function=function, trained=trained) -> None:
-            function(trained).sum().backward()
-
-        figures[f"mish_{name}_forward_seconds"] = median_seconds(forward, repeats)
-        figures[f"mish_{name}_train_seconds"] = median_seconds(train, repeats)
-    for work in ("forward", "train"):
-        figures[f"mish_{work}_policy_over_torch"] = figures[f"mish_policy_{work}_seconds"] / figures[f"mish_torch_{work}_seconds"]
-    return figures
 
 
 def plot(results: dict, sweeps: dict[str, list[int]], path: Path) -> None:
@@ -151,7 +125,6 @@ def main(argv: list[str] | None = None) -> dict:
             case = case_name(name, value)
             if case not in results["cases"]:
                 results["cases"][case] = measure(*setting(name, value), args.repeats)
-    results.update(measure_mish(DEFAULT_B, max(args.repeats, 20)))
     if args.plot:
         plot(results, sweeps, Path(args.plot))
         results["plot"] = args.plot

@@ -109,11 +109,6 @@ def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
         assert_positive(case["sample_seconds"], case["recompute_seconds"], case["train_seconds"])
         assert case["recompute_over_sample"] == pytest.approx(case["recompute_seconds"] / case["sample_seconds"], rel=1e-12)
         assert case["train_over_sample"] == pytest.approx(case["train_seconds"] / case["sample_seconds"], rel=1e-12)
-    for work in ("forward", "train"):
-        assert_positive(results[f"mish_torch_{work}_seconds"], results[f"mish_policy_{work}_seconds"])
-        assert results[f"mish_{work}_policy_over_torch"] == pytest.approx(
-            results[f"mish_policy_{work}_seconds"] / results[f"mish_torch_{work}_seconds"], rel=1e-12
-        )
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 

@@ -186,39 +186,6 @@ def test_ratio_sensitivity_prediction_matches_a_measured_shift() -> None:
     assert abs(float(logratio.mean()) - predicted) / predicted < 0.1
 
 
-def test_policy_mish_matches_torch_mish_and_its_gradient() -> None:
-    """The MLP's Mish (a rational form of tanh(softplus(x)), for speed) against torch's own mish: values and
-    gradients over a range that includes both saturated tails, in float64 and float32."""
-    from common.policy.mlp import Mish
-
-    mish = Mish()
-    x64 = torch.cat([torch.linspace(-80.0, 80.0, 20001, dtype=torch.float64), torch.tensor([0.0, 19.99, 20.0, 20.01, 1e4, -1e4])])
-    x64.requires_grad_(True)
-    ours, theirs = mish(x64), torch.nn.functional.mish(x64)
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
-    (grad_ours,) = torch.autograd.grad(ours.sum(), x64)
-    (grad_theirs,) = torch.autograd.grad(theirs.sum(), x64)
-    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-10, atol=1e-12)
-    assert torch.autograd.gradcheck(mish, (torch.randn(64, dtype=torch.float64, requires_grad=True) * 6,))
-
-    x32 = torch.randn(500, 256) * 4
-    torch.testing.assert_close(mish(x32), torch.nn.functional.mish(x32), rtol=1e-6, atol=1e-6)
-    assert torch.isnan(mish(torch.tensor([float("nan")]))).all()
-
-
-def test_policy_mish_is_bit_identical_with_and_without_gradients() -> None:
-    """Actors sample without gradients and the learner trains with them: the two paths of Mish must give the same
-    bits, or the ratio would not be exactly 1 before the first step."""
-    from common.policy.mlp import Mish
-
-    x = torch.randn(64, 256) * 5
-    with torch.no_grad():
-        without = Mish()(x)
-    with_grad = Mish()(x.clone().requires_grad_(True))
-    assert with_grad.requires_grad
-    assert torch.equal(without, with_grad.detach())
-
-
 def test_step_sigmas_equal_sigma_at_each_step() -> None:
     """The MLP's one-call noise head for all K steps (what sampling and scoring use) against sigma() step by step."""
     policy = make_policy(num_steps=5)

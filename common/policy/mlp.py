@@ -21,50 +21,13 @@ def time_embedding(t: Tensor, dim: int) -> Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
-def _tanh_softplus(x: Tensor) -> tuple[Tensor, Tensor]:
-    """tanh(softplus(x)) as n / (n + 2) with n = e^x (e^x + 2), and e^x. Above x = 20, n / (n + 2) rounds to 1 in float32
-    and in float64, so clamping there loses nothing and keeps e^x finite."""
-    e = x.clamp(max=20.0).exp_()
-    n = (e + 2.0).mul_(e)
-    return n.div_(n + 2.0), e
-
-
-class _MishFunction(torch.autograd.Function):
-    """mish(x) = x tanh(softplus(x)) with its derivative t + x (1 - t^2) sigmoid(x), t = tanh(softplus(x))."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        t, e = _tanh_softplus(x)
-        ctx.save_for_backward(x, t, e)
-        return x * t
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        x, t, e = ctx.saved_tensors
-        sigmoid = e / (e + 1.0)
-        return grad * (t + x * sigmoid * (1.0 - t * t))
-
-
-class Mish(nn.Module):
-    """nn.Mish's function, about 3x faster on CPU at the update's sizes, forward and backward (bench/recompute.py's
-    mish_* lines), than torch's own kernel, which was the MLP update's largest cost. It agrees with torch's mish to
-    float32 rounding (tests/test_flow_math.py). Without gradients it skips the autograd.Function, whose overhead would cost more than the
-    function itself at an actor's batch of a few envs; both paths share _tanh_softplus, so sampling and the learner's
-    recomputation stay bit for bit equal. No parameters: checkpoints are unchanged."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _MishFunction.apply(x)
-        return x * _tanh_softplus(x)[0]
-
-
 def mlp(in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.0) -> nn.Sequential:
     modules: list[nn.Module] = []
     width = in_dim
     for _ in range(layers):
         # A dropout slot is always present so that checkpoints load whatever p a run asks for (no parameters either
         # way); at p = 0 it is an Identity, which costs an actor's small decisions less than a no-op nn.Dropout call.
-        modules += [nn.Linear(width, hidden), Mish(), nn.Dropout(dropout) if dropout > 0 else nn.Identity()]
+        modules += [nn.Linear(width, hidden), nn.Mish(), nn.Dropout(dropout) if dropout > 0 else nn.Identity()]
         width = hidden
     modules.append(nn.Linear(width, out_dim))
     return nn.Sequential(*modules)
