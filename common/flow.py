@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # annotations only: the MLP policy imports time_grid from here
-    from common.policy import FlowPolicy
+from common.policy import FlowPolicy
 
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -43,13 +42,12 @@ def time_grid(num_steps: int, device: torch.device | None = None) -> tuple[Tenso
     return torch.arange(num_steps, device=device, dtype=torch.float32) / num_steps, 1.0 / num_steps
 
 
-def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int, step_sigmas: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}. step_sigmas: the policy's step_sigmas() of
-    these features (B, K, H, A), when it has them; otherwise the std comes from sigma() at this step."""
+def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}."""
     times, dt = time_grid(policy.num_steps, action.device)
     t = times[k].expand(action.shape[0])
     mean = action + policy.velocity(action, t, features) * dt
-    return mean, policy.sigma(t, features) if step_sigmas is None else step_sigmas[:, k]
+    return mean, policy.sigma(t, features)
 
 
 def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
@@ -114,9 +112,8 @@ def sample_chain(
     init_std = 0.0 if deterministic else policy.config.init_noise_std
     action = torch.randn(shape, generator=generator, device=device) * init_std
     chain, means, stds = [action], [], []
-    step_sigmas = policy.step_sigmas(features, batch_size)
     for k in range(policy.num_steps):
-        mean, std = transition(policy, features, action, k, step_sigmas)
+        mean, std = transition(policy, features, action, k)
         action = mean if deterministic else mean + std * torch.randn(shape, generator=generator, device=device)
         chain.append(action)
         means.append(mean)
@@ -130,8 +127,7 @@ def chain_log_prob(policy: FlowPolicy, features: Any, chain: Tensor) -> ChainLog
     expected = (policy.num_steps + 1, policy.chunk_size, policy.action_dim)
     if tuple(chain.shape[1:]) != expected:
         raise ValueError(f"chain has shape {tuple(chain.shape)}, expected (B, {expected}) for this policy (K+1, H, A)")
-    step_sigmas = policy.step_sigmas(features, chain.shape[0])
-    means, stds = zip(*(transition(policy, features, chain[:, k], k, step_sigmas) for k in range(policy.num_steps)))
+    means, stds = zip(*(transition(policy, features, chain[:, k], k) for k in range(policy.num_steps)))
     return _score(policy, chain, torch.stack(means, 1), torch.stack(stds, 1))
 
 

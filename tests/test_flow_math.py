@@ -184,14 +184,3 @@ def test_ratio_sensitivity_prediction_matches_a_measured_shift() -> None:
     second_order = 300 * shift**2 / (2 * sigma**2)
     assert abs(float(logratio.mean()) - (predicted - second_order)) / predicted < 0.01
     assert abs(float(logratio.mean()) - predicted) / predicted < 0.1
-
-
-def test_step_sigmas_equal_sigma_at_each_step() -> None:
-    """The MLP's one-call noise head for all K steps (what sampling and scoring use) against sigma() step by step."""
-    policy = make_policy(num_steps=5)
-    features = policy.encode(Observation(torch.randn(7, policy.config.obs_dim)))
-    stacked = policy.step_sigmas(features, 7)
-    assert stacked.shape == (7, 5, policy.chunk_size, policy.action_dim)
-    times, _ = time_grid(5)
-    for k in range(5):
-        torch.testing.assert_close(stacked[:, k], policy.sigma(times[k].expand(7), features), rtol=1e-6, atol=1e-7)

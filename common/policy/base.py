@@ -108,13 +108,6 @@ class FlowPolicy(nn.Module, ABC):
     def sigma(self, t: Tensor, features: Any) -> Tensor:
         """t (B,) -> injected-noise std (B, H, A) in [sigma_min, sigma_max]."""
 
-    def step_sigmas(self, features: Any, batch_size: int) -> Tensor | None:
-        """The injected-noise stds of all K denoising steps at once, (B, K, H, A), for a policy whose noise head does
-        not read the noisy action, so that a chain costs one noise-head call instead of K (most of an actor's small
-        decisions is per-call overhead); None when it does read it, and common.flow.transition asks sigma() step by
-        step. Must equal sigma() at each step's time up to float rounding."""
-        return None
-
     @abstractmethod
     def value(self, features: Any) -> Tensor:
         """features -> critic value (B,)."""

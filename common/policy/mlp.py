@@ -8,7 +8,6 @@ import torch
 from torch import Tensor, nn
 
 from common.config import PolicyConfig
-from common.flow import time_grid
 from common.observation import Observation
 from common.policy.base import FlowPolicy
 
@@ -70,12 +69,6 @@ class MLPFlowPolicy(FlowPolicy):
         raw = self.noise_net(torch.cat([features, temb], dim=-1))
         log_var = self.log_var_min + 0.5 * (torch.tanh(raw) + 1.0) * (self.log_var_max - self.log_var_min)
         return torch.exp(0.5 * log_var).view(-1, self.chunk_size, self.action_dim)
-
-    def step_sigmas(self, features: Tensor, batch_size: int) -> Tensor:
-        """sigma() of every denoising step in one call of the noise head: the K steps' rows stacked step-major."""
-        times, _ = time_grid(self.num_steps, features.device)
-        stds = self.sigma(times.repeat_interleave(batch_size), features.repeat(self.num_steps, 1))
-        return stds.view(self.num_steps, batch_size, self.chunk_size, self.action_dim).transpose(0, 1)
 
     def value(self, features: Tensor) -> Tensor:
         return self.critic_net(features).squeeze(-1)
