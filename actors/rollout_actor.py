@@ -34,12 +34,13 @@ def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
 
 
 class RolloutActor:
-    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path, benchmark_tables: dict | None = None):
-        """benchmark_tables: common.envs.benchmark_task_tables of the run's layouts, built once by the driver; None: the
-        actor builds each benchmark seed it needs itself (about 0.7 s each)."""
+    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
+                 benchmark_tables: dict | list | None = None):  # fmt: skip
+        """benchmark_tables: the run's layouts, built once outside the actor (common.envs.benchmark_task_tables): a
+        dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
+        once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
+        itself (about 0.7 s each)."""
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
-        if benchmark_tables:
-            adopt_benchmark_tasks(benchmark_tables)
         self.config = config
         self.actor_index = actor_index
         # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.
@@ -48,6 +49,12 @@ class RolloutActor:
         if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
         self.version = -1  # the checkpoint's own weights; any published version replaces them
+        if isinstance(benchmark_tables, list):
+            import ray  # only the Ray-hosted actor is handed refs; the class itself runs without Ray
+
+            benchmark_tables = {key: tasks for part in ray.get(benchmark_tables) for key, tasks in part.items()}
+        if benchmark_tables:
+            adopt_benchmark_tasks(benchmark_tables)
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
         envs = make_envs(config.env, config.actors.envs_per_actor, camera_configs(self.policy.config))

@@ -13,13 +13,14 @@ one after the other in one run.
   metrics.jsonl gives each iteration's env steps and wall time (sampling + update + weight publication); the first
   --warmup-iterations are left out. lag<L>_main_env_steps_per_second = their env steps / their seconds, and
   lag<L>_over_lag0 compares each lag with the synchronous loop of the same run.
-- env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor builds it (same task, training
-  layouts, gamma, actors.envs_per_actor envs), stepped with uniformly random chunks of the policy's chunk size, in
-  one process per core, all started together, for --env-seconds. env_limit_steps_per_second = the sum over
+- env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor of the main job builds it (from the
+  config learner.main resolves from the --main-arg arguments: its task, training layouts, gamma, actors.envs_per_actor
+  envs), stepped with uniformly random chunks of the policy's chunk size, in one process per core, all started
+  together, for --env-seconds. env_limit_steps_per_second = the sum over
   processes of env steps / seconds. No policy, no Ray: what the machine can step at all.
 - lag<L>_ratio_to_env_limit = lag<L>_main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal:
   >= 0.7).
-- matched env limit: the same, in as many processes as the main job has actors (--matched-processes, default 10).
+- matched env limit: the same, in as many processes as the main job has actors (--matched-processes to change it).
   On a machine other jobs load, the scheduler shares the cores per process, so 2 bare processes get a smaller
   share than the main job's 11: the per-core limit then understates the machine and the ratio overstates the job.
   lag<L>_ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import operator
 import os
 import statistics
 import subprocess
@@ -58,14 +60,16 @@ put_repo_on_path()
 import numpy as np  # noqa: E402
 
 from common.config import RunConfig  # noqa: E402
+from learner.main import parse_args, resolve_config  # noqa: E402
 
 
-def step_bare_envs(num_envs: int, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:
-    """One process of the env limit: build the envs as a rollout actor does, wait for the others, step random chunks."""
+def step_bare_envs(config: RunConfig, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:
+    """One process of the env limit: build the envs as a rollout actor of `config` does, wait for the others, step
+    random chunks."""
     from common.envs import ChunkedVectorEnv, layouts
     from common.rollout import make_envs
 
-    config = RunConfig()
+    num_envs = config.actors.envs_per_actor
     vec_env = ChunkedVectorEnv(make_envs(config.env, num_envs), layouts(config.env.task, config.env.train_benchmark_seeds),
                                config.learner.gamma)  # fmt: skip
     rng = np.random.default_rng(seed)
@@ -79,21 +83,24 @@ def step_bare_envs(num_envs: int, seconds: float, seed: int, start: multiprocess
     results.put((steps, elapsed))
 
 
-def env_limit(processes: int, num_envs: int, seconds: float, prefix: str = "env_limit") -> dict[str, float]:
+def env_limit(config: RunConfig, processes: int, seconds: float, prefix: str = "env_limit") -> dict[str, float]:
     context = multiprocessing.get_context("spawn")
     start, results = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=step_bare_envs, args=(num_envs, seconds, seed, start, results)) for seed in range(processes)]
+    workers = [context.Process(target=step_bare_envs, args=(config, seconds, seed, start, results)) for seed in range(processes)]
     for worker in workers:
         worker.start()
     outcomes = [results.get(timeout=600) for _ in workers]
     for worker in workers:
         worker.join()
     return {f"{prefix}_steps_per_second": sum(steps / elapsed for steps, elapsed in outcomes), f"{prefix}_processes": processes,
-            f"{prefix}_envs_per_process": num_envs, f"{prefix}_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
+            f"{prefix}_envs_per_process": config.actors.envs_per_actor,
+            f"{prefix}_env_steps": sum(steps for steps, _ in outcomes)}  # fmt: skip
 
 
-def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str], run_dir: Path | None = None) -> dict[str, float]:
-    """The figures of one learner.main run; in `run_dir` when given (kept), else in a temporary directory."""
+def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[str], run_dir: Path | None = None,
+             overlapped: bool = False) -> dict[str, float]:  # fmt: skip
+    """The figures of one learner.main run; in `run_dir` when given (kept), else in a temporary directory.
+    overlapped: the run samples while it updates (actors.policy_lag > 0)."""
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as scratch:
         run_dir = run_dir or Path(scratch) / "run"
         command = [sys.executable, "-m", "learner.main", "--iterations", str(iterations), "--set", "eval_every=0",
@@ -108,6 +115,8 @@ def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[
     if not timed:
         raise RuntimeError(f"no iterations after the {warmup} warm-up ones in metrics.jsonl ({len(rows)} rows)")
     seconds = sum(row["time/iteration_seconds"] for row in timed)
+    # At lag 0 the update follows the sampling; at lag > 0 they overlap, and the longer of the two is the iteration's path.
+    critical_path = max if overlapped else operator.add
     cpu_keys = {"env": "time/actors_env_cpu_seconds", "policy": "time/actors_policy_cpu_seconds", "update": "time/update_cpu_seconds"}
     cpu = {part: sum(row[key] for row in timed) for part, key in cpu_keys.items()}
     return {
@@ -117,8 +126,10 @@ def main_job(iterations: int, warmup: int, eval_episodes: int, extra_args: list[
         "main_median_sample_seconds": statistics.median(row["time/sample_seconds"] for row in timed),
         "main_median_update_seconds": statistics.median(row["time/update_seconds"] for row in timed),
         # The share of the timed iterations spent outside the slowest actor's sampling and the learner's update (each
-        # measured where it runs): scheduling, transfers, weight publication, the driver's waits.
-        "main_outside_work_share": 1 - sum(row["time/sample_seconds"] + row["time/update_seconds"] for row in timed) / seconds,
+        # measured where it runs; where they overlap, outside the longer of the two): scheduling, transfers, weight
+        # publication, the driver's waits.
+        "main_outside_work_share": 1
+        - sum(critical_path(row["time/sample_seconds"], row["time/update_seconds"]) for row in timed) / seconds,
         # Shares of the CPU work (the actors' policy and envs, the learner's update). Where they all share the cores,
         # the env share is the highest ratio to the env limit this job could reach doing the same work per env step.
         **{f"main_{part}_cpu_share": cpu[part] / sum(cpu.values()) for part in cpu},
@@ -162,12 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-episodes", type=int, default=10, help="held-out layouts of the main job's evaluations (outside the figure)")
     parser.add_argument("--env-seconds", type=float, default=30.0, help="seconds of bare env stepping per process")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="bare-env processes (default: one per core)")
-    parser.add_argument(
-        "--matched-processes",
-        type=int,
-        default=RunConfig().actors.num_actors,
-        help="a second env limit in this many processes, as many as the main job has actors (0: skip)",
-    )
+    parser.add_argument("--matched-processes", type=int, help="a second env limit in this many processes (default: as many as the "
+                        "main job has actors; 0: skip)")  # fmt: skip
     parser.add_argument("--policy-lags", default="0,1", help="actors.policy_lag of each main-job run, comma-separated")
     parser.add_argument("--main-arg", action="append", default=[], help="extra argument for learner.main (repeatable)")
     parser.add_argument("--rllib-python", default="", help="the RLlib venv's python: run bench/rllib_ppo.py with it too (default: not run)")
@@ -179,18 +186,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--env-seconds must be > 0 and --processes >= 1")
     if args.rllib_python:
         check_rllib_python(args.rllib_python)
+    # The main job's config, as learner.main resolves it: the env limit steps the same task with its envs per actor.
+    job_config = resolve_config(parse_args(args.main_arg))
+    matched_processes = job_config.actors.num_actors if args.matched_processes is None else args.matched_processes
     results: dict = {"bench": "throughput", "load_average_1m_start": load_average()}
     for lag in lags:
-        job = main_job(args.iterations, args.warmup_iterations, args.eval_episodes, [*args.main_arg, f"--set=actors.policy_lag={lag}"])
+        job = main_job(args.iterations, args.warmup_iterations, args.eval_episodes, [*args.main_arg, f"--set=actors.policy_lag={lag}"],
+                       overlapped=lag > 0)  # fmt: skip
         results.update({f"lag{lag}_{key}": value for key, value in job.items()})
     if args.rllib_python:
         results.update(rllib_job(args.rllib_python, args.iterations, args.warmup_iterations))
-    num_envs = RunConfig().actors.envs_per_actor
     limits = ["env_limit"]
-    results.update(env_limit(args.processes, num_envs, args.env_seconds))
-    if args.matched_processes > 0:
+    results.update(env_limit(job_config, args.processes, args.env_seconds))
+    if matched_processes > 0:
         limits.append("matched_env_limit")
-        results.update(env_limit(args.matched_processes, num_envs, args.env_seconds, prefix="matched_env_limit"))
+        results.update(env_limit(job_config, matched_processes, args.env_seconds, prefix="matched_env_limit"))
     for lag in lags:
         speed = results[f"lag{lag}_main_env_steps_per_second"]
         for limit in limits:

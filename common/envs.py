@@ -78,15 +78,23 @@ class Layout:
 
 
 # (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
-# benchmark simulates 50 resets (~0.7 s per seed), so each process builds a seed once, and the driver builds them
+# benchmark simulates 50 resets (~0.7 s per seed), so each process builds a seed once, and the run builds them once
 # for every rollout actor (benchmark_task_tables -> adopt_benchmark_tasks) instead of 10 actors building 12 each.
 _BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
+
+# How many layouts every MT1 benchmark draws (Metaworld's goals per task). Counting layouts by it needs no
+# simulation, so a run is planned and checked before any benchmark is built; benchmark_tasks holds Metaworld to it.
+LAYOUTS_PER_BENCHMARK = 50
 
 
 def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...]:
     key = (task, benchmark_seed)
     if key not in _BENCHMARK_TASKS:
-        _BENCHMARK_TASKS[key] = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
+        tasks = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
+        if len(tasks) != LAYOUTS_PER_BENCHMARK:
+            raise RuntimeError(f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
+                               f"{LAYOUTS_PER_BENCHMARK} that common.envs.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
+        _BENCHMARK_TASKS[key] = tasks
     return _BENCHMARK_TASKS[key]
 
 
@@ -101,9 +109,9 @@ def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ..
 
 
 def layouts(task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
-    """All layouts of `task` for each benchmark seed, seed-major and in benchmark order."""
+    """All layouts of `task` for each benchmark seed, seed-major and in benchmark order (none is simulated here)."""
     _task_spec(task)
-    return [Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(len(benchmark_tasks(task, seed)))]
+    return [Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(LAYOUTS_PER_BENCHMARK)]
 
 
 @dataclass(frozen=True)

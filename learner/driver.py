@@ -167,7 +167,7 @@ class ActorPool:
         self.cfg = config.actors
         self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
         self.restarts = dict.fromkeys(self.actors, 0)
-        # Objects the actors were created with (ray.put refs): Ray re-runs an actor's constructor with them when it
+        # Objects the actors were created with (the layout tables): Ray re-runs an actor's constructor with them when it
         # restarts the actor, so they must live as long as the pool, not just until the actors first start.
         self.creation_refs = list(creation_refs)
         self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
@@ -396,17 +396,27 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
     )
 
 
+def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
+    """Every actor needs the same layouts, each benchmark seed simulated once (0.7 s per seed): built by Ray tasks
+    while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
+    the building does not crowd out the start-up it hides behind. The actors take the list unresolved (Ray resolves
+    only top-level refs) and read it when their envs need it. The tasks ask for no CPU: the run's placement group
+    holds the cluster's CPUs, and a task that waited for one would never run."""
+    seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
+    tasks = max(1, min(len(seeds), int(ray.cluster_resources().get("CPU", 1)) // 4))
+    build = ray.remote(benchmark_task_tables).options(num_cpus=0)
+    return [build.remote(config.env.task, seeds[group::tasks]) for group in range(tasks)]
+
+
 def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
     remote_actor = ray.remote(RolloutActor)
-    # Every actor needs the same layouts: simulated here once (0.7 s per benchmark seed) and shared through one put.
-    seeds = [*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]
-    tables = ray.put(benchmark_task_tables(config.env.task, seeds))
+    tables = build_benchmark_tables(config)
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
         return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(config, index, checkpoint_dir, tables)
 
-    pool = ActorPool(config, start, creation_refs=[tables])
+    pool = ActorPool(config, start, creation_refs=tables)
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
     # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])

@@ -289,3 +289,21 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
     env = MetaworldTaskEnv("pick-place-v3", layout=Layout(2, 0))  # an actor's envs start on a training layout
     env.set_layout(Layout(3, 7))
     np.testing.assert_array_equal(env.reset(seed=0)[0], expected)
+
+
+def test_counting_layouts_simulates_no_benchmark(monkeypatch) -> None:
+    """A run is planned and checked (learner.driver.preflight) before any MT1 benchmark is built: layouts() counts by
+    LAYOUTS_PER_BENCHMARK, and building a benchmark holds Metaworld to that count."""
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    real_mt1 = envs_module.metaworld.MT1
+    monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("layouts() built an MT1 benchmark"))
+    assert envs_module.layouts("pick-place-v3", [5, 6])[-1] == Layout(6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
+    assert len(envs_module.layouts("pick-place-v3", [5, 6])) == 2 * envs_module.LAYOUTS_PER_BENCHMARK
+
+    class FewerLayouts:
+        def __init__(self, task, seed):
+            self.train_tasks = real_mt1(task, seed=seed).train_tasks[:49]
+
+    monkeypatch.setattr(envs_module.metaworld, "MT1", FewerLayouts)
+    with pytest.raises(RuntimeError, match="drew 49 layouts, not the 50"):
+        envs_module.benchmark_tasks("pick-place-v3", 5)

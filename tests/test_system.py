@@ -171,3 +171,28 @@ def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
     ref = ray.put(payload)
     weight += 1.0  # the next update, in place
     assert ray.get(ref).params["w"].max() == 0.0
+
+
+def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """Start-up builds the benchmark tables in Ray tasks (one per 4 cores, asking for no CPU) beside the actors' own
+    start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
+    instead of simulating any benchmark."""
+    import common.envs as envs_module
+    from actors.rollout_actor import RolloutActor
+    from learner.driver import build_benchmark_tables
+    from tests.conftest import tiny_config
+
+    config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
+    assert len(build_benchmark_tables(config)) == 1  # this Ray has 2 CPUs
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    refs = build_benchmark_tables(config)
+    parts = ray.get(refs)
+    assert len(refs) == 3 and all(len(part) == 1 for part in parts)  # 3 distinct seeds, at most 16 // 4 tasks
+    built = {key: tasks for part in parts for key, tasks in part.items()}
+    assert built == envs_module.benchmark_task_tables("pick-place-v3", [2, 3, 1])
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
+    actor = RolloutActor(config, 0, bc_checkpoint, refs)
+    assert set(envs_module._BENCHMARK_TASKS) == set(built)
+    actor.vec_env.envs[0].set_layout(envs_module.Layout(3, 49))  # any layout of the run resets without a benchmark build
+    actor.vec_env.envs[0].reset(seed=0)
