@@ -526,3 +526,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"{path}: {exc}") from exc
     config.validate()
     return config
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"learner": {"clip_eps": 0.02}} -> {"learner.clip_eps": 0.02}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and not key.endswith("resources"):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def fields_of(config: RunConfig) -> set[str]:
+    """Every dotted field name of a RunConfig (for validating --allow-config-change)."""
+    return set(flatten(dataclasses.asdict(config)))

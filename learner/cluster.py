@@ -158,6 +158,21 @@ def node_cluster_address() -> str | None:
     return find_bootstrap_address(None)
 
 
+def connect_ray(address: str | None, include_dashboard: bool) -> bool:
+    """Join the cluster named by `address`, RAY_ADDRESS or this node's cluster file; else start a local Ray on loopback.
+    True when this call started or joined Ray (False: this process was connected already)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        start_local_ray(include_dashboard=include_dashboard, log_to_driver=True)
+    return True
+
+
 def start_local_ray(**init_kwargs: Any) -> Any:
     """Start a single-machine Ray whose every port (GCS, raylet, dashboard, agents, metrics export) is on 127.0.0.1.
 

@@ -58,7 +58,6 @@ from learner.cluster import (
     actor_request,
     learner_request,
     node_cluster_address,
-    start_local_ray,
 )
 from learner.learner import Learner
 from learner.manifest import reproducibility_manifest
@@ -363,17 +362,6 @@ def resolve_init_checkpoint(config: RunConfig) -> Path | None:
     return checkpoint
 
 
-def connect_ray(address: str | None, include_dashboard: bool) -> None:
-    """Join the cluster named by `address`, RAY_ADDRESS or this node's cluster file; else start a local Ray on loopback."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        start_local_ray(include_dashboard=include_dashboard, log_to_driver=True)
-
-
 def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:
     """What the learner and each actor ask of the Ray cluster joined; refuses what the cluster cannot give."""
     resources = ray.cluster_resources()
@@ -427,14 +415,15 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
 
 
 def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, eval_layouts: list, *, single_batch: bool = False,
-          address: str | None = None, include_dashboard: bool = True) -> dict[str, Any]:  # fmt: skip
-    wall_start = time.perf_counter()
+          began: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """The run, on the Ray that learner.main.run connected; began: when the run started (time.perf_counter), counted
+    in its start-up time and cost (default: now)."""
+    wall_start = time.perf_counter() if began is None else began
     run_dir = directory.path
     resume = resume_dir is not None
     # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
 
-    connect_ray(address, include_dashboard)
     learner_resources, actor_resources = plan_resources(config)
     print(banner(config, checkpoint, resume_dir, ray.cluster_resources(), actor_resources.num_cpus), flush=True)
     with warnings.catch_warnings():

@@ -1,8 +1,9 @@
 """The command line: `python -m learner.main --num-actors 10`.
 
 Resolves the config (embedded defaults, `--config`, `--set`, flags), refuses bad input before anything is
-written (learner.driver.preflight), takes the run directory (learner.run_dir), and hands over to the
-training loop in learner.driver.
+written (learner.driver.preflight, checked while Ray starts), takes the run directory (learner.run_dir), and
+hands over to the training loop in learner.driver. Importing this module brings in Ray but not torch or the envs,
+so that Ray's start-up can overlap theirs.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ import argparse
 import json
 import signal
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from common.config import ConfigError, RunConfig, load_config
-from common.diagnostics import RandomInitError
-from common.policy import CheckpointError
-from learner.cluster import check_cluster
-from learner.driver import ActorsExhaustedError, LearnerDiedError, preflight, resolve_init_checkpoint, train
-from learner.run_dir import RunDirectory, fields_of
+import ray
 
-__all__ = ["main", "resolve_init_checkpoint", "run"]
+from common.config import ConfigError, RunConfig, fields_of, load_config
+from learner.cluster import check_cluster, connect_ray
+
+__all__ = ["main", "run"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,17 +63,40 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozenset[str] = frozenset(), address: str | None = None,
-        **options: Any) -> dict[str, Any]:  # fmt: skip
-    """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout."""
+        include_dashboard: bool = True, **options: Any) -> dict[str, Any]:  # fmt: skip
+    """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout.
+
+    Ray starts while the input is checked (learner.driver.preflight): importing the driver brings in torch, the
+    policies and the envs, seconds that would otherwise come before Ray's own seconds of start-up. Bad input still
+    stops the run before its directory is created or touched, and a Ray started here is shut down again."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
+        checked = checking.submit(check_input, config, address, resume)
+        connected_here = connect_ray(address, include_dashboard)
+        try:
+            eval_layouts = checked.result()
+        except BaseException:
+            if connected_here:
+                ray.shutdown()
+            raise
+    from learner.driver import train
+    from learner.run_dir import RunDirectory
+
     directory = RunDirectory(config.run_dir)
-    eval_layouts = preflight(config, address, resume)  # before the run directory is created or touched
     if resume:
         directory.latest_checkpoint()  # a directory with nothing to resume is refused before it is locked (created)
     with directory.locked():
         resume_dir = directory.resume(config, allow_config_change) if resume else None
         if not resume:
             directory.start_new(config)
-        return train(config, directory, resume_dir, eval_layouts, address=address, **options)
+        return train(config, directory, resume_dir, eval_layouts, began=began, **options)
+
+
+def check_input(config: RunConfig, address: str | None, resume: bool) -> list:
+    """learner.driver.preflight, imported here: in run's checking thread, beside Ray's start."""
+    from learner.driver import preflight
+
+    return preflight(config, address, resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --allow-config-change names no config field: {unknown}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
+    # Imported here, not at the top: run() starts Ray before torch and the envs are imported (see run).
+    from common.diagnostics import RandomInitError
+    from common.policy import CheckpointError
+    from learner.driver import ActorsExhaustedError, LearnerDiedError
+
     try:
         run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
             address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip

@@ -9,7 +9,6 @@ checked pointer.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, flatten
 from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, verify_checksums
 from learner.learner import TRAINER_STATE_FILE
 
@@ -38,17 +37,6 @@ SAFE_ON_RESUME = frozenset({"eval_every", "checkpoint_every", "wandb_project", "
 
 class RunDirLockedError(FileExistsError):
     """Another live run holds this run directory."""
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"learner": {"clip_eps": 0.02}} -> {"learner.clip_eps": 0.02}."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and not key.endswith("resources"):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _pid_alive(pid: int) -> bool:
@@ -200,8 +188,3 @@ class RunDirectory:
         tmp = pointer.with_suffix(".tmp")
         tmp.write_text(name)
         os.replace(tmp, pointer)
-
-
-def fields_of(config: RunConfig) -> set[str]:
-    """Every dotted field name of a RunConfig (for validating --allow-config-change)."""
-    return set(flatten(dataclasses.asdict(config)))
