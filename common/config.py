@@ -65,11 +65,20 @@ class SmolVLAConfig:
         )
 
 
+# Policy backend name -> "module:Class" (common.policy.base.policy_class imports it on first use, so the MLP path
+# never imports a backend's heavy dependencies: SmolVLA needs lerobot and transformers, the MLP neither). Kept here,
+# free of torch, so that validating a config imports no policy.
+POLICY_TYPES: dict[str, str] = {
+    "mlp_flow": "common.policy.mlp:MLPFlowPolicy",
+    "smolvla": "common.policy.smolvla:SmolVLAFlowPolicy",
+}
+
+
 @dataclass
 class PolicyConfig:
     """The flow policy: architecture, denoising chain and noise bounds."""
 
-    type: str = "mlp_flow"  # backend registered in common.policy.base.POLICY_TYPES
+    type: str = "mlp_flow"  # backend registered in POLICY_TYPES
     obs_dim: int = 39
     action_dim: int = 4  # A
     chunk_size: int = 4  # H: actions per decision, executed whole
@@ -108,8 +117,6 @@ class PolicyConfig:
         )
         _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         _choice(self, path, "log_prob_normalization", ("mean", "sum"))
-        from common.policy.base import POLICY_TYPES  # the backend registry (imported here: it imports this module)
-
         _require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
         self.smolvla.validate(f"{path}.smolvla")
         if self.type == "smolvla":

@@ -118,22 +118,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --allow-config-change names no config field: {unknown}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
-    # Imported here, not at the top: run() starts Ray before torch and the envs are imported (see run).
-    from common.diagnostics import RandomInitError
-    from common.policy import CheckpointError
-    from learner.driver import ActorsExhaustedError, LearnerDiedError
-
     try:
         run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
             address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
     except KeyboardInterrupt:
         return 130
-    except (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)  # bad input: a clear message, no traceback, nothing written
-        return 2
-    except (ActorsExhaustedError, LearnerDiedError) as exc:
-        print(f"error: {exc}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        # Imported only now (run imported them already): importing them up front would bring torch and the envs in
+        # before run() starts Ray, the very seconds run() overlaps.
+        from common.diagnostics import RandomInitError
+        from common.policy import CheckpointError
+        from learner.driver import ActorsExhaustedError, LearnerDiedError
+
+        if isinstance(exc, (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
+            print(f"error: {exc}", file=sys.stderr)  # bad input: a clear message, no traceback, nothing written
+            return 2
+        if isinstance(exc, (ActorsExhaustedError, LearnerDiedError)):
+            print(f"error: {exc}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
+            return 1
+        raise
     return 0
 
 

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from common.config import ConfigError, PolicyConfig, from_dict
+from common.config import POLICY_TYPES, ConfigError, PolicyConfig, from_dict
 from common.observation import Observation
 
 WEIGHTS_FILE = "model.safetensors"
@@ -316,14 +316,6 @@ def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:
     if config.type not in POLICY_TYPES:
         raise CheckpointError(f"{path}: unknown policy type {config.type!r}; known: {sorted(POLICY_TYPES)}")
     return config
-
-
-# Backend name -> "module:Class". Resolved on first use, so the MLP path never imports a backend's
-# heavy dependencies (SmolVLA needs lerobot and transformers; the MLP needs neither).
-POLICY_TYPES: dict[str, str] = {
-    "mlp_flow": "common.policy.mlp:MLPFlowPolicy",
-    "smolvla": "common.policy.smolvla:SmolVLAFlowPolicy",
-}
 
 
 def policy_class(type_name: str) -> type[FlowPolicy]:
