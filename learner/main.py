@@ -68,28 +68,30 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
 
     Ray starts while the input is checked (learner.driver.preflight): importing the driver brings in torch, the
     policies and the envs, seconds that would otherwise come before Ray's own seconds of start-up. Bad input still
-    stops the run before its directory is created or touched, and a Ray started here is shut down again."""
+    stops the run before its directory is created or touched, and a Ray started here is shut down when the run
+    fails."""
     began = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
-        checked = checking.submit(check_input, config, address, resume)
-        connected_here = connect_ray(address, include_dashboard)
-        try:
+    connected_here = False
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
+            checked = checking.submit(check_input, config, address, resume)
+            connected_here = connect_ray(address, include_dashboard)
             eval_layouts = checked.result()
-        except BaseException:
-            if connected_here:
-                ray.shutdown()
-            raise
-    from learner.driver import train
-    from learner.run_dir import RunDirectory
+        from learner.driver import train
+        from learner.run_dir import RunDirectory
 
-    directory = RunDirectory(config.run_dir)
-    if resume:
-        directory.latest_checkpoint()  # a directory with nothing to resume is refused before it is locked (created)
-    with directory.locked():
-        resume_dir = directory.resume(config, allow_config_change) if resume else None
-        if not resume:
-            directory.start_new(config)
-        return train(config, directory, resume_dir, eval_layouts, began=began, **options)
+        directory = RunDirectory(config.run_dir)
+        if resume:
+            directory.latest_checkpoint()  # a directory with nothing to resume is refused before it is locked (created)
+        with directory.locked():
+            resume_dir = directory.resume(config, allow_config_change) if resume else None
+            if not resume:
+                directory.start_new(config)
+            return train(config, directory, resume_dir, eval_layouts, began=began, **options)
+    except BaseException:
+        if connected_here:  # not a Ray the caller had started
+            ray.shutdown()
+        raise
 
 
 def check_input(config: RunConfig, address: str | None, resume: bool) -> list:

@@ -192,3 +192,30 @@ def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: 
         assert [row[f"actor/{i}/weight_version"] for i in range(2)] == [0, 0]
         assert [row[f"actor/{i}/weight_version_lag"] for i in range(2)] == [lag, lag]
         assert [row[f"actor/{i}/alive"] for i in range(2)] == [1, 1]
+
+
+@pytest.mark.slow
+def test_bad_input_found_while_ray_starts_shuts_that_ray_down_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """learner.main.run starts Ray while preflight checks the input in a thread: a bad checkpoint still ends the run
+    with its named error and nothing written, and the Ray that run started is shut down again."""
+    import learner.main as main_module
+
+    ray.shutdown()
+    started = []
+    real_connect = main_module.connect_ray
+    monkeypatch.setattr(main_module, "connect_ray", lambda *args: started.append(real_connect(*args)) or started[-1])
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "missing"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-dashboard",
+        "--num-actors",
+        "1",
+        "--set",
+        "learner.minibatch_size=50",
+    ]
+    assert main(argv) == 2
+    assert started == [True]  # this run started the Ray it had to shut down
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+    assert "has no model.safetensors" in capsys.readouterr().err

@@ -56,6 +56,22 @@ def test_shipped_config_is_the_embedded_default_with_every_field_written_out() -
     assert yaml.safe_load(path.read_text()) == RunConfig().to_dict()  # no field left to its default unseen
 
 
+def test_the_gpu_node_config_keeps_the_default_budget_and_minibatches() -> None:
+    """configs/gpu_node_16_cores.yaml: larger iterations, the same env-step budget (within one iteration) and the
+    same optimiser steps per env step as the default."""
+    from pathlib import Path
+
+    gpu, default = load_config(Path(__file__).parents[1] / "configs" / "gpu_node_16_cores.yaml"), RunConfig()
+
+    def env_steps_per_iteration(config: RunConfig) -> int:
+        return config.actors.num_actors * config.actors.envs_per_actor * config.actors.decisions_per_rollout * config.policy.chunk_size
+
+    budget, gpu_iteration = default.iterations * env_steps_per_iteration(default), env_steps_per_iteration(gpu)
+    assert budget <= gpu.iterations * gpu_iteration < budget + gpu_iteration
+    assert gpu.learner.minibatch_size == default.learner.minibatch_size and gpu.learner.update_epochs == default.learner.update_epochs
+    assert (gpu.learner.num_gpus, gpu.actors.num_gpus) == (1, 0)
+
+
 def _leaves(config, prefix: str = ""):
     """(dotted path, (value, type hint)) of every non-dataclass field, depth first."""
     import dataclasses
