@@ -103,6 +103,11 @@ def benchmark_task_tables(task: str, benchmark_seeds: Sequence[int]) -> dict[tup
     return {(task, seed): benchmark_tasks(task, seed) for seed in dict.fromkeys(benchmark_seeds)}
 
 
+def held_benchmark_tasks(task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
+    """The tables of these benchmark seeds that this process has built or adopted already (none is built here)."""
+    return {(task, seed): _BENCHMARK_TASKS[(task, seed)] for seed in benchmark_seeds if (task, seed) in _BENCHMARK_TASKS}
+
+
 def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ...]]) -> None:
     """Use layouts another process built (benchmark_task_tables): the same Tasks, without simulating them again."""
     _BENCHMARK_TASKS.update(tables)

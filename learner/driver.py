@@ -46,7 +46,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, RunConfig
 from common.diagnostics import check_ratio_sensitivity
-from common.envs import benchmark_task_tables, layouts
+from common.envs import adopt_benchmark_tasks, benchmark_task_tables, held_benchmark_tasks, layouts
 from common.flow import num_log_prob_elements
 from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
 from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy, file_sha256, read_policy_config
@@ -387,13 +387,19 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
 def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     """Every actor needs the same layouts, each benchmark seed simulated once (0.7 s per seed): built by Ray tasks
     while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
-    the building does not crowd out the start-up it hides behind. The actors take the list unresolved (Ray resolves
-    only top-level refs) and read it when their envs need it. The tasks ask for no CPU: the run's placement group
-    holds the cluster's CPUs, and a task that waited for one would never run."""
+    the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
+    holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an
+    earlier run in it: start_actors adopts what the tasks built) go through one put instead. The actors take the list
+    unresolved (Ray resolves only top-level refs) and read it when their envs need it."""
     seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
-    tasks = max(1, min(len(seeds), int(ray.cluster_resources().get("CPU", 1)) // 4))
-    build = ray.remote(benchmark_task_tables).options(num_cpus=0)
-    return [build.remote(config.env.task, seeds[group::tasks]) for group in range(tasks)]
+    held = held_benchmark_tasks(config.env.task, seeds)
+    missing = [seed for seed in seeds if (config.env.task, seed) not in held]
+    refs = [ray.put(held)] if held else []
+    if missing:
+        tasks = max(1, min(len(missing), int(ray.cluster_resources().get("CPU", 1)) // 4))
+        build = ray.remote(benchmark_task_tables).options(num_cpus=0)
+        refs += [build.remote(config.env.task, missing[group::tasks]) for group in range(tasks)]
+    return refs
 
 
 def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
@@ -408,6 +414,7 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
     # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
+    adopt_benchmark_tasks({key: tasks for part in ray.get(tables) for key, tasks in part.items()})  # for a later run here
     return pool
 
 

@@ -176,13 +176,14 @@ def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
 def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """Start-up builds the benchmark tables in Ray tasks (one per 4 cores, asking for no CPU) beside the actors' own
     start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
-    instead of simulating any benchmark."""
+    instead of simulating any benchmark. Tables the process holds already go through one put."""
     import common.envs as envs_module
     from actors.rollout_actor import RolloutActor
     from learner.driver import build_benchmark_tables
     from tests.conftest import tiny_config
 
     config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a process that has built no table
     assert len(build_benchmark_tables(config)) == 1  # this Ray has 2 CPUs
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
     refs = build_benchmark_tables(config)
@@ -196,3 +197,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     assert set(envs_module._BENCHMARK_TASKS) == set(built)
     actor.vec_env.envs[0].set_layout(envs_module.Layout(3, 49))  # any layout of the run resets without a benchmark build
     actor.vec_env.envs[0].reset(seed=0)
+    # A later run in a process that holds the tables (start_actors adopts them) shares them with one put, no task.
+    monkeypatch.setattr(ray, "remote", lambda *args, **kwargs: pytest.fail("started a task for tables this process holds"))
+    (again,) = build_benchmark_tables(config)
+    assert ray.get(again) == built
