@@ -16,8 +16,8 @@ one after the other in one run.
 - env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor of the main job builds it (from the
   config learner.main resolves from the --main-arg arguments: its task, training layouts, gamma, actors.envs_per_actor
   envs), stepped with uniformly random chunks of the policy's chunk size, in one process per core, all started
-  together, for --env-seconds. env_limit_steps_per_second = the sum over
-  processes of env steps / seconds. No policy, no Ray: what the machine can step at all.
+  together, for --env-seconds. env_limit_steps_per_second = the sum over processes of env steps / seconds. No
+  policy, no Ray: what the machine can step at all.
 - lag<L>_ratio_to_env_limit = lag<L>_main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal:
   >= 0.7).
 - matched env limit: the same, in as many processes as the main job has actors (--matched-processes to change it).
