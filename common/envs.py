@@ -15,9 +15,17 @@ import types
 # import. EGL gives headless rendering (Mesa llvmpipe on CPU-only machines); a caller's choice wins.
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import copy
+import functools
+import hashlib
+import importlib.metadata
+import json
+import pickle
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gymnasium
@@ -42,6 +50,11 @@ class TaskSpec:
     # first one set, so skipping it changes the initial state. True: skip it (MetaworldTaskEnv._reset_simulation);
     # tests/test_envs.py checks that every task's reset and later steps are still Metaworld's own, bit for bit.
     reset_model_once: bool = False
+    # Every reset_model() starts with _reset_hand(): 50 simulated steps (about 5 ms) from mj_resetData's state to the
+    # hand's start, the same steps for every layout when reset_model() changes nothing in the model but sites and
+    # joint positions. True (with reset_model_once): simulate them once per env and copy the result afterwards
+    # (_ReplayedHandReset); tests/test_envs.py checks the whole MuJoCo state and every reset, bit for bit.
+    replay_hand_reset: bool = False
 
 
 DEFAULT_TASK = "pick-place-v3"
@@ -49,9 +62,9 @@ DEFAULT_TASK = "pick-place-v3"
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
-        TaskSpec("pick-place-v3", "pick up the block and place it at the goal", reset_model_once=True),
-        TaskSpec("reach-v3", "reach the goal position", reset_model_once=True),
-        TaskSpec("push-v3", "push the block to the goal", reset_model_once=True),
+        TaskSpec("pick-place-v3", "pick up the block and place it at the goal", reset_model_once=True, replay_hand_reset=True),
+        TaskSpec("reach-v3", "reach the goal position", reset_model_once=True, replay_hand_reset=True),
+        TaskSpec("push-v3", "push the block to the goal", reset_model_once=True, replay_hand_reset=True),
         TaskSpec("door-open-v3", "open the door", reset_model_once=True),
         TaskSpec("drawer-open-v3", "open the drawer"),
         TaskSpec("drawer-close-v3", "close the drawer", reset_model_once=True),
@@ -78,8 +91,9 @@ class Layout:
 
 
 # (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
-# benchmark simulates 50 resets (~0.7 s per seed), so each process builds a seed once, and the run builds them once
-# for every rollout actor (benchmark_task_tables -> adopt_benchmark_tasks) instead of 10 actors building 12 each.
+# benchmark simulates 50 resets (~0.7 s per seed), so each seed is built once per machine: the goals it drew are kept
+# in a JSON file (layout_cache_file) that every later process reads instead, and the run hands one process's tables
+# to its rollout actors (benchmark_task_tables -> adopt_benchmark_tasks) instead of each actor reading or building them.
 _BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
 
 # How many layouts every MT1 benchmark draws (Metaworld's goals per task). Counting layouts by it needs no
@@ -87,13 +101,82 @@ _BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
 LAYOUTS_PER_BENCHMARK = 50
 
 
+def layout_cache_file(task: str, benchmark_seed: int) -> Path:
+    """Where the goals of one MT1 benchmark are kept, per Metaworld version (another version may draw others)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / "layouts"
+    return root / f"metaworld-{importlib.metadata.version('metaworld')}" / f"{task}-seed{benchmark_seed}.json"
+
+
+def _tasks_from_goals(task: str, goals: np.ndarray) -> tuple[metaworld.Task, ...]:
+    """The Tasks MT1 makes from its goal vectors (50, D), byte for byte: the task's ML1 arguments but its id, the goal,
+    the env class, and MT1's full observability, pickled in that order. Nothing here unpickles anything."""
+    tasks = []
+    for goal in goals:
+        data = dict(metaworld.env_dict.ML1_ARGS_KWARGS[task]["kwargs"])
+        del data["task_id"]
+        data.update(rand_vec=np.array(goal, dtype=np.float64), env_cls=metaworld.env_dict.ALL_V3_ENVIRONMENTS[task])
+        data.update(partially_observable=False)
+        tasks.append(metaworld.Task(env_name=task, data=pickle.dumps(data)))
+    return tuple(tasks)
+
+
+def _read_layout_cache(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...] | None:
+    """The benchmark's Tasks from its cache file, or None when there is none; a file that is not one (truncated,
+    edited, another task's: the Tasks it rebuilds must hash to the digest written with it) is named in a warning and
+    the benchmark is simulated again, which rewrites it."""
+    path = layout_cache_file(task, benchmark_seed)
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text())
+        goals = np.array(content["goals"], dtype=np.float64)
+        if (content["task"], content["benchmark_seed"]) != (task, benchmark_seed):
+            raise ValueError(f"it holds {content['task']} seed {content['benchmark_seed']}")
+        if goals.ndim != 2 or len(goals) != LAYOUTS_PER_BENCHMARK or not np.isfinite(goals).all():
+            raise ValueError(f"its goals have shape {goals.shape}, not ({LAYOUTS_PER_BENCHMARK}, D) finite values")
+        tasks = _tasks_from_goals(task, goals)
+        if _tasks_digest(tasks) != content["tasks_sha256"]:
+            raise ValueError("its goals do not rebuild the Tasks it was written from (tasks_sha256)")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"{path} is not a layout table ({exc}): simulating {task} benchmark seed {benchmark_seed} again",
+                      stacklevel=3)  # fmt: skip
+        return None
+    return tasks
+
+
+def _tasks_digest(tasks: tuple[metaworld.Task, ...]) -> str:
+    return hashlib.sha256(b"".join(task_.env_name.encode() + task_.data for task_ in tasks)).hexdigest()
+
+
+def _write_layout_cache(task: str, benchmark_seed: int, tasks: tuple[metaworld.Task, ...]) -> None:
+    """Keep the benchmark's goals for later processes, atomically; only when they rebuild its Tasks byte for byte
+    (another Metaworld could encode them otherwise), and a cache that cannot be written costs time, not the run."""
+    goals = np.stack([pickle.loads(task_.data)["rand_vec"] for task_ in tasks])  # Metaworld's bytes, made in this process
+    if _tasks_from_goals(task, goals) != tasks:
+        return
+    path = layout_cache_file(task, benchmark_seed)
+    content = {"task": task, "benchmark_seed": benchmark_seed, "goals": goals.tolist(), "tasks_sha256": _tasks_digest(tasks)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(content))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"could not keep the layouts of {task} benchmark seed {benchmark_seed} in {path} ({exc}): "
+                      "every process will simulate them", stacklevel=3)  # fmt: skip
+
+
 def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...]:
     key = (task, benchmark_seed)
     if key not in _BENCHMARK_TASKS:
-        tasks = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
-        if len(tasks) != LAYOUTS_PER_BENCHMARK:
-            raise RuntimeError(f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
-                               f"{LAYOUTS_PER_BENCHMARK} that common.envs.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
+        tasks = _read_layout_cache(task, benchmark_seed)
+        if tasks is None:
+            tasks = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
+            if len(tasks) != LAYOUTS_PER_BENCHMARK:
+                raise RuntimeError(f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
+                                   f"{LAYOUTS_PER_BENCHMARK} that common.envs.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
+            _write_layout_cache(task, benchmark_seed, tasks)
         _BENCHMARK_TASKS[key] = tasks
     return _BENCHMARK_TASKS[key]
 
@@ -104,8 +187,16 @@ def benchmark_task_tables(task: str, benchmark_seeds: Sequence[int]) -> dict[tup
 
 
 def held_benchmark_tasks(task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
-    """The tables of these benchmark seeds that this process has built or adopted already (none is built here)."""
-    return {(task, seed): _BENCHMARK_TASKS[(task, seed)] for seed in benchmark_seeds if (task, seed) in _BENCHMARK_TASKS}
+    """The tables of these benchmark seeds that this process holds, or reads from their cache files (none is
+    simulated here)."""
+    held = {}
+    for seed in benchmark_seeds:
+        key = (task, seed)
+        if key not in _BENCHMARK_TASKS and (cached := _read_layout_cache(task, seed)) is not None:
+            _BENCHMARK_TASKS[key] = cached
+        if key in _BENCHMARK_TASKS:
+            held[key] = _BENCHMARK_TASKS[key]
+    return held
 
 
 def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ...]]) -> None:
@@ -204,6 +295,74 @@ def _touching_object(env: Any, object_geom_id: int) -> bool:
     return 0 < pad_force("leftpad_geom") and 0 < pad_force("rightpad_geom")
 
 
+class _ModelCompiledOnce:
+    """Mixed into a Metaworld env class (_env_class): its MuJoCo model is compiled from the XML once per process and
+    copied for every later env (mj_copyModel, a fifth of the compile's CPU). An actor builds all its envs at start-up,
+    so this is most of the time its envs take to build. Each env gets its own copy, since reset_model() moves sites
+    and bodies in it."""
+
+    # (XML path, render size) -> the model as gymnasium's MujocoEnv made it, before any env changed it
+    _compiled: dict[tuple[str, int, int], mujoco.MjModel] = {}
+
+    def _initialize_simulation(self) -> tuple[mujoco.MjModel, mujoco.MjData]:
+        key = (self.fullpath, self.width, self.height)
+        if key not in self._compiled:
+            model, _ = super()._initialize_simulation()
+            self._compiled[key] = copy.copy(model)
+        model = copy.copy(self._compiled[key])
+        return model, mujoco.MjData(model)
+
+
+@functools.cache
+def _env_class(task: str) -> type:
+    """Metaworld's env class for the task, compiling its model once per process (_ModelCompiledOnce)."""
+    metaworld_class = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]
+    return type(metaworld_class.__name__, (_ModelCompiledOnce, metaworld_class), {})
+
+
+# MjData arrays that live in its arena, sized by the constraints of the last step (efc_*) and their islands: after
+# mj_resetData they are empty, and set_state's mj_forward rebuilds them before reset_model() reads anything.
+_ARENA_PREFIXES = ("efc_", "island_", "dof_island", "tree_island")
+
+
+class _ReplayedHandReset:
+    """Metaworld's SawyerXYZEnv._reset_hand, simulated on the env's first reset and copied on every later one.
+
+    On the reset_model_once path (MetaworldTaskEnv._reset_simulation) reset_model() runs right after mj_resetData, so
+    the hand's 50 steps start from the same state each time; on tasks whose TaskSpec says replay_hand_reset they also
+    run in the same model, so they end in the same state. That state is every fixed-size MjData array (positions,
+    velocities, warm start, and what the last step derived from them, such as the sites reset_model() reads next)
+    and the simulation time. Copying it costs about 0.1 ms where simulating costs about 5 ms, a tenth of an
+    expert-length episode's CPU."""
+
+    def __init__(self, env: Any) -> None:
+        self._env = env
+        self._simulate = env._reset_hand  # Metaworld's own, bound to env
+        data = env.data
+        self._names = [name for name in dir(data) if not name.startswith(("_", *_ARENA_PREFIXES))
+                       and isinstance(getattr(data, name, None), np.ndarray)]  # fmt: skip
+        self._key: tuple[int, bytes] | None = None
+        self._arrays: dict[str, np.ndarray] = {}
+        self._time = 0.0
+
+    def __call__(self, steps: int = 50) -> None:
+        env = self._env
+        key = (steps, np.asarray(env.hand_init_pos, dtype=np.float64).tobytes())
+        if key != self._key:
+            self._simulate(steps)
+            self._arrays = {name: array.copy() for name, array in self._state_arrays().items()}
+            self._key, self._time = key, env.data.time
+            return
+        for name, array in self._state_arrays().items():
+            np.copyto(array, self._arrays[name])
+        env.data.time = self._time
+        env.init_tcp = env.tcp_center  # as _reset_hand ends
+
+    def _state_arrays(self) -> dict[str, np.ndarray]:
+        data = self._env.data
+        return {name: getattr(data, name) for name in self._names}
+
+
 class MetaworldTaskEnv(gymnasium.Env):
     """One Metaworld task as a gymnasium env with a settable layout.
 
@@ -240,9 +399,11 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._stop_on_success = stop_on_success
 
         self._layout = layout
-        self._env = metaworld.env_dict.ALL_V3_ENVIRONMENTS[task]()  # MT1's train_classes[task], without building an MT1
+        self._env = _env_class(task)()  # MT1's train_classes[task], without building an MT1
         if metaworld_shortcuts:
             self._env.touching_object = types.MethodType(_touching_object, self._env)
+        if self._reset_model_once and _task_spec(task).replay_hand_reset:
+            self._env._reset_hand = _ReplayedHandReset(self._env)
         # Metaworld refuses to step past its own path length, so a longer limit cannot be honoured.
         if not 1 <= max_episode_steps <= self._env.max_path_length:
             raise ValueError(f"max_episode_steps must be in [1, {self._env.max_path_length}], got {max_episode_steps}")

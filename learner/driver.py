@@ -389,7 +389,8 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
     the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
     holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an
-    earlier run in it: start_actors adopts what the tasks built) go through one put instead. The actors take the list
+    earlier run in it: start_actors adopts what the tasks built) or reads from the layout cache (common.envs: every
+    run after a machine's first) go through one put instead. The actors take the list
     unresolved (Ray resolves only top-level refs) and read it when their envs need it."""
     seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
     held = held_benchmark_tasks(config.env.task, seeds)

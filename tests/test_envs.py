@@ -14,6 +14,10 @@ from common.envs import (
     layouts,
 )
 
+import dataclasses
+import json
+
+import gymnasium.envs.mujoco.mujoco_env
 import metaworld
 import mujoco
 import numpy as np
@@ -120,6 +124,71 @@ def test_reset_and_steps_are_metaworlds_own_bit_for_bit(task):
             grasped += bool(want_info.get("grasp_success", 0.0))
     if task == DEFAULT_TASK:
         assert grasped > 0, "the expert never grasped the block, so the contact check was not exercised"
+
+
+def _mujoco_state(env: MetaworldTaskEnv) -> dict[str, np.ndarray]:
+    """Everything MuJoCo holds for the env but its arena's scratch (efc_*, island arrays): the physics state and every
+    quantity derived from it, with the simulation time."""
+    data = env._env.data
+    arrays = {name: getattr(data, name).copy() for name in dir(data) if not name.startswith(("_", *envs_module._ARENA_PREFIXES))
+              and name != "timer" and isinstance(getattr(data, name, None), np.ndarray)}  # fmt: skip
+    full = np.empty(mujoco.mj_stateSize(env._env.model, mujoco.mjtState.mjSTATE_FULLPHYSICS))
+    mujoco.mj_getState(env._env.model, data, full, mujoco.mjtState.mjSTATE_FULLPHYSICS)
+    return arrays | {"full_physics": full}
+
+
+@pytest.mark.parametrize("task", sorted(name for name, spec in TASKS.items() if spec.replay_hand_reset))
+def test_a_replayed_hand_reset_leaves_mujoco_and_the_env_as_simulating_it_does(task, monkeypatch):
+    """The hand's 50 reset steps are simulated on an env's first reset and copied afterwards (replay_hand_reset).
+    Against an env that simulates them every time: the same MuJoCo state after every reset (positions, velocities,
+    warm start, every derived array, the time), the same Metaworld attributes (init_tcp, obj_init_pos, ...), and the
+    same observations, rewards and infos on the steps after it, over layouts of two benchmark seeds and a repeated one,
+    with episodes in between."""
+    replaying = MetaworldTaskEnv(task, reward="dense", stop_on_success=False)
+    monkeypatch.setitem(TASKS, task, dataclasses.replace(TASKS[task], replay_hand_reset=False))
+    simulating = MetaworldTaskEnv(task, reward="dense", stop_on_success=False)
+    hand_reset = replaying._env._reset_hand
+    assert isinstance(hand_reset, envs_module._ReplayedHandReset)
+    assert not isinstance(simulating._env._reset_hand, envs_module._ReplayedHandReset)
+    simulated = []
+    monkeypatch.setattr(hand_reset, "_simulate", lambda steps, simulate=hand_reset._simulate: (simulated.append(steps), simulate(steps)))
+    rng = np.random.default_rng(0)
+    for layout in (Layout(2, 0), Layout(2, 17), Layout(3, 49), Layout(2, 17)):
+        np.testing.assert_array_equal(_reset_obs(replaying, layout), _reset_obs(simulating, layout))
+        want, got = _mujoco_state(simulating), _mujoco_state(replaying)
+        assert want.keys() == got.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"MjData.{name} after resetting to {layout}")
+        for name, value in vars(simulating._env).items():
+            if isinstance(value, (np.ndarray, float, int)):
+                np.testing.assert_array_equal(vars(replaying._env)[name], value, err_msg=f"{task}.{name} after resetting to {layout}")
+        for action in rng.uniform(-1, 1, (40, 4)).astype(np.float32):
+            obs, reward, _, _, info = replaying.step(action)
+            want_obs, want_reward, _, _, want_info = simulating.step(action)
+            np.testing.assert_array_equal(obs, want_obs)
+            assert (reward, info) == (want_reward, want_info)
+    assert simulated == [50], "the hand reset was simulated again instead of replayed"
+
+
+def test_envs_after_the_first_copy_the_compiled_model_and_get_every_byte_of_a_fresh_compile(monkeypatch):
+    """A process compiles a task's MuJoCo model once; every later env gets a copy of it (its own, since resets move
+    sites and bodies in it), equal to a fresh compile of the XML in every byte of the saved model, and an env that
+    has changed its copy changes no other env's."""
+
+    def model_bytes(model: mujoco.MjModel) -> bytes:
+        buffer = np.zeros(mujoco.mj_sizeModel(model), dtype=np.uint8)
+        mujoco.mj_saveModel(model, None, buffer)
+        return buffer.tobytes()
+
+    first = MetaworldTaskEnv(DEFAULT_TASK)
+    fresh = metaworld.env_dict.ALL_V3_ENVIRONMENTS[DEFAULT_TASK]()  # Metaworld's own class: compiles the XML
+    _reset_obs(first, Layout(2, 5))  # moves the goal site in first's model
+    monkeypatch.setattr(gymnasium.envs.mujoco.mujoco_env.MujocoEnv, "_initialize_simulation",
+                        lambda self: pytest.fail("compiled the XML again"))  # fmt: skip
+    second = MetaworldTaskEnv(DEFAULT_TASK)
+    assert second._env.model is not first._env.model
+    assert model_bytes(second._env.model) == model_bytes(fresh.model)
+    assert model_bytes(first._env.model) != model_bytes(fresh.model)
 
 
 def test_chunk_truncated_mid_chunk_matches_single_env_replay():
@@ -291,10 +360,11 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
     np.testing.assert_array_equal(env.reset(seed=0)[0], expected)
 
 
-def test_counting_layouts_simulates_no_benchmark(monkeypatch) -> None:
+def test_counting_layouts_simulates_no_benchmark(tmp_path, monkeypatch) -> None:
     """A run is planned and checked (learner.driver.preflight) before any MT1 benchmark is built: layouts() counts by
     LAYOUTS_PER_BENCHMARK, and building a benchmark holds Metaworld to that count."""
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached layouts: benchmark_tasks must build
     real_mt1 = envs_module.metaworld.MT1
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("layouts() built an MT1 benchmark"))
     assert envs_module.layouts("pick-place-v3", [5, 6])[-1] == Layout(6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
@@ -307,3 +377,40 @@ def test_counting_layouts_simulates_no_benchmark(monkeypatch) -> None:
     monkeypatch.setattr(envs_module.metaworld, "MT1", FewerLayouts)
     with pytest.raises(RuntimeError, match="drew 49 layouts, not the 50"):
         envs_module.benchmark_tasks("pick-place-v3", 5)
+
+
+def test_layouts_are_simulated_once_per_machine_and_a_bad_cache_file_is_named_and_rebuilt(tmp_path, monkeypatch) -> None:
+    """A benchmark seed's layouts are simulated once and their goals kept in a JSON file; a process that starts later
+    rebuilds the same Tasks from it, byte for byte, without an MT1. A file that is not a layout table (truncated,
+    another seed's) is named in a warning and simulated again, which rewrites it; a cache that cannot be written costs
+    only the time."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    real_mt1 = envs_module.metaworld.MT1
+    simulated = []
+    monkeypatch.setattr(envs_module.metaworld, "MT1", lambda task, seed: (simulated.append(seed), real_mt1(task, seed=seed))[1])
+    path = envs_module.layout_cache_file(DEFAULT_TASK, 4)
+    built = envs_module.benchmark_tasks(DEFAULT_TASK, 4)
+    assert built == tuple(real_mt1(DEFAULT_TASK, seed=4).train_tasks) and simulated == [4] and path.is_file()
+
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a later process
+    assert envs_module.benchmark_tasks(DEFAULT_TASK, 4) == built and simulated == [4]  # the same bytes, no MT1
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    assert envs_module.held_benchmark_tasks(DEFAULT_TASK, [4, 5]) == {(DEFAULT_TASK, 4): built}  # 5: not cached, not built
+    assert simulated == [4]
+
+    good = path.read_text()
+    edited = json.loads(good)
+    edited["goals"][7][0] += 0.01  # a goal moved by hand
+    for bad in (good[: len(good) // 2], good.replace('"benchmark_seed": 4', '"benchmark_seed": 3'), json.dumps(edited)):
+        path.write_text(bad)
+        monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+        with pytest.warns(UserWarning, match=f"{path.name} is not a layout table"):
+            assert envs_module.benchmark_tasks(DEFAULT_TASK, 4) == built
+        assert path.read_text() == good  # rewritten
+    assert simulated == [4, 4, 4, 4]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no_cache_here")
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    with pytest.warns(UserWarning, match="could not keep the layouts"):
+        assert envs_module.benchmark_tasks(DEFAULT_TASK, 4) == built

@@ -176,7 +176,8 @@ def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
 def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """Start-up builds the benchmark tables in Ray tasks (one per 4 cores, asking for no CPU) beside the actors' own
     start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
-    instead of simulating any benchmark. Tables the process holds already go through one put."""
+    instead of simulating any benchmark. Tables the process holds already, or reads from the layout cache, go through
+    one put."""
     import common.envs as envs_module
     from actors.rollout_actor import RolloutActor
     from learner.driver import build_benchmark_tables
@@ -184,6 +185,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
 
     config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a process that has built no table
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty_cache"))  # on a machine that has cached none
     assert len(build_benchmark_tables(config)) == 1  # this Ray has 2 CPUs
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
     refs = build_benchmark_tables(config)
