@@ -35,11 +35,14 @@ def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
 
 class RolloutActor:
     def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
-                 benchmark_tables: dict | list | None = None):  # fmt: skip
+                 benchmark_tables: dict | list | None = None, niceness: int | None = None):  # fmt: skip
         """benchmark_tables: the run's layouts, built once outside the actor (common.envs.benchmark_task_tables): a
         dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
         once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
-        itself (about 0.7 s each)."""
+        itself (about 0.7 s each). niceness: the process's scheduling niceness from now on, if higher than it is
+        (learner.driver.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged)."""
+        if niceness is not None:
+            os.setpriority(os.PRIO_PROCESS, 0, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
         self.config = config
         self.actor_index = actor_index

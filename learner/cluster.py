@@ -182,21 +182,28 @@ def start_local_ray(**init_kwargs: Any) -> Any:
     (ray_constants.ENABLE_RAY_CLUSTER off, environment RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), keeps the
     node address at 127.0.0.1; the environment variable reaches the processes ray.init spawns, and
     the flag is restored afterwards. Token auth stays at Ray's default (on; token in ~/.ray/auth_token).
+
+    Its workers start at the driver's niceness instead of Ray's 15 (RAY_worker_niceness=0, read by the raylet), so
+    that the learner keeps the driver's priority while the rollout actors lower their own (learner.driver.ACTOR_NICENESS):
+    only a privileged process can raise its priority again, and the learner's update is the iteration's critical path
+    where actors and learner share the cores. cluster/*.yaml start their nodes' Ray the same way.
     """
     import ray
     from ray._private import ray_constants
 
-    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    environment = {ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0", ray_constants.RAY_WORKER_NICENESS: "0"}
+    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, {name: os.environ.get(name) for name in environment}
     ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    os.environ.update(environment)
     try:
         return ray.init(address="local", _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)  # its RayContext
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
-        else:
-            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 # ---------------------------------------------------------------------------------------------- checks

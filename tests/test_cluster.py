@@ -219,3 +219,30 @@ def test_bad_input_found_while_ray_starts_shuts_that_ray_down_and_writes_nothing
     assert started == [True]  # this run started the Ray it had to shut down
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
     assert "has no model.safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_take_a_lower_one(tmp_path, bc_checkpoint) -> None:
+    """The learner's update runs while the actors sample (policy_lag 1) and is the iteration's critical path: a local
+    Ray starts its workers at the driver's niceness (not Ray's 15), the learner stays there, and every rollout actor
+    lowers its own priority to ACTOR_NICENESS."""
+    import os
+
+    from learner.cluster import start_local_ray
+    from learner.driver import ACTOR_NICENESS, plan_resources, start_actors, start_learner
+
+    def niceness(_actor) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    config = tiny_config(tmp_path, init_checkpoint=str(bc_checkpoint))
+    assert not ray.is_initialized()
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert ray.get(ray.remote(niceness).remote(None)) == niceness(None)  # any worker, before it changes its own
+        learner_request, actor_request = plan_resources(config)
+        learner = start_learner(config, bc_checkpoint, None, learner_request)
+        pool = start_actors(config, str(bc_checkpoint), actor_request)
+        assert ray.get(learner.__ray_call__.remote(niceness)) == niceness(None) < ACTOR_NICENESS
+        assert ray.get([actor.__ray_call__.remote(niceness) for actor in pool.actors.values()]) == [ACTOR_NICENESS] * 2
+    finally:
+        ray.shutdown()
