@@ -68,8 +68,8 @@ from learner.run_dir import RunDirectory
 MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
 # The rollout actors' scheduling niceness. At policy_lag 1 the learner's update (one thread) runs while the actors
 # sample, and it is the iteration's critical path: at equal niceness, ten actors and the learner on two cores left
-# the update 3.6 s of wall time for 1.5 s of CPU, and one core idle once the actors were done. Below the actors'
-# priority the learner gets a core whenever it works, and the actors every cycle it leaves (bench/throughput.py,
+# the update 3.6 s of wall time for 1.5 s of CPU, and one core idle once the actors were done. With the actors at a
+# lower priority the learner gets a core whenever it works, and the actors every cycle it leaves (bench/throughput.py,
 # default job: iterations 3.6 -> 3.3 s). The same arithmetic either way: only the order of who runs changes.
 ACTOR_NICENESS = 19
 
