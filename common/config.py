@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+def cache_dir(kind: str) -> Path:
+    """Where the project keeps what it builds once per machine and reuses (BC checkpoints, benchmark layouts, tiny
+    local models): $XDG_CACHE_HOME/flowrl/<kind>, ~/.cache/flowrl/<kind> without it."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / kind
 
 
 class ConfigError(ValueError):

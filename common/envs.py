@@ -36,6 +36,7 @@ from gymnasium import spaces
 from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
 from metaworld.policies import ENV_POLICY_MAP
 
+from common.config import cache_dir
 from common.observation import Observation
 
 GymObservation = np.ndarray | dict[str, np.ndarray]
@@ -103,8 +104,7 @@ LAYOUTS_PER_BENCHMARK = 50
 
 def layout_cache_file(task: str, benchmark_seed: int) -> Path:
     """Where the goals of one MT1 benchmark are kept, per Metaworld version (another version may draw others)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / "layouts"
-    return root / f"metaworld-{importlib.metadata.version('metaworld')}" / f"{task}-seed{benchmark_seed}.json"
+    return cache_dir("layouts") / f"metaworld-{importlib.metadata.version('metaworld')}" / f"{task}-seed{benchmark_seed}.json"
 
 
 def _tasks_from_goals(task: str, goals: np.ndarray) -> tuple[metaworld.Task, ...]:

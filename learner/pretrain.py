@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig, cache_dir, load_config
 from common.envs import TASKS, Episode, collect_demonstrations, layouts
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
@@ -197,10 +196,6 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     return report
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / "bc"
-
-
 def bc_cache_key(config: RunConfig) -> str:
     """The checkpoint depends on the policy's architecture, the task's episode rules and the pre-training
     recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load, nor on the
@@ -224,7 +219,7 @@ DEMO_LADDER_DOWN = (3, 2, 1)
 
 def cached_bc_checkpoint(config: RunConfig) -> tuple[Path, dict]:
     """The cached checkpoint for this exact config (num_demos resolved), built on first use; with its report."""
-    path = cache_root() / bc_cache_key(config)
+    path = cache_dir("bc") / bc_cache_key(config)
     if not (path / REPORT_FILE).is_file():
         print(f"[pretrain] {config.env.task}, {config.pretrain.num_demos} demos: building {path} (once; about a minute)", flush=True)
         report = pretrain(config, path)

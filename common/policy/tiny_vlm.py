@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config import cache_dir
 from common.policy.base import write_directory_atomically
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 
@@ -159,16 +159,12 @@ def write_tiny_vlm(directory: str | Path, spec: TinyVLMSpec) -> Path:
     return directory
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / "tiny_smolvla"
-
-
 def tiny_vlm_dir(spec: TinyVLMSpec | None = None) -> Path:
     """The cached directory of the tiny SmolVLM for `spec`, written on first use (atomically, so parallel
     actors never read a half-written one)."""
     spec = spec or TinyVLMSpec()
     spec.validate()
-    path = cache_root() / spec.key()
+    path = cache_dir("tiny_smolvla") / spec.key()
     if not (path / "config.json").is_file():
         write_directory_atomically(path, lambda tmp: write_tiny_vlm(tmp, spec))
     return path
