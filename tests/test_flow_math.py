@@ -17,9 +17,10 @@ from common.diagnostics import (
     check_ratio_is_one,
     check_ratio_sensitivity,
 )
-from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, time_grid, transition_kl
+from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, step_time, time_grid, transition_kl
 from common.observation import Observation
 from common.policy import MLPFlowPolicy
+from common.policy.mlp import time_embedding
 
 
 def make_policy(num_steps: int = 4, **overrides) -> MLPFlowPolicy:
@@ -88,6 +89,40 @@ def test_time_grid_is_the_single_source() -> None:
     assert times.tolist() == [0.0, 0.25, 0.5, 0.75] and dt == 0.25
     # ReinFlow issue #5: scoring on linspace(0, 1 - dt, K) after sampling on linspace(0, 1, K) breaks ratio = 1.
     assert not torch.equal(times, torch.linspace(0, 1, 4))
+
+
+def test_the_policys_shortcuts_give_the_plain_modules_bits() -> None:
+    """step_time's shared tensors, MLPFlowPolicy.embed_time's memo and MLP's functional forward: each must leave every
+    bit as the plain computation has it, forward and backward, in eval and train mode."""
+    policy = make_policy(4, dropout=0.2)
+    t, dt = step_time(4, 1, 5, torch.device("cpu"))
+    assert t is step_time(4, 1, 5, torch.device("cpu"))[0] and dt == time_grid(4)[1]
+    assert torch.equal(t, time_grid(4)[0][1].expand(5))
+    first = policy.embed_time(t)
+    assert policy.embed_time(t) is first and torch.equal(first, time_embedding(t, policy.config.time_embed_dim))
+    fresh = torch.rand(5)
+    before = policy.embed_time(fresh)
+    fresh.add_(0.5)  # written in place: the memo must see the new values
+    assert torch.equal(policy.embed_time(fresh), time_embedding(fresh, policy.config.time_embed_dim))
+    assert not torch.equal(policy.embed_time(fresh), before)
+
+    x = torch.randn(7, policy.velocity_net[0].in_features)
+    plain = torch.nn.Sequential(*policy.velocity_net)  # the same layers, called as modules
+    by_mode = []
+    for train in (False, True):
+        policy.train(train)
+        outputs, grads = [], []
+        for net in (policy.velocity_net, plain):
+            torch.manual_seed(3)  # the same dropout masks in train mode
+            out = net(x)
+            (out**2).sum().backward()
+            outputs.append(out.detach())
+            grads.append([p.grad.clone() for p in net.parameters()])
+            policy.zero_grad()
+        assert torch.equal(outputs[0], outputs[1])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        by_mode.append(outputs[0])
+    assert not torch.equal(*by_mode)  # train mode really dropped units
 
 
 def test_deterministic_sampling_is_noise_free_and_repeatable() -> None:
