@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from common.rollout import success_interval
 from common.trajectory import RolloutBatch
 
 
@@ -145,6 +144,18 @@ def _save_success_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
+    """Success rate with its Wilson 95% interval: (rate, low, high)."""
+    n = len(successes)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    p = float(np.mean(successes))
+    denom = 1 + z**2 / n
+    centre = (p + z**2 / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom
+    return p, float(centre - half), float(centre + half)
 
 
 def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:

@@ -198,15 +198,3 @@ def evaluate_layouts(policy: FlowPolicy, envs: list[MetaworldTaskEnv], layouts: 
                 successes[group_start + i] |= outcome.success
                 active[i] = not (outcome.terminated or outcome.truncated)
     return successes
-
-
-def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
-    """Success rate with its Wilson 95% interval: (rate, low, high)."""
-    n = len(successes)
-    if n == 0:
-        return float("nan"), float("nan"), float("nan")
-    p = float(np.mean(successes))
-    denom = 1 + z**2 / n
-    centre = (p + z**2 / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom
-    return p, float(centre - half), float(centre + half)

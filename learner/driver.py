@@ -26,7 +26,6 @@ Faults, and what each costs:
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
@@ -48,9 +47,8 @@ from common.config import ConfigError, RunConfig
 from common.diagnostics import check_ratio_sensitivity
 from common.envs import adopt_benchmark_tasks, benchmark_task_tables, held_benchmark_tasks, layouts
 from common.flow import num_log_prob_elements
-from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, rollout_metrics
-from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy, file_sha256, read_policy_config
-from common.trajectory import RolloutBatch
+from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve
+from common.policy import WEIGHTS_FILE, build_policy, file_sha256, read_policy_config
 from learner.cluster import (
     FIRST_ACTOR_BUNDLE,
     LEARNER_BUNDLE,
@@ -59,9 +57,9 @@ from learner.cluster import (
     learner_request,
     node_cluster_address,
 )
-from learner.learner import Learner
+from learner.learner_actor import LearnerActor
 from learner.manifest import reproducibility_manifest
-from learner.monitoring import GaugeExporter, actor_health, per_actor_metrics
+from learner.monitoring import actor_health
 from learner.pretrain import REPORT_FILE, ensure_bc_checkpoint
 from learner.run_dir import RunDirectory
 
@@ -72,75 +70,6 @@ MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that
 # lower priority the learner gets a core whenever it works, and the actors every cycle it leaves (bench/throughput.py,
 # default job: iterations 3.6 -> 3.3 s). The same arithmetic either way: only the order of who runs changes.
 ACTOR_NICENESS = 19
-
-
-class LearnerActor:
-    """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
-
-    def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None):
-        """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
-        workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
-        privileged process comes back: there the learner stays at 15, still above the actors' ACTOR_NICENESS."""
-        if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, niceness)
-            except PermissionError:
-                pass
-        torch.manual_seed(config.seed)
-        if resume_dir or checkpoint_dir:
-            policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
-        else:
-            policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
-        # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
-        policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.learner = Learner(config, policy)
-        if resume_dir is not None:
-            self.learner.load_trainer_state(resume_dir)
-        self.gauges = GaugeExporter(config.env.task)
-
-    def progress(self) -> tuple[int, int]:
-        """(completed iterations, env steps sampled for them), both restored from the checkpoint on resume."""
-        return self.learner.iteration, self.learner.env_steps
-
-    def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
-        for batch in batches:
-            batch.validate(finite=False)  # NaN/Inf: Learner.update rolls the iteration back and counts it
-        batch = RolloutBatch.concat(list(batches))
-        version_before = self.learner.version
-        start, start_cpu = time.perf_counter(), time.process_time()
-        metrics = self.learner.update(batch, verbose=verbose)
-        metrics.update(rollout_metrics(batch, version_before))
-        metrics.update(per_actor_metrics(batches, version_before))
-        metrics["time/update_seconds"] = time.perf_counter() - start
-        metrics["time/update_cpu_seconds"] = time.process_time() - start_cpu
-        # The env stepping's share of the CPU work of an iteration (actors' policy and envs, the learner's update):
-        # where everything shares the cores, whole-iteration env steps/s can reach at most this fraction of the
-        # bare envs' rate (bench/throughput.py's ratio to the env limit).
-        work = batch.env_cpu_seconds + batch.policy_cpu_seconds + metrics["time/update_cpu_seconds"]
-        metrics["time/env_cpu_share"] = batch.env_cpu_seconds / work if work > 0 else math.nan
-        return metrics
-
-    def publish(self) -> list[ray.ObjectRef]:
-        """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself. The payload
-        views the weights (no copy): ray.put has serialised it into the object store when it returns."""
-        return [ray.put(self.learner.broadcast(copy=False))]
-
-    def publish_in_flight(self) -> list[ray.ObjectRef]:
-        """The weights that sample iterations k, ..., k + policy_lag (k: completed iterations; Learner.in_flight_versions),
-        one ray.put per distinct version; the last is the current version. Called when a learner (re)starts."""
-        refs = {self.learner.version: self.publish()[0]}
-        versions = self.learner.in_flight_versions()
-        for version in versions:
-            if version not in refs:
-                refs[version] = ray.put(self.learner.payload_of(version))
-        return [refs[version] for version in versions]
-
-    def save(self, directory: str) -> str:
-        return str(self.learner.save_checkpoint(directory))
-
-    def export_gauges(self, metrics: dict[str, float]) -> None:
-        """Publish every numeric metric as a tagged ray.util.metrics Gauge (Ray dashboard / Prometheus)."""
-        self.gauges.export(metrics)
 
 
 # ---------------------------------------------------------------------------------------------- faults

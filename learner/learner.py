@@ -1,6 +1,6 @@
 """The learner: PPO on recorded denoising chains, versioned weights, atomic checkpoints.
 
-`Learner` is plain Python (testable without Ray); learner.main wraps it in a Ray actor (LearnerActor).
+`Learner` is plain Python (testable without Ray); the run wraps it in a Ray actor (learner.learner_actor.LearnerActor).
 It owns the trainable policy (velocity field + noise head + critic) and one Adam optimiser with two
 parameter groups (actor, critic) so each has its own learning rate and gradient-norm clip.
 

@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 from common.config import ConfigError, RunConfig, cache_dir, load_config
 from common.envs import TASKS, Episode, collect_demonstrations, layouts
+from common.metrics import success_interval
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
-from common.rollout import camera_configs, evaluate_layouts, make_envs, success_interval
+from common.rollout import camera_configs, evaluate_layouts, make_envs
 
 REPORT_FILE = "pretrain.json"
 # Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
