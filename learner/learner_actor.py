@@ -2,7 +2,7 @@
 checkpoints, exports gauges).
 
 It has its own module because Ray starts the learner's worker by importing the module that defines its class: here
-that is torch, Ray and the learner, not the driver's Metaworld, envs and rollout actors (0.55 CPU-seconds that the
+that is torch, Ray and the learner, not the driver's Metaworld, envs and rollout actors (about 0.6 CPU-seconds that the
 learner's process spent at every start, on cores the rollout actors were starting on).
 """
 
