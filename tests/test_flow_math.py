@@ -105,6 +105,9 @@ def test_the_policys_shortcuts_give_the_plain_modules_bits() -> None:
     fresh.add_(0.5)  # written in place: the memo must see the new values
     assert torch.equal(policy.embed_time(fresh), time_embedding(fresh, policy.config.time_embed_dim))
     assert not torch.equal(policy.embed_time(fresh), before)
+    differentiated = torch.rand(5, requires_grad=True)  # a time that is differentiated gets its own graph at every call
+    first_graph = policy.embed_time(differentiated)
+    assert first_graph.grad_fn is not None and policy.embed_time(differentiated) is not first_graph
 
     x = torch.randn(7, policy.velocity_net[0].in_features)
     plain = torch.nn.Sequential(*policy.velocity_net)  # the same layers, called as modules
