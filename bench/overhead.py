@@ -2,6 +2,7 @@
 
     nice -n 5 python bench/overhead.py                  # 6 iterations of the default job (10 actors), 2 left out
     python bench/overhead.py --iterations 2 --warmup-iterations 1 --main-arg=--num-actors=2 ...   # a smoke run
+    python bench/overhead.py --in-process-only --iterations 3 --warmup-iterations 0   # the job's bits, for two checkouts
 
 - on Ray: `python -m learner.main --checkpoint <the config's BC checkpoint>` (bench/throughput.py's main_job,
   eval_every=0, lag 0). Per iteration, metrics.jsonl holds the wall time, the slowest actor's sampling time measured
@@ -14,11 +15,17 @@
   actor), so these are the same rollouts and updates as on Ray: same_final_weights is 1 when the in-process
   learner ends with the Ray run's checkpoint, bit for bit.
 - in_process_over_ray: in-process iteration seconds / Ray's, what the actors' parallelism buys on this machine.
+- in_process_fingerprint: SHA-256 of the in-process loop's every rollout array, every update's metrics and the final
+  weights. Run in two checkouts, equal fingerprints mean a change left every bit of the job as it was: how issue 11's
+  speed-ups are checked to leave learning unchanged (`--in-process-only` skips the Ray run for that).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +38,7 @@ from bench.report import emit, load_average, put_repo_on_path, ratio  # noqa: E4
 
 put_repo_on_path()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -54,19 +62,30 @@ def in_process(
     actors = [RolloutActor(config, index, str(actor_checkpoint)) for index in range(config.actors.num_actors)]
     weights = learner.broadcast()
     seconds: dict[str, list[float]] = {"iteration": [], "sample": [], "update": []}
+    fingerprint = hashlib.sha256()
     for iteration in range(iterations):
         began = time.perf_counter()
         batches = [actor.sample(weights, iteration) for actor in actors]
         sampled = time.perf_counter()
-        learner.update(RolloutBatch.concat(batches))
+        metrics = learner.update(RolloutBatch.concat(batches))
         updated = time.perf_counter()
+        for batch in batches:
+            for field in dataclasses.fields(batch):
+                value = getattr(batch, field.name)
+                if isinstance(value, np.ndarray):  # the record; its scalars are timings and counts
+                    fingerprint.update(field.name.encode() + value.tobytes())
+        fingerprint.update(json.dumps(metrics, sort_keys=True).encode())
         weights = learner.broadcast()
         if iteration >= warmup:
             seconds["iteration"].append(time.perf_counter() - began)
             seconds["sample"].append(sampled - began)
             seconds["update"].append(updated - sampled)
-    figures = {f"in_process_median_{name}_seconds": statistics.median(values) for name, values in seconds.items()}
-    return figures, {name: tensor.detach().clone() for name, tensor in learner.policy.state_dict().items()}
+    figures: dict[str, float | str] = {f"in_process_median_{name}_seconds": statistics.median(values) for name, values in seconds.items()}
+    final = {name: tensor.detach().clone() for name, tensor in learner.policy.state_dict().items()}
+    for name, tensor in sorted(final.items()):
+        fingerprint.update(name.encode() + tensor.numpy().tobytes())
+    figures["in_process_fingerprint"] = fingerprint.hexdigest()
+    return figures, final
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iterations", type=int, default=6, help="iterations of each loop")
     parser.add_argument("--warmup-iterations", type=int, default=2, help="first iterations left out of the figures")
     parser.add_argument("--main-arg", action="append", default=[], help="extra learner.main argument, --flag=value (repeatable)")
+    parser.add_argument("--in-process-only", action="store_true", help="only the in-process loop: its figures and fingerprint")
     args = parser.parse_args(argv)
     if args.iterations <= args.warmup_iterations or args.warmup_iterations < 0:
         raise SystemExit(f"--iterations ({args.iterations}) must exceed --warmup-iterations ({args.warmup_iterations}) >= 0")
@@ -83,18 +103,19 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = resolve_init_checkpoint(config)
     results: dict = {"bench": "overhead", "actors": config.actors.num_actors, "load_average_1m_start": load_average()}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as scratch:
-        run_dir = Path(scratch) / "run"
-        main_args = [*main_argv, *([f"--checkpoint={checkpoint}"] if checkpoint else [])]
-        on_ray = main_job(args.iterations, args.warmup_iterations, 2, main_args, run_dir=run_dir)
-        ray_weights = load_file(str(run_dir / "checkpoints" / f"iter_{args.iterations:06d}" / WEIGHTS_FILE))
         figures, weights = in_process(config, checkpoint, args.iterations, args.warmup_iterations, Path(scratch))
-    results.update({key.replace("main_", "ray_", 1): value for key, value in on_ray.items()})
-    results["ray_share"] = results.pop("ray_outside_work_share")
-    results.update(figures)
-    results["in_process_over_ray"] = ratio(results["in_process_median_iteration_seconds"], results["ray_median_iteration_seconds"])
-    results["same_final_weights"] = int(
-        weights.keys() == ray_weights.keys() and all(torch.equal(weights[k], ray_weights[k]) for k in weights)
-    )
+        results.update(figures)
+        if not args.in_process_only:
+            run_dir = Path(scratch) / "run"
+            main_args = [*main_argv, *([f"--checkpoint={checkpoint}"] if checkpoint else [])]
+            on_ray = main_job(args.iterations, args.warmup_iterations, 2, main_args, run_dir=run_dir)
+            ray_weights = load_file(str(run_dir / "checkpoints" / f"iter_{args.iterations:06d}" / WEIGHTS_FILE))
+            results.update({key.replace("main_", "ray_", 1): value for key, value in on_ray.items()})
+            results["ray_share"] = results.pop("ray_outside_work_share")
+            results["in_process_over_ray"] = ratio(results["in_process_median_iteration_seconds"], results["ray_median_iteration_seconds"])
+            results["same_final_weights"] = int(
+                weights.keys() == ray_weights.keys() and all(torch.equal(weights[k], ray_weights[k]) for k in weights)
+            )
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

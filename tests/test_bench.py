@@ -94,11 +94,27 @@ def test_overhead_smallest_replays_the_ray_run_in_one_process(capsys):
     )
     assert printed(capsys) == json.loads(json.dumps(results))
     assert results["same_final_weights"] == 1  # the same rollouts and updates, with and without Ray
+    assert len(results["in_process_fingerprint"]) == 64
     assert_positive(results["ray_median_iteration_seconds"], results["in_process_median_iteration_seconds"])
     assert results["ray_share"] < 1
     assert results["in_process_over_ray"] == pytest.approx(
         results["in_process_median_iteration_seconds"] / results["ray_median_iteration_seconds"], rel=1e-12
     )
+
+
+def test_overheads_fingerprint_repeats_for_the_same_job_and_changes_with_any_bit_of_it(capsys):
+    """The fingerprint that checks a speed-up left the job's bits as they were: equal for a rerun, different for a
+    run whose rollouts differ (another seed) and for one whose first rollouts match but whose updates differ (another
+    learning rate)."""
+    tiny = ["--iterations", "2", "--warmup-iterations", "0", "--in-process-only", "--main-arg=--num-actors=2",
+            *(f"--main-arg={arg}" for arg in TINY_MAIN_ARGS)]  # fmt: skip
+    fingerprints = [
+        overhead.main([*tiny, *extra])["in_process_fingerprint"]
+        for extra in ([], [], ["--main-arg=--seed=1"], ["--main-arg=--set=learner.actor_lr=0.0002"])
+    ]
+    capsys.readouterr()
+    assert fingerprints[0] == fingerprints[1]
+    assert len(set(fingerprints)) == 3
 
 
 def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
