@@ -2,7 +2,7 @@
 
     nice -n 5 python bench/overhead.py                  # 6 iterations of the default job (10 actors), 2 left out
     python bench/overhead.py --iterations 2 --warmup-iterations 1 --main-arg=--num-actors=2 ...   # a smoke run
-    python bench/overhead.py --in-process-only --iterations 3 --warmup-iterations 0   # the job's bits, for two checkouts
+    python bench/overhead.py --in-process-only --iterations 5 --warmup-iterations 0   # the job's bits, for two checkouts
 
 - on Ray: `python -m learner.main --checkpoint <the config's BC checkpoint>` (bench/throughput.py's main_job,
   eval_every=0, lag 0). Per iteration, metrics.jsonl holds the wall time, the slowest actor's sampling time measured
