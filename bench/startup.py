@@ -11,10 +11,16 @@
   times the subprocess from launch until its first metrics.jsonl row appears and subtracts that row's
   time/update_seconds: command_to_first_rollout_seconds, which still holds the weight publication and the
   checkpoint the single batch saves (tens of milliseconds for the MLP policy).
+- main_stages: where the main command's start-up went, from its summary.json ("startup", learner.driver.STARTUP_STAGES):
+  seconds since learner.main.run began (the interpreter's start and learner.main's imports come before) at which
+  Ray was up, the input checked, the learner and all the actors constructed, the weights published and the first
+  rollout collected.
 - floor: in this process, `ray.init` (local, no dashboard) plus N bare actors whose constructor imports torch,
   until all N have answered; then Ray is shut down. It runs after the main command, so it meets file caches at
-  least as warm.
-- ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (issue 11's goal: within 1.3).
+  least as warm. floor_stages: when Ray was up and when the actors had answered, in seconds since ray.init began.
+- ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (issue 11's goal: within 1.3). Side by side, by
+  stage: ray_up_ratio (the main command's Ray start, beside its input checks, against the bare one) and
+  after_ray_ratio (from Ray up to the first rollout, against the floor's from Ray up to its actors' answers).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class BareActor:
         return os.getpid()
 
 
-def floor_seconds(actors: int) -> float:
+def floor_stages(actors: int) -> dict[str, float]:
+    """Seconds since ray.init began: Ray up ("ray_up"), and all the bare actors answered ("actors_ready")."""
     import ray
 
     from learner.cluster import start_local_ray
@@ -55,9 +62,10 @@ def floor_seconds(actors: int) -> float:
     began = time.perf_counter()
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        ray_up = time.perf_counter() - began
         handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
         ray.get([handle.ready.remote() for handle in handles])
-        return time.perf_counter() - began
+        return {"ray_up": ray_up, "actors_ready": time.perf_counter() - began}
     finally:
         ray.shutdown()
 
@@ -86,11 +94,13 @@ def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -
             raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}, metrics row seen: {first_row_seconds is not None}):\n"
                                f"{log_path.read_text()[-4000:]}")  # fmt: skip
         first_row = json.loads(metrics_path.read_text().splitlines()[0])
+        stages = json.loads((Path(run_dir) / "summary.json").read_text())["startup"]
     return {
         "command_to_first_rollout_seconds": first_row_seconds - first_row["time/update_seconds"],
         "command_to_first_metrics_row_seconds": first_row_seconds,
         "first_rollout_sample_seconds": first_row["time/sample_seconds"],
         "command_seconds": command_seconds,
+        "main_stages": stages,
     }
 
 
@@ -104,8 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--actors must be >= 1, got {args.actors}")
     results: dict = {"bench": "startup", "actors": args.actors, "load_average_1m_start": load_average()}
     results.update(main_command_seconds(args.actors, args.main_arg, args.timeout))
-    results["floor_seconds"] = floor_seconds(args.actors)
+    main_stages = results["main_stages"]
+    results["floor_stages"] = floor = floor_stages(args.actors)
+    results["floor_seconds"] = floor["actors_ready"]
     results["ratio_to_floor"] = ratio(results["command_to_first_rollout_seconds"], results["floor_seconds"])
+    results["ray_up_ratio"] = ratio(main_stages["ray_up"], floor["ray_up"])
+    results["after_ray_ratio"] = ratio(main_stages["first_rollout"] - main_stages["ray_up"], floor["actors_ready"] - floor["ray_up"])
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

@@ -373,10 +373,16 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
 
 
 def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, eval_layouts: list, *, single_batch: bool = False,
-          began: float | None = None) -> dict[str, Any]:  # fmt: skip
+          began: float | None = None, startup: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """The run, on the Ray that learner.main.run connected; began: when the run started (time.perf_counter), counted
-    in its start-up time and cost (default: now)."""
+    in its start-up time and cost (default: now); startup: the STARTUP_STAGES passed before train, in seconds since
+    `began` (learner.main.run's Ray and input checks)."""
     wall_start = time.perf_counter() if began is None else began
+    startup = dict(startup or {})
+
+    def reached(stage: str) -> None:
+        startup.setdefault(stage, time.perf_counter() - wall_start)
+
     run_dir = directory.path
     resume = resume_dir is not None
     # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
@@ -389,15 +395,21 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
                                 config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
     learner = start_learner(config, checkpoint, resume_dir, learner_resources)
+    # When the learner is up, noted as it happens (the actors start meanwhile); its failure surfaces at its first call.
+    learner.__ray_ready__.remote().future().add_done_callback(lambda _: reached("learner_ready"))
     actor_checkpoint = str(resume_dir or checkpoint) if (resume_dir or checkpoint) else None
     if actor_checkpoint is None:  # random-init run: actors start from the learner's random weights, saved for them
         actor_checkpoint = learner_get(learner.save.remote(str(run_dir / "checkpoints" / "random_init")))
     pool = start_actors(config, actor_checkpoint, actor_resources)
+    reached("actors_ready")
     start_iteration, total_env_steps = learner_get(learner.progress.remote())
     # The weights of iterations start_iteration, ..., + policy_lag, submitted once the loop starts; then each update's.
     sampling_refs = deque(learner_get(learner.publish_in_flight.remote()))
     weights_ref = sampling_refs[-1]
-    print(f"[start] {len(pool.actors)} rollout actors and the learner up in {time.perf_counter() - wall_start:.1f}s", flush=True)
+    reached("learner_ready")  # a learner whose callback has not run yet was up before progress() answered
+    reached("weights_published")
+    print(f"[start] {len(pool.actors)} rollout actors and the learner up in {startup['weights_published']:.1f}s "
+          f"({format_startup(startup)})", flush=True)  # fmt: skip
 
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     wandb_run = None if single_batch else init_wandb(config, run_dir, resume)
@@ -457,6 +469,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         summary["manifest"] = reproducibility_manifest(config, checkpoint, eval_layouts)
     if start_iteration == 0 and not single_batch:
         summary["initial_eval"] = run_eval("initial policy")
+        reached("initial_evaluation")
         summary_path.write_text(json.dumps(summary, indent=2))  # kept if the run is interrupted
 
     def save(iteration: int) -> None:
@@ -475,6 +488,10 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                     ref = sampling_refs.popleft() if sampling_refs else weights_ref
                     in_flight.append(pool.submit_sample(ref, iteration + len(in_flight)))
                 batch_refs = pool.collect_sample(in_flight.popleft())
+                if "first_rollout" not in startup:
+                    reached("first_rollout")
+                    summary["startup"] = dict(sorted(startup.items(), key=lambda item: item[1]))
+                    print(f"[start] first rollout in {startup['first_rollout']:.1f}s ({format_startup(startup)})", flush=True)
                 metrics = learner_get(learner.update.remote(*batch_refs, verbose=single_batch))
                 weights_ref = learner_get(learner.publish.remote())[0]
                 iteration_seconds = time.perf_counter() - t0
@@ -591,6 +608,19 @@ def init_wandb(config: RunConfig, run_dir: Path, resume: bool):
     run = wandb.init(project=config.wandb_project, dir=str(run_dir), config=config.to_dict(), id=run_id, resume="allow" if run_id else None)
     run_id_file.write_text(run.id)
     return run
+
+
+# What a run's start-up passes through, in seconds since learner.main.run began (summary.json "startup", the "[start]"
+# lines): Ray connected, the input checked (beside Ray's start), the learner and all the rollout actors constructed,
+# the first weights published, the initial policy's held-out evaluation (a full run), and the first rollout collected.
+STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "learner_ready": "learner", "actors_ready": "actors",
+                  "weights_published": "weights published", "initial_evaluation": "initial evaluation",
+                  "first_rollout": "first rollout"}  # fmt: skip
+
+
+def format_startup(startup: dict[str, float]) -> str:
+    """The stages passed, in the order they were: "Ray 5.2s, input checked 5.3s, ..."."""
+    return ", ".join(f"{STARTUP_STAGES[stage]} {seconds:.1f}s" for stage, seconds in sorted(startup.items(), key=lambda item: item[1]))
 
 
 def format_eval(result: dict[str, float]) -> str:

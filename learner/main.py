@@ -71,11 +71,14 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
     stops the run before its directory is created or touched, and a Ray started here is shut down when the run
     fails."""
     began = time.perf_counter()
+    startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.driver.STARTUP_STAGES)
     connected_here = False
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
             checked = checking.submit(check_input, config, address, resume)
+            checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
             connected_here = connect_ray(address, include_dashboard)
+            startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         from learner.driver import train
         from learner.run_dir import RunDirectory
@@ -87,7 +90,7 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             resume_dir = directory.resume(config, allow_config_change) if resume else None
             if not resume:
                 directory.start_new(config)
-            return train(config, directory, resume_dir, eval_layouts, began=began, **options)
+            return train(config, directory, resume_dir, eval_layouts, began=began, startup=startup, **options)
     except BaseException:
         if connected_here:  # not a Ray the caller had started
             ray.shutdown()

@@ -65,6 +65,13 @@ def test_startup_smallest(capsys):
     assert_positive(results["command_to_first_rollout_seconds"], results["floor_seconds"], results["first_rollout_sample_seconds"])
     assert results["command_to_first_rollout_seconds"] < results["command_to_first_metrics_row_seconds"] <= results["command_seconds"]
     assert results["ratio_to_floor"] == pytest.approx(results["command_to_first_rollout_seconds"] / results["floor_seconds"], rel=1e-12)
+    main_stages, floor = results["main_stages"], results["floor_stages"]
+    assert 0 < main_stages["ray_up"] < main_stages["weights_published"] < main_stages["first_rollout"] < results["command_seconds"]
+    assert "initial_evaluation" not in main_stages  # --single-batch: its start-up has no evaluation in it
+    assert 0 < floor["ray_up"] < floor["actors_ready"] == results["floor_seconds"]
+    assert results["ray_up_ratio"] == pytest.approx(main_stages["ray_up"] / floor["ray_up"], rel=1e-12)
+    after_ray = (main_stages["first_rollout"] - main_stages["ray_up"]) / (floor["actors_ready"] - floor["ray_up"])
+    assert results["after_ray_ratio"] == pytest.approx(after_ray, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -154,12 +154,21 @@ def test_a_run_survives_the_fault_with_the_undisturbed_results(tmp_path, bc_chec
 
 
 @pytest.mark.slow
-def test_the_summary_reports_what_the_run_held_and_for_how_long(undisturbed) -> None:
-    cost = json.loads((undisturbed / "summary.json").read_text())["cost"]
+def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_went(undisturbed) -> None:
+    from learner.driver import STARTUP_STAGES
+
+    summary = json.loads((undisturbed / "summary.json").read_text())
+    cost = summary["cost"]
     # On the 2-CPU local Ray: the learner holds 0.5 CPU and each of the 2 actors (2 - 0.5) / 2, for the whole run.
     assert cost["cpu_seconds_reserved"] == pytest.approx(2.0 * cost["wall_seconds"], rel=1e-9)
     assert cost["gpu_seconds_reserved"] == 0.0 and cost["env_steps"] == rows(undisturbed)[-1]["rollout/total_env_steps"]
     assert 0 < rows(undisturbed)[-1]["cost/wall_seconds"] <= cost["wall_seconds"]
+    # Every stage, once, in seconds since the run began; what needs another stage comes after it.
+    startup = summary["startup"]
+    assert list(startup) == sorted(startup, key=startup.get) and set(startup) == set(STARTUP_STAGES)
+    assert 0 < startup["ray_up"] < startup["actors_ready"] <= startup["weights_published"] < startup["initial_evaluation"]
+    assert startup["input_checked"] <= startup["actors_ready"] and startup["learner_ready"] <= startup["weights_published"]
+    assert startup["initial_evaluation"] < startup["first_rollout"] < cost["wall_seconds"]
 
 
 @pytest.mark.slow
