@@ -7,6 +7,8 @@ import json
 import math
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,80 @@ def available_memory_bytes() -> int:
 def load_average() -> float:
     """The 1-minute load average: a bench on a shared machine says how busy it was."""
     return os.getloadavg()[0]
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds so far) of a live process, from /proc/<pid>/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces and parentheses
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # ppid; utime + stime
+
+
+def _title(pid: int) -> str:
+    """A process's command line, or the title it set (Ray's workers: "ray::RolloutActor.sample")."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class ProcessTreeCPU:
+    """CPU seconds spent by a process and its descendants while the block runs, summed by kind, read from Linux's
+    /proc in a thread every `interval` seconds. A process counts with its last reading: what it spends in its last
+    interval before exiting is missed, and one that lives less than an interval is not seen. Processes already
+    alive when the block starts count from their CPU at that moment. kind_of(pid, title) names a process's kind, or
+    None while its title does not tell (a Ray worker not yet given work, a process gone): it then keeps the kind it
+    had, or "other"."""
+
+    def __init__(self, root_pid: int, kind_of: Callable[[int, str], str | None], interval: float = 0.2) -> None:
+        if not os.path.isdir(f"/proc/{root_pid}"):
+            raise RuntimeError(f"reading CPU by process needs Linux's /proc (no /proc/{root_pid})")
+        self.root_pid, self.kind_of, self.interval = root_pid, kind_of, interval
+        self.readings: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds since the block started)
+        self.baseline: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-tree-cpu", daemon=True)
+
+    def __enter__(self) -> ProcessTreeCPU:
+        self.baseline = {pid: cpu for pid, (_, cpu) in self._tree().items()}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+    def by_kind(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for kind, cpu in self.readings.values():
+            totals[kind] = totals.get(kind, 0.0) + cpu
+        return totals
+
+    def _tree(self) -> dict[int, tuple[int, float]]:
+        stats = {int(name): stat for name in os.listdir("/proc") if name.isdigit() and (stat := _stat(int(name))) is not None}
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in stats.items():
+            children.setdefault(parent, []).append(pid)
+        tree, pending = {}, [self.root_pid]
+        while pending:
+            pid = pending.pop()
+            if pid in stats:
+                tree[pid] = stats[pid]
+                pending += children.get(pid, [])
+        return tree
+
+    def _read(self) -> None:
+        for pid, (_, cpu) in self._tree().items():
+            held = self.readings.get(pid)
+            kind = self.kind_of(pid, _title(pid)) or (held[0] if held else "other")
+            self.readings[pid] = (kind, cpu - self.baseline.get(pid, 0.0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._read()

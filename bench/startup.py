@@ -21,6 +21,10 @@
 - ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (issue 11's goal: within 1.3). Side by side, by
   stage: ray_up_ratio (the main command's Ray start, beside its input checks, against the bare one) and
   after_ray_ratio (from Ray up to the first rollout, against the floor's from Ray up to its actors' answers).
+- main_cpu_seconds / floor_cpu_seconds: the CPU seconds each spent until its end point above, by process kind
+  (actors, learner, driver, other: Ray's own processes and tasks), read from /proc every 0.2 s
+  (bench.report.ProcessTreeCPU; Linux only); cpu_ratio_to_floor compares their totals. Where start-up is CPU-bound
+  (more processes than cores) the wall-time ratio follows this one.
 """
 
 from __future__ import annotations
@@ -33,12 +37,34 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
+from bench.report import REPO_ROOT, ProcessTreeCPU, emit, load_average, put_repo_on_path, ratio  # noqa: E402
 
 put_repo_on_path()
+
+
+def process_kind(root_pid: int):
+    """kind_of for ProcessTreeCPU: "driver" (the main command's process, or this bench's for the floor), "actors"
+    (rollout or bare), "learner", "other" (Ray's own processes and tasks); None for a Ray worker not yet given work."""
+
+    def kind_of(pid: int, title: str) -> str | None:
+        if pid == root_pid:
+            return "driver"
+        if not title or title.startswith("ray::IDLE"):
+            return None
+        name = title.removeprefix("ray::").split(" ")[0].split(".")[0] if title.startswith("ray::") else ""
+        return {"RolloutActor": "actors", "BareActor": "actors", "LearnerActor": "learner"}.get(name, "other")
+
+    return kind_of
+
+
+def cpu_seconds(tree: ProcessTreeCPU) -> dict[str, float]:
+    """CPU seconds by kind, with every kind named (0 when absent) and their total."""
+    by_kind = {kind: 0.0 for kind in ("actors", "learner", "driver", "other")} | tree.by_kind()
+    return {**by_kind, "total": sum(by_kind.values())}
 
 
 class BareActor:
@@ -53,24 +79,29 @@ class BareActor:
         return os.getpid()
 
 
-def floor_stages(actors: int) -> dict[str, float]:
-    """Seconds since ray.init began: Ray up ("ray_up"), and all the bare actors answered ("actors_ready")."""
+def floor_stages(actors: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds since ray.init began: Ray up ("ray_up"), and all the bare actors answered ("actors_ready"); and the CPU
+    seconds this process and Ray's spent until then, by kind."""
     import ray
 
     from learner.cluster import start_local_ray
 
-    began = time.perf_counter()
-    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        ray_up = time.perf_counter() - began
-        handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
-        ray.get([handle.ready.remote() for handle in handles])
-        return {"ray_up": ray_up, "actors_ready": time.perf_counter() - began}
-    finally:
-        ray.shutdown()
+    with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:
+        began = time.perf_counter()
+        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            ray_up = time.perf_counter() - began
+            handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
+            ray.get([handle.ready.remote() for handle in handles])
+            stages = {"ray_up": ray_up, "actors_ready": time.perf_counter() - began}
+        except BaseException:
+            ray.shutdown()
+            raise
+    ray.shutdown()  # after the last reading: shutting Ray down is no part of the floor
+    return stages, cpu_seconds(tree)
 
 
-def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -> dict[str, float]:
+def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as run_dir:
         metrics_path = Path(run_dir) / "metrics.jsonl"
         log_path = Path(run_dir) / "console.log"
@@ -81,14 +112,18 @@ def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -
             environment = {**os.environ, "WANDB_MODE": "disabled"}
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
             first_row_seconds = None
-            while process.poll() is None and time.perf_counter() - began < timeout_s:
-                if first_row_seconds is None and metrics_path.exists() and metrics_path.read_text().strip():
-                    first_row_seconds = time.perf_counter() - began
-                time.sleep(0.02)
-            if process.poll() is None:
+            with ProcessTreeCPU(process.pid, process_kind(process.pid)) as tree:  # until the first metrics row
+                while process.poll() is None and time.perf_counter() - began < timeout_s:
+                    if metrics_path.exists() and metrics_path.read_text().strip():
+                        first_row_seconds = time.perf_counter() - began
+                        break
+                    time.sleep(0.02)
+            try:
+                process.wait(timeout=max(0.0, timeout_s - (time.perf_counter() - began)))
+            except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-                raise RuntimeError(f"{' '.join(command)} ran past {timeout_s} s")
+                raise RuntimeError(f"{' '.join(command)} ran past {timeout_s} s") from None
             command_seconds = time.perf_counter() - began
         if process.returncode != 0 or first_row_seconds is None:
             raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}, metrics row seen: {first_row_seconds is not None}):\n"
@@ -101,6 +136,7 @@ def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -
         "first_rollout_sample_seconds": first_row["time/sample_seconds"],
         "command_seconds": command_seconds,
         "main_stages": stages,
+        "main_cpu_seconds": cpu_seconds(tree),
     }
 
 
@@ -115,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"bench": "startup", "actors": args.actors, "load_average_1m_start": load_average()}
     results.update(main_command_seconds(args.actors, args.main_arg, args.timeout))
     main_stages = results["main_stages"]
-    results["floor_stages"] = floor = floor_stages(args.actors)
+    floor, floor_cpu = floor_stages(args.actors)
+    results.update({"floor_stages": floor, "floor_cpu_seconds": floor_cpu})
+    results["cpu_ratio_to_floor"] = ratio(results["main_cpu_seconds"]["total"], results["floor_cpu_seconds"]["total"])
     results["floor_seconds"] = floor["actors_ready"]
     results["ratio_to_floor"] = ratio(results["command_to_first_rollout_seconds"], results["floor_seconds"])
     results["ray_up_ratio"] = ratio(main_stages["ray_up"], floor["ray_up"])

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from bench import broadcast, env_step, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
-from bench.report import flatten
+from bench.report import ProcessTreeCPU, flatten
 from common.config import RunConfig
 
 # learner.main with a random policy and a few decisions: the start-up is the cost, not the work.
@@ -58,6 +62,26 @@ def test_broadcast_smallest(capsys):
             assert case[f"{path}_ratio_to_floor"] == pytest.approx(case["floor_seconds"] / case[f"{path}_seconds"], rel=1e-12)
 
 
+def test_process_tree_cpu_counts_what_the_kernel_charges_its_children_and_not_the_roots_past():
+    """A child that burns 0.5 CPU-s under a recognisable title: its kind's reading equals what the kernel charges
+    this process's reaped children (getrusage), and the root's CPU spent before the block does not count."""
+    sum(i * i for i in range(3_000_000))  # CPU of the root before the block
+    busy = "import time  # burning-child\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\ntime.sleep(0.5)"
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.process_time()
+
+    def kind_of(pid: int, title: str) -> str | None:
+        return "root" if pid == os.getpid() else ("burning" if "burning-child" in title else None)
+
+    with ProcessTreeCPU(os.getpid(), kind_of, interval=0.05) as tree:
+        subprocess.run([sys.executable, "-c", busy], check=True)  # sleeps after burning: its last reading is taken
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    charged = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
+    by_kind = tree.by_kind()
+    assert by_kind["burning"] >= 0.5 and by_kind["burning"] == pytest.approx(charged, abs=0.03)
+    assert 0 <= by_kind["root"] <= time.process_time() - began + 0.02  # only the block's own CPU
+
+
 @pytest.mark.slow
 def test_startup_smallest(capsys):
     results = startup.main(["--actors", "2", *(f"--main-arg={arg}" for arg in TINY_MAIN_ARGS)])
@@ -72,6 +96,12 @@ def test_startup_smallest(capsys):
     assert results["ray_up_ratio"] == pytest.approx(main_stages["ray_up"] / floor["ray_up"], rel=1e-12)
     after_ray = (main_stages["first_rollout"] - main_stages["ray_up"]) / (floor["actors_ready"] - floor["ray_up"])
     assert results["after_ray_ratio"] == pytest.approx(after_ray, rel=1e-12)
+    main_cpu, floor_cpu = results["main_cpu_seconds"], results["floor_cpu_seconds"]
+    assert_positive(main_cpu["actors"], main_cpu["learner"], main_cpu["driver"], floor_cpu["actors"], floor_cpu["driver"])
+    assert floor_cpu["learner"] == 0.0  # the floor has no learner
+    for cpu in (main_cpu, floor_cpu):
+        assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"), rel=1e-12)
+    assert results["cpu_ratio_to_floor"] == pytest.approx(main_cpu["total"] / floor_cpu["total"], rel=1e-12)
 
 
 @pytest.mark.slow
