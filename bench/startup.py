@@ -64,7 +64,8 @@ def process_kind(root_pid: int):
 def cpu_seconds(tree: ProcessTreeCPU) -> dict[str, float]:
     """CPU seconds by kind, with every kind named (0 when absent) and their total."""
     by_kind = {kind: 0.0 for kind in ("actors", "learner", "driver", "other")} | tree.by_kind()
-    return {**by_kind, "total": sum(by_kind.values())}
+    by_kind = {kind: round(cpu, 2) for kind, cpu in by_kind.items()}  # /proc counts clock ticks (10 ms)
+    return {**by_kind, "total": round(sum(by_kind.values()), 2)}
 
 
 class BareActor:
