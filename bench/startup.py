@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from bench.report import REPO_ROOT, ProcessTreeCPU, emit, load_average, put_repo
 put_repo_on_path()
 
 
-def process_kind(root_pid: int):
+def process_kind(root_pid: int) -> Callable[[int, str], str | None]:
     """kind_of for ProcessTreeCPU: "driver" (the main command's process, or this bench's for the floor), "actors"
     (rollout or bare), "learner", "other" (Ray's own processes and tasks); None for a Ray worker not yet given work."""
 
@@ -87,18 +88,16 @@ def floor_stages(actors: int) -> tuple[dict[str, float], dict[str, float]]:
 
     from learner.cluster import start_local_ray
 
-    with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:
-        began = time.perf_counter()
-        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
+    try:
+        with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:  # its last reading comes before Ray's shutdown
+            began = time.perf_counter()
+            start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
             ray_up = time.perf_counter() - began
             handles = [ray.remote(BareActor).options(num_cpus=0).remote() for _ in range(actors)]
             ray.get([handle.ready.remote() for handle in handles])
             stages = {"ray_up": ray_up, "actors_ready": time.perf_counter() - began}
-        except BaseException:
-            ray.shutdown()
-            raise
-    ray.shutdown()  # after the last reading: shutting Ray down is no part of the floor
+    finally:
+        ray.shutdown()
     return stages, cpu_seconds(tree)
 
 
