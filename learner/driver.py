@@ -490,7 +490,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 batch_refs = pool.collect_sample(in_flight.popleft())
                 if "first_rollout" not in startup:
                     reached("first_rollout")
-                    summary["startup"] = dict(sorted(startup.items(), key=lambda item: item[1]))
+                    summary["startup"] = in_time_order(startup)
                     print(f"[start] first rollout in {startup['first_rollout']:.1f}s ({format_startup(startup)})", flush=True)
                 metrics = learner_get(learner.update.remote(*batch_refs, verbose=single_batch))
                 weights_ref = learner_get(learner.publish.remote())[0]
@@ -618,9 +618,14 @@ STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "learner_re
                   "first_rollout": "first rollout"}  # fmt: skip
 
 
+def in_time_order(startup: dict[str, float]) -> dict[str, float]:
+    """The stages passed, in the order they were passed (the callbacks of learner.main.run and train note some late)."""
+    return dict(sorted(startup.items(), key=lambda item: item[1]))
+
+
 def format_startup(startup: dict[str, float]) -> str:
-    """The stages passed, in the order they were: "Ray 5.2s, input checked 5.3s, ..."."""
-    return ", ".join(f"{STARTUP_STAGES[stage]} {seconds:.1f}s" for stage, seconds in sorted(startup.items(), key=lambda item: item[1]))
+    """The stages passed, in order: "Ray 5.2s, input checked 5.3s, ..."."""
+    return ", ".join(f"{STARTUP_STAGES[stage]} {seconds:.1f}s" for stage, seconds in in_time_order(startup).items())
 
 
 def format_eval(result: dict[str, float]) -> str:
