@@ -3,7 +3,7 @@
     python -m learner.pretrain --out checkpoints/bc            # defaults from common.config.PretrainConfig
     python -m learner.pretrain --set pretrain.num_demos=7 --out /tmp/bc7
 
-RL fine-tuning starts from a pre-trained policy, and no weights can be downloaded here, so the project
+RL fine-tuning starts from a pre-trained policy, and no weights are downloaded at run time, so the project
 makes its own: the scripted expert is rolled out (with action noise) on `pretrain.num_demos` layouts of
 `env.demo_benchmark_seed`, the velocity field is trained with the conditional flow-matching loss, and the
 checkpoint (safetensors + config + normalisation statistics as buffers) is evaluated deterministically
@@ -63,105 +63,50 @@ def flow_matching_loss(policy: FlowPolicy, obs: Observation, chunks: torch.Tenso
     return ((policy.velocity(a_t, t, policy.encode(obs)) - (target - noise)) ** 2).mean()
 
 
-def frame_dataset(
+def demonstration_dataset(
     episodes: list[Episode], chunk_size: int, instruction: tuple[np.ndarray, np.ndarray] | None
 ) -> tuple[Observation, np.ndarray]:
-    """chunk_dataset with each step's camera frames and the task's instruction tokens (one row, repeated):
-    an (M,) numpy Observation and (M, H, A) chunks."""
+    """chunk_dataset as a numpy Observation of M rows, with each step's camera frames (when the episodes were
+    rendered) and the task's instruction tokens (one row, repeated; None for a policy that reads no language),
+    and the (M, H, A) chunks."""
     states, chunks = chunk_dataset(episodes, chunk_size)
-    frames = np.concatenate([episode.frames for episode in episodes])
+    frames = None if episodes[0].frames is None else np.concatenate([episode.frames for episode in episodes])
     ids, mask = (None, None) if instruction is None else (np.repeat(array, len(states), axis=0) for array in instruction)
     return Observation(states, frames, ids, mask), chunks
 
 
-def pretrain_with_frames(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """BC for a policy that reads camera frames and the instruction (policy.image_size > 0: SmolVLA).
+def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """Collect demonstrations, train, evaluate, and save a checkpoint to out_dir (written atomically).
 
-    The expert's demonstrations are rendered from policy.cameras at every step, the task's instruction is
-    tokenized once by the policy, and the flow-matching loss sees the whole (frames, instruction, state)
-    observation. Every parameter that feeds the velocity trains, the VLM included: built offline, the tiny
-    SmolVLM starts from random weights, and frames mean nothing to a random encoder. (RL then freezes it
-    unless policy.smolvla.train_vlm.) The noise head and critic get no gradient here; RL trains them.
+    One trainer for every backend: the demonstrations carry what the policy reads (camera frames from
+    policy.cameras, rendered at every step, and the task's instruction, tokenized once by the policy), and the
+    flow-matching loss trains the backend's `behaviour_cloning_parameters()`. The noise head and critic get no
+    gradient here; RL trains them.
     """
     cfg, env_cfg = config.pretrain, config.env
+    if cfg.num_demos is None:
+        raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     policy = build_policy(config.policy)
     cameras = camera_configs(policy.config)
     demo_layouts = layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
     episodes = collect_demonstrations(env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, env_cfg.max_episode_steps, cameras)
-    obs, chunks_np = frame_dataset(episodes, config.policy.chunk_size, policy.tokenize([TASKS[env_cfg.task].instruction]))
+    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, policy.tokenize([TASKS[env_cfg.task].instruction]))
     chunks = torch.from_numpy(chunks_np)
     demo_seconds = time.perf_counter() - start
 
     states, flat_actions = torch.from_numpy(obs.state), chunks.reshape(-1, config.policy.action_dim)
     policy.set_normalization(states.mean(0), states.std(0), flat_actions.mean(0), flat_actions.std(0))
-    policy.requires_grad_(True)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=1e-4)  # params without a gradient are skipped
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.train_steps)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    losses = []
-    policy.train()
-    for _ in tqdm(range(cfg.train_steps), desc="bc flow-matching (frames)", disable=not progress, mininterval=5.0):
-        index = torch.randint(len(chunks), (min(cfg.batch_size, len(chunks)),), generator=generator)
-        loss = flow_matching_loss(policy, obs.index(index).to_torch(policy.obs_device), chunks[index], generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-    policy.eval()
-    train_seconds = time.perf_counter() - start - demo_seconds
-
-    eval_layouts = layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
-    successes = evaluate_layouts(policy, make_envs(env_cfg, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
-    rate, low, high = success_interval(successes)
-    report = {
-        "demos": len(episodes), "demo_success_rate": float(np.mean([e.success for e in episodes])), "samples": len(chunks),
-        "frames": f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8",
-        "instruction": TASKS[env_cfg.task].instruction,
-        "loss_first_100": float(np.mean(losses[:100])), "loss_last_100": float(np.mean(losses[-100:])),
-        "eval_episodes": len(successes), "eval_success_rate": rate, "eval_success_95ci": [low, high],
-        "eval_layouts": f"{env_cfg.task} benchmark seeds {env_cfg.eval_benchmark_seeds}, first {len(successes)}",
-        "seconds": {"demos": demo_seconds, "train": train_seconds, "total": time.perf_counter() - start},
-        "config": {"policy": dataclasses.asdict(config.policy), "env": dataclasses.asdict(env_cfg), "pretrain": dataclasses.asdict(cfg)},
-    }  # fmt: skip
-
-    def write(directory: Path) -> None:
-        policy.save_pretrained(directory)
-        (directory / REPORT_FILE).write_text(json.dumps(report, indent=2))
-
-    write_directory_atomically(out_dir, write)
-    return report
-
-
-def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Collect demonstrations, train, evaluate, and save a checkpoint to out_dir (written atomically)."""
-    cfg, env_cfg = config.pretrain, config.env
-    if cfg.num_demos is None:
-        raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
-    if config.policy.image_size > 0:  # frames + instruction + state: rendered demonstrations, its own trainable set
-        return pretrain_with_frames(config, out_dir, progress)
-    torch.manual_seed(cfg.seed)
-    start = time.perf_counter()
-    demo_layouts = layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
-    episodes = collect_demonstrations(env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, env_cfg.max_episode_steps)
-    obs_np, chunks_np = chunk_dataset(episodes, config.policy.chunk_size)
-    obs, chunks = torch.from_numpy(obs_np), torch.from_numpy(chunks_np)
-    demo_seconds = time.perf_counter() - start
-
-    policy = build_policy(config.policy)
-    flat_actions = chunks.reshape(-1, config.policy.action_dim)
-    policy.set_normalization(obs.mean(0), obs.std(0), flat_actions.mean(0), flat_actions.std(0))
-    optimizer = torch.optim.AdamW(policy.velocity_net.parameters(), lr=cfg.lr, weight_decay=1e-4)
+    optimizer = torch.optim.AdamW(policy.behaviour_cloning_parameters(), lr=cfg.lr, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.train_steps)
     generator = torch.Generator().manual_seed(cfg.seed)
     losses = []
     policy.train()
     bar = tqdm(range(cfg.train_steps), desc="bc flow-matching", disable=not progress, mininterval=1.0)
     for step in bar:
-        index = torch.randint(len(obs), (min(cfg.batch_size, len(obs)),), generator=generator)
-        loss = flow_matching_loss(policy, Observation(obs[index]), chunks[index], generator)
+        index = torch.randint(len(chunks), (min(cfg.batch_size, len(chunks)),), generator=generator)
+        loss = flow_matching_loss(policy, obs.index(index).to_torch(policy.obs_device), chunks[index], generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -173,12 +118,12 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     train_seconds = time.perf_counter() - start - demo_seconds
 
     eval_layouts = layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
-    successes = evaluate_layouts(policy, make_envs(env_cfg, 10), eval_layouts) if eval_layouts else np.zeros(0, bool)
+    successes = evaluate_layouts(policy, make_envs(env_cfg, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
     rate, low, high = success_interval(successes)
     report = {
         "demos": len(episodes),
         "demo_success_rate": float(np.mean([e.success for e in episodes])),
-        "samples": len(obs),
+        "samples": len(chunks),
         "loss_first_100": float(np.mean(losses[:100])),
         "loss_last_100": float(np.mean(losses[-100:])),
         "eval_episodes": len(successes),
@@ -188,6 +133,10 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
         "seconds": {"demos": demo_seconds, "train": train_seconds, "total": time.perf_counter() - start},
         "config": {"policy": dataclasses.asdict(config.policy), "env": dataclasses.asdict(env_cfg), "pretrain": dataclasses.asdict(cfg)},
     }
+    if cameras:
+        report["frames"] = f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8"
+    if obs.tokens is not None:
+        report["instruction"] = TASKS[env_cfg.task].instruction
 
     def write(directory: Path) -> None:
         policy.save_pretrained(directory)

@@ -95,6 +95,14 @@ class FlowPolicy(nn.Module, ABC):
     def encoder_is_trainable(self) -> bool:
         """True only when a trainable parameter (requires_grad) feeds encode()."""
 
+    def behaviour_cloning_parameters(self) -> list[nn.Parameter]:
+        """What behaviour cloning (learner.pretrain) trains. By default every parameter, made trainable: the
+        flow-matching loss reaches only what feeds the velocity, so the noise head and critic keep their
+        initial values (the optimiser skips parameters without a gradient). A backend overrides this to train
+        less; RL chooses its own trainable set when it loads the checkpoint."""
+        self.requires_grad_(True)
+        return list(self.parameters())
+
     @abstractmethod
     def tokenize(self, instructions: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
         """Instructions -> (token ids (B, L) int64, mask (B, L) bool, True on real tokens), or None for a

@@ -77,6 +77,9 @@ class MLPFlowPolicy(FlowPolicy):
     def encoder_is_trainable(self) -> bool:
         return False  # encode() reads buffers only (the normalisation statistics)
 
+    def behaviour_cloning_parameters(self) -> list[nn.Parameter]:
+        return list(self.velocity_net.parameters())
+
     def tokenize(self, instructions: list[str]) -> None:
         return None  # a state policy reads no language
 
