@@ -15,7 +15,7 @@ Each case is N actors x one payload (float32 tensors of at most 16 MB each; MB =
     tensors again, each actor deserialises them and runs `load_state_dict`.
 Seconds run from the learner holding its tensors to every actor having loaded them (median of --repeats after one
 untimed round; the paths take turns first). `<path>_ratio_to_floor` = floor_seconds / <path>_seconds: 1.0 is the floor's speed;
-issue 11's goal is >= 0.8 for the project's path at 1 GB and N = 4.
+the goal is >= 0.8 for the project's path at 1 GB and N = 4 (docs/performance.md).
 
 The smolvla size is what `SmolVLAFlowPolicy.broadcast_bytes()` sends with configs/smolvla_pick.yaml's
 trainable flags (action projections, time MLP, noise head, critic; VLM and expert frozen), built with

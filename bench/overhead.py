@@ -8,7 +8,7 @@
   eval_every=0, lag 0). Per iteration, metrics.jsonl holds the wall time, the slowest actor's sampling time measured
   inside that actor and the learner's update time measured inside the learner. ray_share = 1 - (sampling +
   update) / iteration, over the timed iterations: what the iteration spends outside the work (scheduling, object
-  transfers, weight publication, the driver's waits). Issue 11's goal: under 0.05.
+  transfers, weight publication, the driver's waits). The goal: under 0.05.
 - in one process: the same config's rollout actors (actors.rollout_actor.RolloutActor) and learner
   (learner.learner.Learner) as plain objects, each actor sampling in turn with the published weights, then the
   update and the broadcast: no Ray, no parallelism. Rollouts are a pure function of (weights, seed, iteration,
@@ -16,7 +16,7 @@
   learner ends with the Ray run's checkpoint, bit for bit.
 - in_process_over_ray: in-process iteration seconds / Ray's, what the actors' parallelism buys on this machine.
 - in_process_fingerprint: SHA-256 of the in-process loop's every rollout array, every update's metrics and the final
-  weights. Run in two checkouts, equal fingerprints mean a change left every bit of the job as it was: how issue 11's
+  weights. Run in two checkouts, equal fingerprints mean a change left every bit of the job as it was: how the
   speed-ups are checked to leave learning unchanged (`--in-process-only` skips the Ray run for that).
 """
 

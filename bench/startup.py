@@ -18,7 +18,7 @@
 - floor: in this process, `ray.init` (local, no dashboard) plus N bare actors whose constructor imports torch,
   until all N have answered; then Ray is shut down. It runs after the main command, so it meets file caches at
   least as warm. floor_stages: when Ray was up and when the actors had answered, in seconds since ray.init began.
-- ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (issue 11's goal: within 1.3). Side by side, by
+- ratio_to_floor = command_to_first_rollout_seconds / floor_seconds (the goal: within 1.3). Side by side, by
   stage: ray_up_ratio (the main command's Ray start, beside its input checks, against the bare one) and
   after_ray_ratio (from Ray up to the first rollout, against the floor's from Ray up to its actors' answers).
 - main_cpu_seconds / floor_cpu_seconds: the CPU seconds each spent until its end point above, by process kind

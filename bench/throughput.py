@@ -18,13 +18,13 @@ one after the other in one run.
   envs), stepped with uniformly random chunks of the policy's chunk size, in one process per core, all started
   together, for --env-seconds. env_limit_steps_per_second = the sum over processes of env steps / seconds. No
   policy, no Ray: what the machine can step at all.
-- lag<L>_ratio_to_env_limit = lag<L>_main_env_steps_per_second / env_limit_steps_per_second (issue 11's goal:
+- lag<L>_ratio_to_env_limit = lag<L>_main_env_steps_per_second / env_limit_steps_per_second (the goal:
   >= 0.7).
 - matched env limit: the same, in as many processes as the main job has actors (--matched-processes to change it).
   On a machine other jobs load, the scheduler shares the cores per process, so 2 bare processes get a smaller
   share than the main job's 11: the per-core limit then understates the machine and the ratio overstates the job.
   lag<L>_ratio_to_matched_env_limit holds the process count equal; on an idle machine the two limits should agree.
-- RLlib (issue 11's peer figure, with --rllib-python): bench/rllib_ppo.py, RLlib's PPO on the same task with the
+- RLlib (the peer figure, with --rllib-python): bench/rllib_ppo.py, RLlib's PPO on the same task with the
   main job's envs spread over one EnvRunner per core and its env steps per iteration, for the same --iterations and
   --warmup-iterations, run after the main job(s) by that interpreter. Its figures come in prefixed rllib_, and
   lag<L>_over_rllib = lag<L>_main_env_steps_per_second / rllib_env_steps_per_second (both whole iterations).
