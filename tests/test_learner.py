@@ -462,3 +462,18 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
     ):
         learner = Learner(plan_config(tmp_path, **sections), FlowPolicy.from_pretrained(bc_checkpoint))
         torch.testing.assert_close(learner.prepare(batch).old_log_probs, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_the_banner_states_the_updates_shape_in_one_line() -> None:
+    from common.config import load_config
+    from learner.driver import banner
+
+    assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
+    sixteen = load_config(None, ["actors.num_actors=16", "learner.num_minibatches=3", "learner.grad_accum=2"])
+    assert (
+        learner_module.update_shape(sixteen) == "1600 decisions per iteration, 3 minibatches x 533-534, 8 epochs, micro-batches of <= 267"
+    )
+    lines = banner(RunConfig(), None, None, {}, 1.0).splitlines()
+    assert [line for line in lines if "decisions per iteration" in line] == [
+        f"update             : {learner_module.update_shape(RunConfig())}"
+    ]
