@@ -400,8 +400,9 @@ def test_kl_early_stopping_stops_after_the_minibatch_that_exceeds_target_kl(tmp_
     kls, metrics = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
     assert len(kls) == metrics["ppo/optimizer_steps"] == 12 and metrics["ppo/kl_early_stop"] == 0.0
     assert kls[0] <= 1e-10  # the first minibatch is scored with the weights of the old log-probs
-    records = [k for k in range(1, len(kls)) if kls[k] > max(kls[:k])]  # minibatches whose approx-KL is a new maximum
-    stop_at = max(records)  # the latest one, so that the stop comes after at least one step
+    # A minibatch whose approx-KL is a new maximum, after at least one step, with minibatches of its epoch and a whole
+    # epoch still to come: the latest such one.
+    stop_at = max(k for k in range(1, 8) if k % 4 != 3 and kls[k] > max(kls[:k]))
     target = (max(kls[:stop_at]) + kls[stop_at]) / 2
     config = plan_config(tmp_path, **sections, **{"learner.target_kl": target})
     stopped_kls, stopped = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
