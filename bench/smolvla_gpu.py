@@ -163,7 +163,7 @@ def rollout_figures(batch, seconds: float) -> dict[str, Any]:
 def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.device) -> None:
     """Every stage into `results`, on `device`."""
     from actors.rollout_actor import RolloutActor
-    from learner.learner import Learner
+    from learner.learner import Learner, micro_batch_rows
 
     cuda, clock = device.type == "cuda", Clock(device)
     # stdout carries the figures only: what lerobot and the stages print goes to stderr.
@@ -212,7 +212,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def prepare(rows: int | None) -> Callable[[], dict[str, Any]]:
             """The learner's scoring pass alone (encode, old log-probs, values, GAE), encoding `rows` observations at a
-            time (None: the config's micro-batch, minibatch_size / grad_accum)."""
+            time (None: the update's largest micro-batch, micro_batch_rows)."""
 
             def stage() -> dict[str, Any]:
                 learner, batch = state["learner"], RolloutBatch.concat(state["batches"])
@@ -222,7 +222,10 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                 try:
                     start = clock.now()
                     learner.prepare(batch)
-                    return {"seconds": clock.now() - start, "rows_per_encode": rows or cfg.minibatch_size // cfg.grad_accum}
+                    return {
+                        "seconds": clock.now() - start,
+                        "rows_per_encode": rows or micro_batch_rows(cfg, batch.num_decisions * batch.num_envs),
+                    }
                 finally:
                     learner.cfg = cfg
 

@@ -242,8 +242,17 @@ class PPOConfig:
     actor_lr: float = 1e-4  # with clip_eps 0.05: +24 points mean, +16 min over 4 seeds (README, "Seeds"); 3e-5/0.02 gave +10 to +35
     critic_lr: float = 5e-4
     update_epochs: int = 8
-    minibatch_size: int = 500  # decisions per optimiser step
-    grad_accum: int = 1  # micro-batches per minibatch (same gradient, less memory)
+    # Every epoch shuffles the iteration's decisions and splits ALL of them into num_minibatches minibatches whose sizes
+    # differ by at most one (one optimiser step each; one per decision when there are fewer decisions). Counting
+    # minibatches rather than fixing their size keeps the update valid for any actors.num_actors x envs_per_actor x
+    # decisions_per_rollout, leaves no decision out of an epoch, and keeps the steps per iteration fixed when GRPO
+    # drops incomplete groups from the batch.
+    num_minibatches: int = 2
+    # null: the size follows from num_minibatches. A number fixes the size instead (num_minibatches is then unused):
+    # ceil(decisions / minibatch_size) minibatches per epoch, evened out, so none exceeds it (a memory bound, with
+    # grad_accum) and none is a short leftover.
+    minibatch_size: int | None = None
+    grad_accum: int = 1  # micro-batches per minibatch, sizes differing by at most one (same gradient, less memory)
     max_grad_norm: float = 1.0
     target_kl: float | None = 0.1  # stop the epoch loop when the k3 approx-KL exceeds this; None: never
     lr_warmup_iters: int = 0
@@ -285,6 +294,14 @@ class PPOConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
 
+    def minibatch_sizes(self, decisions: int) -> list[int]:
+        """One epoch's minibatch sizes over `decisions` (>= 1) shuffled decisions: they sum to `decisions` (each decision
+        enters once) and differ by at most one, the larger first."""
+        count = self.num_minibatches if self.minibatch_size is None else math.ceil(decisions / self.minibatch_size)
+        count = min(count, decisions)
+        size, larger = divmod(decisions, count)
+        return [size + 1] * larger + [size] * (count - larger)
+
     def validate(self, path: str = "learner") -> None:
         _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
@@ -292,13 +309,13 @@ class PPOConfig:
         _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
         _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
         _require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
-        _positive(self, path, "update_epochs", "minibatch_size", "grad_accum", "max_grad_norm")
+        _positive(self, path, "update_epochs", "num_minibatches", "grad_accum", "max_grad_norm")
+        _require(self.minibatch_size is None or self.minibatch_size > 0, f"{path}.minibatch_size must be > 0 or null")
         _require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
         _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
         _choice(self, path, "lr_schedule", ("cosine", "constant"))
         _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
         _require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
-        _require(self.minibatch_size % self.grad_accum == 0, f"{path}.minibatch_size must be divisible by {path}.grad_accum")
         _choice(self, path, "algo", ("ppo", "grpo"))
         _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
         _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
@@ -385,9 +402,15 @@ class RunConfig:
                                                "only warm up")  # fmt: skip
         decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
         _require(
-            self.learner.minibatch_size <= decisions,
+            self.learner.minibatch_size is None or self.learner.minibatch_size <= decisions,
             f"learner.minibatch_size ({self.learner.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
             "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
+        )
+        smallest = min(self.learner.minibatch_sizes(decisions))
+        _require(
+            self.learner.grad_accum <= smallest,
+            f"learner.grad_accum ({self.learner.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
+            "learner.num_minibatches / learner.minibatch_size): lower it, or make the minibatches larger",
         )
         if self.learner.algo == "grpo":
             _require(

@@ -155,7 +155,8 @@ def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, flo
     denom = 1 + z**2 / n
     centre = (p + z**2 / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom
-    return p, float(centre - half), float(centre + half)
+    # The interval always holds p; at p = 0 or 1 rounding would put its bound 1e-16 inside, excluding p.
+    return p, float(min(centre - half, p)), float(max(centre + half, p))
 
 
 def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:

@@ -57,6 +57,7 @@ from learner.cluster import (
     learner_request,
     node_cluster_address,
 )
+from learner.learner import update_shape
 from learner.learner_actor import LearnerActor
 from learner.manifest import reproducibility_manifest
 from learner.monitoring import actor_health
@@ -593,6 +594,7 @@ def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, 
         f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
         f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
     )
+    lines.append(f"update             : {update_shape(config)}")
     lines.append("=" * 78)
     return "\n".join(lines)
 

@@ -173,14 +173,147 @@ class PreparedBatch:
     behaviour_log_probs: Tensor | None = None
 
 
+@dataclass
+class Advantages:
+    """An algorithm's advantage step over the flattened rollout: B = T * N decisions."""
+
+    advantages: Tensor  # (B,)
+    values: Tensor | None  # (B,) the critic's values of the states; None without a critic
+    returns: Tensor | None  # (B,) the critic's targets; None without a critic
+    keep: Tensor | None  # (B,) bool: the decisions the algorithm lets into the loss; None: all of them
+    metrics: dict[str, float]
+
+
+class PPO:
+    """GAE on the critic's values; the critic trains beside the actor, and alone for learner.critic_warmup_iters."""
+
+    critic = True
+
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
+
+    def trains_actor(self, iteration: int) -> bool:
+        return iteration >= self.cfg.critic_warmup_iters
+
+    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
+        cfg = self.cfg
+        num_decisions, num_envs = batch.num_decisions, batch.num_envs
+        b_next_obs = batch.observations(after_chunk=True).flatten_leading().to_torch(policy.obs_device)
+        b_values = policy.value(features)
+        next_values = policy.value(encode_in_chunks(policy, b_next_obs, rows)).view(num_decisions, num_envs)
+        values = b_values.view(num_decisions, num_envs)
+        advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
+        b_advantages, b_returns = advantages.flatten(), returns.flatten()
+        if cfg.normalize_advantages:  # over the decisions that enter the loss
+            valid = t["valid"].flatten().to(b_advantages.device)
+            b_advantages = b_advantages.clone()
+            b_advantages[valid] = normalize(b_advantages[valid])
+        metrics = {
+            "values/mean": b_values.mean().item(),
+            "values/advantage_raw_std": advantages.std().item(),
+            "values/returns_mean": returns.mean().item(),
+        }
+        return Advantages(b_advantages, b_values, b_returns, None, metrics)
+
+
+class GRPO:
+    """Group-relative episode advantages (common.rl.grpo_advantages). No critic: it is neither trained, broadcast nor
+    warmed up. Only the decisions of groups whose episodes all completed enter the loss."""
+
+    critic = False
+
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
+
+    def trains_actor(self, iteration: int) -> bool:
+        return True
+
+    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
+        cfg = self.cfg
+        check_groups_share_initial_states(t["obs"], t["terminated"] | t["truncated"], cfg.group_size)
+        advantages, keep, grpo_metrics = grpo_advantages(
+            t["rewards"], t["discounts"], t["terminated"], t["truncated"], cfg.group_size, cfg.grpo_std_normalization
+        )
+        if not keep.any():
+            raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
+        metrics = {f"grpo/{key}": float(value) for key, value in grpo_metrics.items()}
+        return Advantages(advantages.flatten(), None, None, keep.flatten(), metrics)
+
+
+ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # learner.algo -> its strategy
+
+
+def micro_batch_rows(cfg: PPOConfig, decisions: int) -> int:
+    """The most decisions one forward pass of the update over `decisions` holds: the largest minibatch's largest micro-batch."""
+    return -(-cfg.minibatch_sizes(decisions)[0] // cfg.grad_accum)
+
+
+def update_shape(config: RunConfig) -> str:
+    """One line for the banner: what the update of a full rollout does per iteration."""
+    cfg = config.learner
+    decisions = config.actors.num_actors * config.actors.envs_per_actor * config.actors.decisions_per_rollout
+    sizes = cfg.minibatch_sizes(decisions)
+    size = str(sizes[0]) if sizes[0] == sizes[-1] else f"{sizes[-1]}-{sizes[0]}"
+    line = f"{decisions} decisions per iteration, {len(sizes)} minibatches x {size}, {cfg.update_epochs} epochs"
+    if cfg.grad_accum > 1:
+        line += f", micro-batches of <= {micro_batch_rows(cfg, decisions)}"
+    if not ALGORITHMS[cfg.algo].critic:
+        line += " (fewer decisions when GRPO drops incomplete groups)"
+    return line
+
+
+def minibatch_loss(
+    policy: FlowPolicy,
+    features: Any,
+    new: ChainLogProb,
+    data: PreparedBatch,
+    mb_inds: Tensor,
+    cfg: PPOConfig,
+    critic: bool,
+    train_actor: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of decisions mb_inds (b,) of `data`, which the policy scores `new` ((b,) log-probs; features (b, ...):
+    their encode()), and its metrics (scalar tensors). Computes and changes nothing else: no step, no check."""
+    # policy loss
+    mb_old_log_probs, behaviour_weight = data.old_log_probs[mb_inds], None
+    anchor = mb_old_log_probs
+    if data.behaviour_log_probs is not None and cfg.stale_rollouts == "behaviour":
+        anchor = data.behaviour_log_probs[mb_inds]  # clip to the policy that sampled the chains
+    elif data.behaviour_log_probs is not None:  # decoupled PPO: pi_prox / pi_behaviour
+        behaviour_weight = (mb_old_log_probs - data.behaviour_log_probs[mb_inds]).exp()
+    pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, anchor, data.advantages[mb_inds], cfg.clip_eps, behaviour_weight)
+    entropy = new.entropy.mean()
+    actor_loss = pg_loss - cfg.ent_coef * entropy
+    metrics = {"pg_loss": pg_loss, "entropy": entropy, **pg_metrics}
+
+    # KL to the frozen reference
+    if data.reference is not None:
+        kl, kl_metrics = kl_to_reference(new, index_features(data.reference, mb_inds), num_log_prob_elements(policy), cfg.kl_estimator)
+        actor_loss = actor_loss + cfg.kl_beta * kl.mean()
+        metrics.update(kl_metrics)
+    if not train_actor:
+        actor_loss = torch.zeros(())
+
+    # value loss
+    if not critic:
+        return actor_loss, metrics
+    v_loss, v_metrics = value_loss(policy.value(features), data.returns[mb_inds], data.old_values[mb_inds], cfg.value_clip)
+    metrics.update(v_loss=v_loss, **v_metrics)
+    return actor_loss + cfg.vf_coef * v_loss, metrics
+
+
+LOSS_TERMS = ("pg_loss", "v_loss", "entropy", "kl_ref")  # checked finite before every backward pass
+
+
 class Learner:
     def __init__(self, config: RunConfig, policy: FlowPolicy):
         require_pretrained(policy, config.allow_random_init)
         self.config = config
         self.cfg = config.learner
         self.policy = policy.eval()
+        self.algorithm = ALGORITHMS[self.cfg.algo](self.cfg)
         critic = set(policy.critic_parameter_names())
-        if self.cfg.algo == "grpo":  # critic-free: the critic is neither trained nor broadcast
+        if not self.algorithm.critic:  # the critic is neither trained nor broadcast
             for name, param in policy.named_parameters():
                 if name in critic:
                     param.requires_grad_(False)
@@ -269,11 +402,9 @@ class Learner:
         With a KL reference, also its scores of the same chains."""
         policy, cfg = self.policy, self.cfg
         t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(RolloutBatch.PER_DECISION).items()}
-        num_decisions, num_envs = batch.num_decisions, batch.num_envs
         b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
-        b_next_obs = batch.observations(after_chunk=True).flatten_leading().to_torch(policy.obs_device)
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
-        rows = max(1, cfg.minibatch_size // cfg.grad_accum)  # the update's micro-batch: the most rows the model sees at once
+        rows = micro_batch_rows(cfg, len(b_chains))  # the most rows the update's model sees at once
         features = encode_in_chunks(policy, b_obs, rows)
         old = chain_log_prob(policy, features, b_chains)
         # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
@@ -292,30 +423,9 @@ class Learner:
             "policy/sigma_mean": old.std.mean().item(),
             "policy/entropy": old.entropy.mean().item(),
         }
-        if cfg.algo == "grpo":
-            check_groups_share_initial_states(t["obs"], t["terminated"] | t["truncated"], cfg.group_size)
-            advantages, keep, grpo_metrics = grpo_advantages(
-                t["rewards"], t["discounts"], t["terminated"], t["truncated"], cfg.group_size, cfg.grpo_std_normalization
-            )
-            if not keep.any():
-                raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
-            b_values, b_advantages, b_returns = None, advantages.flatten(), None
-            metrics.update({f"grpo/{key}": float(value) for key, value in grpo_metrics.items()})
-        else:
-            b_values = policy.value(features)
-            next_values = policy.value(encode_in_chunks(policy, b_next_obs, rows)).view(num_decisions, num_envs)
-            values = b_values.view(num_decisions, num_envs)
-            advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
-            b_advantages, b_returns = advantages.flatten(), returns.flatten()
-            if cfg.normalize_advantages:  # over the decisions that enter the loss
-                valid = t["valid"].flatten().to(b_advantages.device)
-                b_advantages = b_advantages.clone()
-                b_advantages[valid] = normalize(b_advantages[valid])
-            metrics.update({
-                "values/mean": b_values.mean().item(),
-                "values/advantage_raw_std": advantages.std().item(),
-                "values/returns_mean": returns.mean().item(),
-            })  # fmt: skip
+        advantages = self.algorithm.advantages(policy, batch, t, features, rows)
+        b_values, b_advantages, b_returns = advantages.values, advantages.advantages, advantages.returns
+        metrics.update(advantages.metrics)
         reference = None
         if self.reference is not None:
             # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
@@ -338,13 +448,12 @@ class Learner:
             metrics.update({"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()})
         data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference,
                              behaviour_log_probs=behaviour.log_prob if lag else None)  # fmt: skip
-        # Decisions of episodes an env broke (NaN/Inf output) never enter the loss; with GRPO, neither do those of
-        # incomplete groups.
+        # Decisions of episodes an env broke (NaN/Inf output) never enter the loss, nor those the algorithm leaves out.
         keep_decisions = t["valid"].flatten().to(b_advantages.device)
         if not keep_decisions.any():
             raise NonFiniteError("every decision of this rollout belongs to an episode that an env ended with NaN/Inf output")
-        if cfg.algo == "grpo":
-            keep_decisions &= keep.flatten()
+        if advantages.keep is not None:
+            keep_decisions &= advantages.keep
         if not keep_decisions.all():
             data = index_features(data, keep_decisions.nonzero().squeeze(1))
         return data
@@ -406,14 +515,14 @@ class Learner:
                 "ppo/actor_lr": 0.0, "ppo/critic_lr": 0.0}  # fmt: skip
 
     def _update(self, batch: RolloutBatch, verbose: bool) -> dict[str, float]:
-        cfg, policy = self.cfg, self.policy
-        policy.eval()
+        cfg = self.cfg
+        self.policy.eval()
         check_finite_arrays({name: getattr(batch, name) for name in RolloutBatch.PER_DECISION},
                             f"rollout of weights v{batch.weight_version}")  # fmt: skip
         data = self.prepare(batch)
         if verbose:
             print(describe(batch, data), flush=True)
-        train_actor = cfg.algo == "grpo" or self.iteration >= cfg.critic_warmup_iters  # GRPO has no critic to warm up
+        train_actor = self.algorithm.trains_actor(self.iteration)
         scale = lr_scale(self.iteration, self.config.iterations, cfg)
         scale *= self.lr_backoff
         self.optimizer.param_groups[0]["lr"] = cfg.actor_lr * scale if train_actor else 0.0
@@ -421,86 +530,25 @@ class Learner:
 
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.iteration)
         batch_size = len(data.old_log_probs)
-        minibatch_size = min(cfg.minibatch_size, batch_size)
-        micro_size = max(1, minibatch_size // cfg.grad_accum)
+        minibatch_sizes = cfg.minibatch_sizes(batch_size)
         history: dict[str, list[float]] = {}
         first_ratio_deviation = 0.0  # max |ratio - 1| over the first minibatch
         optimizer_steps = 0
         stopped_early = False
         for epoch in range(cfg.update_epochs):
             b_inds = torch.randperm(batch_size, generator=generator)
-            for start in range(0, batch_size - minibatch_size + 1, minibatch_size):
-                mb_inds = b_inds[start : start + minibatch_size]
-                self.optimizer.zero_grad(set_to_none=True)
-                mb_metrics: dict[str, list[float]] = {}
-                for micro in mb_inds.split(micro_size):
-                    features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-                    new = chain_log_prob(policy, features, data.chains[micro])
-                    check_finite_tensors({"new log-prob": new.log_prob, "ratio": (new.log_prob - data.old_log_probs[micro]).exp()},
-                                         f"learner.update epoch {epoch} minibatch {start // minibatch_size}")  # fmt: skip
-                    if optimizer_steps == 0:  # no step yet this iteration: same weights as the old log-probs
-                        deviation = check_ratio_is_one(new.log_prob - data.old_log_probs[micro], policy, cfg.ratio_tolerance)
-                        first_ratio_deviation = max(first_ratio_deviation, deviation)
-                    if verbose:
-                        print(f"  new log-prob {_head(new.log_prob)}  ratio {_head((new.log_prob - data.old_log_probs[micro]).exp())}")
-
-                    # policy loss
-                    anchor, behaviour_weight = data.old_log_probs[micro], None
-                    if data.behaviour_log_probs is not None and cfg.stale_rollouts == "behaviour":
-                        anchor = data.behaviour_log_probs[micro]  # clip to the policy that sampled the chains
-                    elif data.behaviour_log_probs is not None:  # decoupled PPO: pi_prox / pi_behaviour
-                        behaviour_weight = (data.old_log_probs[micro] - data.behaviour_log_probs[micro]).exp()
-                    pg_loss, pg_metrics = ppo_policy_loss(new.log_prob, anchor, data.advantages[micro], cfg.clip_eps, behaviour_weight)
-                    entropy = new.entropy.mean()
-                    actor_loss = pg_loss - cfg.ent_coef * entropy
-                    terms = {"pg_loss": pg_loss, "entropy": entropy, **pg_metrics}
-
-                    # KL to the frozen reference
-                    if self.reference is not None:
-                        kl, kl_metrics = kl_to_reference(
-                            new, index_features(data.reference, micro), self.num_log_prob_elements, cfg.kl_estimator
-                        )
-                        actor_loss = actor_loss + cfg.kl_beta * kl.mean()
-                        terms.update(kl_metrics)
-                    if not train_actor:
-                        actor_loss = torch.zeros(())
-
-                    # value loss (PPO only: GRPO has no critic)
-                    loss = actor_loss
-                    if cfg.algo == "ppo":
-                        new_values = policy.value(features)
-                        v_loss, v_metrics = value_loss(new_values, data.returns[micro], data.old_values[micro], cfg.value_clip)
-                        loss = actor_loss + cfg.vf_coef * v_loss
-                        terms.update(v_loss=v_loss, **v_metrics)
-
-                    loss = loss * (len(micro) / minibatch_size)
-                    check_finite_tensors({k: terms[k] for k in ("pg_loss", "v_loss", "entropy", "kl_ref") if k in terms},
-                                         f"learner.update epoch {epoch} minibatch {start // minibatch_size}")  # fmt: skip
-                    loss.backward()
-                    for key, value in terms.items():
-                        mb_metrics.setdefault(key, []).append(float(value.detach()))
-                check_finite_gradients(policy, f"learner.update epoch {epoch} minibatch {start // minibatch_size}")
-                actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
-                critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
-                self.optimizer.step()
-                check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of epoch {epoch} minibatch "
-                                                             f"{start // minibatch_size}")  # fmt: skip
+            for index, mb_inds in enumerate(b_inds.split(minibatch_sizes)):
+                where = f"epoch {epoch} minibatch {index}"
+                mb_metrics, deviation = self._step(data, mb_inds, train_actor, optimizer_steps == 0, where, verbose)
+                first_ratio_deviation = max(first_ratio_deviation, deviation)
                 optimizer_steps += 1
-                mb_summary = {k: float(np.mean(v)) for k, v in mb_metrics.items()}
-                mb_summary["ratio_min"] = min(mb_metrics["ratio_min"])
-                mb_summary["ratio_max"] = max(mb_metrics["ratio_max"])
-                mb_summary["actor_grad_norm"] = float(actor_grad_norm)
-                if self.critic_params:  # none with GRPO
-                    mb_summary["critic_grad_norm"] = float(critic_grad_norm)
-                for key, value in mb_summary.items():
+                for key, value in mb_metrics.items():
                     history.setdefault(key, []).append(value)
                 if verbose:
-                    print(
-                        f"  epoch {epoch} minibatch {start // minibatch_size}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_summary.items())
-                    )
+                    print(f"  {where}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_metrics.items()))
                 # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
-                if cfg.target_kl is not None and train_actor and mb_summary["approx_kl"] > cfg.target_kl:
-                    stopped_early = True
+                stopped_early = cfg.target_kl is not None and train_actor and mb_metrics["approx_kl"] > cfg.target_kl
+                if stopped_early:
                     break
             if stopped_early:
                 break
@@ -521,12 +569,49 @@ class Learner:
             "ppo/ratio_max": float(np.max(history["ratio_max"])),
             "ppo/first_minibatch_ratio_dev": float(first_ratio_deviation),
             "ppo/optimizer_steps": optimizer_steps,
+            "ppo/batch_size": batch_size,
+            "ppo/num_minibatches": len(minibatch_sizes),
+            "ppo/minibatch_size": minibatch_sizes[0],  # the largest: the others are at most one smaller
             "ppo/epochs_run": epoch + 1,
             "ppo/kl_early_stop": float(stopped_early),
             "ppo/actor_lr": self.optimizer.param_groups[0]["lr"],
             "ppo/critic_lr": self.optimizer.param_groups[1]["lr"],
         })  # fmt: skip
         return metrics
+
+    def _step(
+        self, data: PreparedBatch, mb_inds: Tensor, train_actor: bool, first: bool, where: str, verbose: bool
+    ) -> tuple[dict[str, float], float]:
+        """One optimiser step on the decisions mb_inds of `data`, accumulated over cfg.grad_accum micro-batches. Returns the
+        minibatch's metrics and, when `first` (no step yet this iteration: the old log-probs' weights), max |ratio - 1|."""
+        cfg, policy = self.cfg, self.policy
+        self.optimizer.zero_grad(set_to_none=True)
+        terms: dict[str, list[float]] = {}
+        deviation = 0.0
+        for micro in mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds))):
+            features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
+            new = chain_log_prob(policy, features, data.chains[micro])
+            loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
+            logratio = new.log_prob - data.old_log_probs[micro]
+            finite = {"new log-prob": new.log_prob, "ratio": logratio.exp(), **{k: metrics[k] for k in LOSS_TERMS if k in metrics}}
+            check_finite_tensors(finite, f"learner.update {where}")
+            if first:
+                deviation = max(deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
+            if verbose:
+                print(f"  new log-prob {_head(new.log_prob)}  ratio {_head(logratio.exp())}")
+            (loss * (len(micro) / len(mb_inds))).backward()
+            for key, value in metrics.items():
+                terms.setdefault(key, []).append(float(value.detach()))
+        check_finite_gradients(policy, f"learner.update {where}")
+        actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
+        critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
+        self.optimizer.step()
+        check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
+        summary = {key: float(np.mean(values)) for key, values in terms.items()}
+        summary.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]), actor_grad_norm=float(actor_grad_norm))
+        if self.critic_params:  # none with GRPO
+            summary["critic_grad_norm"] = float(critic_grad_norm)
+        return summary, deviation
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -130,7 +130,7 @@ def test_first_fit_places_as_many_slices_as_a_hand_count_allows(slice_size: floa
 @pytest.mark.parametrize("node_cpus", [[2], [6, 6], [0, 4, 4], [1, 1, 1], [3, 5]])
 @pytest.mark.parametrize("num_actors", [1, 2, 3, 10])
 def test_unset_actor_cpus_are_the_largest_split_that_fits_every_actor_whole(node_cpus: list[float], num_actors: int) -> None:
-    config = load_config(None, [f"actors.num_actors={num_actors}", "learner.minibatch_size=100"])
+    config = load_config(None, [f"actors.num_actors={num_actors}"])
     learner_units = round(min(0.5, sum(node_cpus) / 4) * 10_000)
     free = [max(0, c * 10_000 - learner_units) for c in node_cpus]
     fitting = [u for u in range(1, max(free) + 1) if sum(f // u for f in free) >= num_actors]  # brute force over Ray's units
@@ -212,8 +212,6 @@ def test_bad_input_found_while_ray_starts_shuts_that_ray_down_and_writes_nothing
         "--no-dashboard",
         "--num-actors",
         "1",
-        "--set",
-        "learner.minibatch_size=50",
     ]
     assert main(argv) == 2
     assert started == [True]  # this run started the Ray it had to shut down

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from common.config import ConfigError, RunConfig, load_config
 
@@ -32,7 +35,9 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("policy.sigma_min=0.5", r"policy\.sigma_min/sigma_max"),
         ("actors.num_actors=zero", r"actors\.num_actors must be int"),
         ("env.eval_benchmark_seeds=[2]", r"env\.eval_benchmark_seeds \[2\] also used for training"),
-        ("learner.grad_accum=3", r"divisible by learner\.grad_accum"),
+        ("learner.grad_accum=501", r"learner\.grad_accum \(501\) exceeds the decisions of the smallest minibatch \(500 of 1000"),
+        ("learner.num_minibatches=0", r"learner\.num_minibatches must be > 0"),
+        ("learner.minibatch_size=0", r"learner\.minibatch_size must be > 0 or null"),
         ("nonsense", r"must look like section\.field=value"),
     ],
 )
@@ -58,7 +63,7 @@ def test_shipped_config_is_the_embedded_default_with_every_field_written_out() -
 
 def test_the_gpu_node_config_keeps_the_default_budget_and_minibatches() -> None:
     """configs/gpu_node_16_cores.yaml: larger iterations, the same env-step budget (within one iteration) and the
-    same optimiser steps per env step as the default."""
+    same optimiser steps per env step as the default (within one minibatch per epoch)."""
     from pathlib import Path
 
     gpu, default = load_config(Path(__file__).parents[1] / "configs" / "gpu_node_16_cores.yaml"), RunConfig()
@@ -68,7 +73,9 @@ def test_the_gpu_node_config_keeps_the_default_budget_and_minibatches() -> None:
 
     budget, gpu_iteration = default.iterations * env_steps_per_iteration(default), env_steps_per_iteration(gpu)
     assert budget <= gpu.iterations * gpu_iteration < budget + gpu_iteration
-    assert gpu.learner.minibatch_size == default.learner.minibatch_size and gpu.learner.update_epochs == default.learner.update_epochs
+    gpu_steps, default_steps = (len(c.learner.minibatch_sizes(env_steps_per_iteration(c) // c.policy.chunk_size)) for c in (gpu, default))
+    assert abs(gpu_steps - default_steps * gpu_iteration / env_steps_per_iteration(default)) < 1
+    assert gpu.learner.update_epochs == default.learner.update_epochs
     assert (gpu.learner.num_gpus, gpu.actors.num_gpus) == (1, 0)
 
 
@@ -119,3 +126,70 @@ def test_an_override_changes_only_the_field_it_names() -> None:
         after = dict(_leaves(from_dict(RunConfig, data)))  # not validated: the changed value need not be sane
         moved = sorted(p for p in defaults if after[p][0] != defaults[p][0])
         assert moved == [path], f"--set {path}=... moved {moved}"
+
+
+def epoch_plan(config: RunConfig, decisions: int, seed: int = 0) -> list[torch.Tensor]:
+    """One epoch's minibatches as the learner draws them: a shuffle of the decisions split by learner.minibatch_sizes."""
+    return list(torch.randperm(decisions, generator=torch.Generator().manual_seed(seed)).split(config.learner.minibatch_sizes(decisions)))
+
+
+SHAPES = [{"actors.num_actors": n} for n in (1, 2, 3, 4, 7, 16)] + [
+    {"actors.num_actors": 3, "actors.envs_per_actor": 1},
+    {"actors.num_actors": 1, "actors.envs_per_actor": 1, "actors.decisions_per_rollout": 1},
+    {"actors.num_actors": 5, "actors.envs_per_actor": 3, "actors.decisions_per_rollout": 7},
+    {"actors.num_actors": 16, "actors.envs_per_actor": 8, "actors.decisions_per_rollout": 13},
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "-".join(str(v) for v in shape.values()))
+@pytest.mark.parametrize("sizing", [[], ["learner.num_minibatches=3"], ["learner.minibatch_size=64"]], ids=["default", "3mb", "size64"])
+def test_every_rollout_shape_is_accepted_and_each_epoch_uses_every_decision_once(shape: dict[str, int], sizing: list[str]) -> None:
+    overrides = [f"{key}={value}" for key, value in shape.items()] + sizing
+    decisions = math.prod(
+        shape.get(f"actors.{k}", getattr(RunConfig().actors, k)) for k in ("num_actors", "envs_per_actor", "decisions_per_rollout")
+    )
+    if sizing == ["learner.minibatch_size=64"] and decisions < 64:
+        with pytest.raises(
+            ConfigError, match=rf"learner\.minibatch_size \(64\) exceeds the decisions of one rollout \({decisions} = actors\.num_actors"
+        ):
+            load_config(None, overrides)
+        return
+    config = load_config(None, overrides)
+    minibatches = epoch_plan(config, decisions)
+    assert sorted(torch.cat(minibatches).tolist()) == list(range(decisions))  # each decision exactly once
+    sizes = [len(mb) for mb in minibatches]
+    assert min(sizes) >= max(sizes) - 1 >= 0  # no short leftover
+    if config.learner.minibatch_size is None:
+        assert len(sizes) == min(config.learner.num_minibatches, decisions)
+    else:
+        assert max(sizes) <= 64 and len(sizes) == math.ceil(decisions / 64)
+
+
+def test_the_default_update_is_two_minibatches_of_500() -> None:
+    config = RunConfig()
+    assert config.learner.minibatch_sizes(1000) == [500, 500] and config.learner.minibatch_size is None
+    # GRPO's batch shrinks when it drops incomplete groups: the count stays, the sizes follow.
+    assert config.learner.minibatch_sizes(999) == [500, 499]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--num-actors", "4"], ["--num-actors", "1"], ["--num-actors", "3"], ["--single-batch", "--num-actors", "2"]]
+)
+def test_the_main_commands_actor_counts_are_accepted(argv: list[str]) -> None:
+    from learner.main import parse_args, resolve_config
+
+    config = resolve_config(parse_args(argv))
+    assert config.actors.num_actors == int(argv[-1])
+    decisions = config.actors.num_actors * 100
+    assert config.learner.minibatch_sizes(decisions) == [decisions // 2] * 2
+
+
+def test_an_explicit_minibatch_plan_that_cannot_work_names_both_fields() -> None:
+    with pytest.raises(
+        ConfigError, match=r"learner\.minibatch_size \(300\) exceeds the decisions of one rollout \(200 = actors\.num_actors"
+    ):
+        load_config(None, ["actors.num_actors=2", "learner.minibatch_size=300"])
+    with pytest.raises(
+        ConfigError, match=r"learner\.grad_accum \(40\) exceeds .* smallest minibatch \(33 of 100, learner\.num_minibatches"
+    ):
+        load_config(None, ["actors.num_actors=1", "learner.num_minibatches=3", "learner.grad_accum=40"])

@@ -313,7 +313,7 @@ def test_an_actor_loads_an_older_version_when_a_call_names_it(setup, bc_checkpoi
 
 def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
     """The bare main command's config, not a tiny one: the default policy, env, rollout length and learner
-    (minibatch 500 over this actor's 100 decisions, 8 epochs, critic warm-up) on one default actor. Only the
+    (2 minibatches of this actor's 100 decisions, 8 epochs, critic warm-up) on one default actor. Only the
     initialisation differs (random, allowed explicitly; BC would cost minutes here)."""
     import dataclasses
 
@@ -344,3 +344,137 @@ def test_the_learners_process_imports_no_envs() -> None:
     code = f"import sys, learner.learner_actor; print(sorted({envs!r} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert imported == "[]"
+
+
+def plan_config(tmp_path, **sections):
+    """tiny_config with the update's minibatches counted, not sized: one actor's 16 decisions split by num_minibatches."""
+    return tiny_config(tmp_path, **{"learner.minibatch_size": "null", "learner.target_kl": "null", **sections})
+
+
+def test_every_decision_enters_each_epochs_loss_once(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """16 decisions in 3 minibatches (6, 5, 5), each in 2 micro-batches: the indices the loss sees over an epoch are
+    all 16, once each, and the metrics say how the batch was split."""
+    config = plan_config(tmp_path, **{"learner.num_minibatches": 3, "learner.grad_accum": 2, "learner.update_epochs": 3})
+    actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    seen: list[torch.Tensor] = []
+    original = learner_module.minibatch_loss
+
+    def spy(policy, features, new, data, mb_inds, *args):
+        seen.append(mb_inds.clone())
+        return original(policy, features, new, data, mb_inds, *args)
+
+    monkeypatch.setattr(learner_module, "minibatch_loss", spy)
+    metrics = learner.update(actor.sample(learner.broadcast(), 0))
+    assert (metrics["ppo/batch_size"], metrics["ppo/num_minibatches"], metrics["ppo/minibatch_size"]) == (16, 3, 6)
+    assert metrics["ppo/optimizer_steps"] == 9 and metrics["ppo/epochs_run"] == 3
+    assert [len(micro) for micro in seen[:6]] == [3, 3, 3, 2, 3, 2]
+    indices = torch.cat(seen)
+    assert len(indices) == 3 * 16
+    epochs = indices.view(3, 16)
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(16))
+    assert not torch.equal(epochs[0], epochs[1])  # reshuffled every epoch
+
+
+def approx_kl_per_minibatch(learner: Learner, batch: RolloutBatch, monkeypatch) -> tuple[list[float], dict[str, float]]:
+    kls: list[float] = []
+    original = learner_module.ppo_policy_loss
+
+    def spy(*args):
+        loss, metrics = original(*args)
+        kls.append(float(metrics["approx_kl"]))
+        return loss, metrics
+
+    monkeypatch.setattr(learner_module, "ppo_policy_loss", spy)
+    metrics = learner.update(batch)
+    monkeypatch.setattr(learner_module, "ppo_policy_loss", original)
+    return kls, metrics
+
+
+def test_kl_early_stopping_stops_after_the_minibatch_that_exceeds_target_kl(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """The approx-KL of every minibatch of an unstopped update, then the same update with target_kl between the
+    largest approx-KL before a chosen minibatch and that minibatch's own: it stops right after that minibatch's step."""
+    sections = {"learner.num_minibatches": 4, "learner.update_epochs": 3}
+    config = plan_config(tmp_path, **sections)
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
+    kls, metrics = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
+    assert len(kls) == metrics["ppo/optimizer_steps"] == 12 and metrics["ppo/kl_early_stop"] == 0.0
+    assert kls[0] <= 1e-10  # the first minibatch is scored with the weights of the old log-probs
+    # A minibatch whose approx-KL is a new maximum, after at least one step, with minibatches of its epoch and a whole
+    # epoch still to come: the latest such one.
+    stop_at = max(k for k in range(1, 8) if k % 4 != 3 and kls[k] > max(kls[:k]))
+    target = (max(kls[:stop_at]) + kls[stop_at]) / 2
+    config = plan_config(tmp_path, **sections, **{"learner.target_kl": target})
+    stopped_kls, stopped = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
+    assert stopped_kls == kls[: stop_at + 1]  # the same update up to there
+    assert stopped["ppo/optimizer_steps"] == stop_at + 1  # that minibatch's step is taken, then no more
+    assert stopped["ppo/epochs_run"] == stop_at // 4 + 1 and stopped["ppo/kl_early_stop"] == 1.0
+    assert stopped["losses/approx_kl_max"] == pytest.approx(kls[stop_at])
+
+
+def gradients_of_one_step(tmp_path, bc_checkpoint, batch: RolloutBatch, grad_accum: int) -> tuple[dict[str, torch.Tensor], Learner]:
+    config = plan_config(tmp_path, **{"learner.num_minibatches": 1, "learner.update_epochs": 1, "learner.grad_accum": grad_accum})
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    grads: dict[str, torch.Tensor] = {}
+    step = learner.optimizer.step
+
+    def recording_step(*args, **kwargs):  # the gradients the step uses, after clipping
+        grads.update({name: p.grad.clone() for name, p in learner.trainable_state().items() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recording_step
+    learner.update(batch)
+    return grads, learner
+
+
+@pytest.mark.parametrize("grad_accum", [2, 3, 16])
+def test_grad_accum_gives_the_gradient_and_weights_of_one_pass(tmp_path, bc_checkpoint, grad_accum: int) -> None:
+    batch = RolloutActor(tiny_config(tmp_path), 0, bc_checkpoint).sample(None, 0)
+    whole, one_pass = gradients_of_one_step(tmp_path, bc_checkpoint, batch, 1)
+    split, accumulated = gradients_of_one_step(tmp_path, bc_checkpoint, batch, grad_accum)  # 3: uneven, 6 + 5 + 5
+    assert whole.keys() == split.keys() and any(k.startswith("velocity_net") for k in whole) and any(k.startswith("critic") for k in whole)
+    for name, grad in whole.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, tensor in one_pass.policy.state_dict().items():
+        torch.testing.assert_close(accumulated.policy.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path, bc_checkpoint) -> None:
+    """The learner's old log-probs (encoded in chunks of its micro-batch) and its new ones (per shuffled minibatch)
+    score each chain alike, whatever the chunking and the order."""
+    config = plan_config(tmp_path)
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
+    policy = FlowPolicy.from_pretrained(bc_checkpoint).eval()
+    obs = batch.observations().flatten_leading().to_torch()
+    chains = torch.as_tensor(batch.chains).flatten(0, 1)
+    with torch.no_grad():
+        whole = learner_module.chain_log_prob(policy, policy.encode(obs), chains).log_prob
+        order = torch.randperm(len(chains), generator=torch.Generator().manual_seed(1))
+        for sizes in ([16], [6, 5, 5], [1] * 16, [9, 7]):
+            scored = torch.empty_like(whole)
+            for idx in order.split(sizes):
+                scored[idx] = learner_module.chain_log_prob(policy, policy.encode(obs.index(idx)), chains[idx]).log_prob
+            torch.testing.assert_close(scored, whole, rtol=1e-6, atol=1e-6)
+    for sections in (
+        {"learner.num_minibatches": 1},
+        {"learner.num_minibatches": 5},
+        {"learner.minibatch_size": 4, "learner.grad_accum": 2},
+    ):
+        learner = Learner(plan_config(tmp_path, **sections), FlowPolicy.from_pretrained(bc_checkpoint))
+        torch.testing.assert_close(learner.prepare(batch).old_log_probs, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_the_banner_states_the_updates_shape_in_one_line() -> None:
+    from common.config import load_config
+    from learner.driver import banner
+
+    assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
+    sixteen = load_config(None, ["actors.num_actors=16", "learner.num_minibatches=3", "learner.grad_accum=2"])
+    assert (
+        learner_module.update_shape(sixteen) == "1600 decisions per iteration, 3 minibatches x 533-534, 8 epochs, micro-batches of <= 267"
+    )
+    lines = banner(RunConfig(), None, None, {}, 1.0).splitlines()
+    assert [line for line in lines if "decisions per iteration" in line] == [
+        f"update             : {learner_module.update_shape(RunConfig())}"
+    ]

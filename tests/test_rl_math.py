@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
@@ -138,3 +139,19 @@ def test_k3_estimates_kl_policy_to_reference_and_reversed_does_not() -> None:
     assert k2(near.log_prob(y), Normal(0.0, 1.0).log_prob(y)).mean().item() == pytest.approx(
         kl_divergence(near, Normal(0.0, 1.0)).item(), rel=0.1
     )
+
+
+@pytest.mark.parametrize(("successes", "episodes"), [(0, 20), (1, 20), (37, 100), (61, 100), (99, 100), (100, 100), (3, 7)])
+def test_success_interval_is_scipys_wilson_interval(successes: int, episodes: int) -> None:
+    """The held-out success interval against scipy's Wilson score interval at the same z (1.96) as the evaluation's."""
+    from scipy.stats import binomtest, norm
+
+    from common.metrics import success_interval
+
+    outcomes = np.zeros(episodes, dtype=bool)
+    outcomes[:successes] = True
+    rate, low, high = success_interval(np.random.default_rng(successes).permutation(outcomes))
+    expected = binomtest(successes, episodes).proportion_ci(confidence_level=2 * norm.cdf(1.96) - 1, method="wilson")
+    assert rate == successes / episodes
+    assert low == pytest.approx(expected.low, abs=1e-12) and high == pytest.approx(expected.high, abs=1e-12)
+    assert low <= rate <= high and (low > 0) == (successes > 0) and (high < 1) == (successes < episodes)
