@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from common.config import RunConfig
-from common.envs import ChunkedVectorEnv, Layout, adopt_benchmark_tasks, layouts
+from common.envs import ChunkedVectorEnv, ImageConfig, Layout, adopt_benchmark_tasks, layouts
 from common.policy import FlowPolicy
+from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, FilmedTaskEnv, record_layouts
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, evaluate_layouts, make_envs
 from common.trajectory import RolloutBatch, WeightsPayload
 
@@ -112,6 +113,29 @@ class RolloutActor:
         self.load_weights(weights)
         with self.precision():
             return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
+
+    def record_episodes(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], size: int = VIDEO_SIZE,
+                        positions: Sequence[int] | None = None, camera: str = VIDEO_CAMERA) -> list[EpisodeRecording]:  # fmt: skip
+        """Film the episodes at `positions` (default: all) of evaluate(weights, eval_layouts): size x size frames from
+        `camera`, and each outcome as evaluate() gives it (common.recording.record_layouts: the batches evaluate() ran
+        are run again). To film episodes of a run's evaluation, pass the layouts of one evaluate() call as it was given
+        them (common.recording.recording_calls)."""
+        self.load_weights(weights)
+        if not eval_layouts or (positions is not None and not len(positions)):
+            return []
+        film = ImageConfig(size, size, camera)
+        cameras = camera_configs(self.policy.config)
+        filmed = [FilmedTaskEnv(self.config.env, cameras, film, eval_layouts[0]) for _ in self.eval_envs]
+        try:
+            with self.precision():
+                return record_layouts(self.policy, self.eval_envs, filmed, eval_layouts, positions)
+        finally:
+            for env in filmed:
+                env.close()
+
+    def close(self) -> None:
+        """Free the envs' simulations and render contexts (a process that hosts the actor and goes on)."""
+        self.vec_env.close()
 
     def pid(self) -> int:
         return os.getpid()

@@ -379,6 +379,7 @@ class RunConfig:
     iterations: int = 150  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 0.6M env steps
     eval_every: int = 25  # iterations between deterministic held-out evaluations (0: only at start and end)
     eval_episodes: int = 100  # held-out layouts per evaluation
+    eval_videos: int = 2  # held-out episodes filmed per task after each evaluation (first success, first failure); 0: none
     checkpoint_every: int = 25
     run_dir: str = "runs/default"
     # Policy to fine-tune: a directory written by save_pretrained. None: the cached BC checkpoint built
@@ -394,6 +395,7 @@ class RunConfig:
                 value.validate(f.name)
         _positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         _require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         _require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
         for name in ("lr_warmup_iters", "critic_warmup_iters") if self.learner.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic

@@ -30,7 +30,7 @@ RUN_CONFIG_FILE = "run_config.json"
 CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
 # and the resources actors and the learner ask for. Nothing here changes what is computed.
-SAFE_ON_RESUME = frozenset({"eval_every", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
+SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
                             "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
                             "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts"})  # fmt: skip
 

@@ -1,0 +1,148 @@
+"""Filmed held-out episodes: what the policy does on a layout, as frames, with the outcome evaluation gives it.
+
+An episode is filmed by running it again in an env that renders one more camera after the reset and after every
+step (FilmedTaskEnv), through evaluate_layouts itself, in the batch evaluation ran it in: a policy's float sums can
+depend on the batch size (the MLP's actions differ by about 1e-7 between one env and several on CPU), so the same
+batch is what makes the filmed episode the evaluated one, step for step. Rendering reads the simulation and never
+writes it. Ray-free: rollout actors, learner.replay and tests use it alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import EnvConfig
+from common.envs import ImageConfig, Layout, MetaworldTaskEnv
+from common.policy import FlowPolicy
+from common.rollout import evaluate_layouts
+from common.video import caption, write_mp4
+
+VIDEO_SIZE = 256  # pixels per side: the block and the gripper's fingers stay visible
+VIDEO_CAMERA = "corner4"  # Metaworld's view that keeps gripper, object and goal large and in frame
+
+
+class FilmedTaskEnv(MetaworldTaskEnv):
+    """A MetaworldTaskEnv that films its current episode into `frames`: the `film` camera's view after every step,
+    (H, W, 3) uint8 each. Observations stay the state vectors of MetaworldTaskEnv and the policy's cameras are
+    rendered on demand as there, so evaluation code runs on it unchanged.
+
+    The view right after a reset is left out: on tasks whose reset replays the hand's steps (common.envs.TaskSpec.
+    replay_hand_reset) the goal marker is drawn where the env's first episode had it until the first step moves the
+    scene on."""
+
+    def __init__(self, env_config: EnvConfig, cameras: Sequence[ImageConfig], film: ImageConfig, layout: Layout) -> None:
+        super().__init__(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward,
+                         image=film, cameras=cameras, layout=layout)  # fmt: skip
+        self.observation_space = self.observation_space["state"]
+        self.frames: list[np.ndarray] = []
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        obs, info = super().reset(seed=seed, options=options)
+        self.frames = []
+        return obs["state"], info
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.frames.append(obs["image"])
+        return obs["state"], reward, terminated, truncated, info
+
+
+def layout_id(layout: Layout) -> str:
+    """<benchmark seed>-<index in that benchmark>: an initial state's name in captions and file names."""
+    return f"{layout.benchmark_seed}-{layout.index:02d}"
+
+
+@dataclass
+class EpisodeRecording:
+    """One filmed deterministic episode."""
+
+    task: str
+    layout: Layout
+    success: bool
+    steps: int  # env steps the episode ran
+    frames: np.ndarray  # (steps, H, W, 3) uint8: the scene after every step
+
+    @property
+    def outcome(self) -> str:
+        return "success" if self.success else "failure"
+
+    @property
+    def layout_id(self) -> str:
+        return layout_id(self.layout)
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.task}_{self.layout_id}_{self.outcome}_{self.steps}steps.mp4"
+
+    def captioned(self, label: str | None = None) -> np.ndarray:
+        """The frames with the task, layout, outcome and a step counter written on them (and `label` above, if given)."""
+        head = [label] if label else []
+        return caption(self.frames, [[*head, f"{self.task}  layout {self.layout_id}", f"step {t}/{self.steps}  {self.outcome}"]
+                                     for t in range(1, len(self.frames) + 1)])  # fmt: skip
+
+
+def record_layouts(policy: FlowPolicy, envs: list[MetaworldTaskEnv], filmed: list[FilmedTaskEnv], layouts: Sequence[Layout],
+                   positions: Sequence[int] | None = None) -> list[EpisodeRecording]:  # fmt: skip
+    """The episodes at `positions` (default: all) of `evaluate_layouts(policy, envs, layouts)`, filmed, in position order.
+
+    evaluate_layouts runs layouts in groups of len(envs); each group holding a filmed position runs again whole,
+    with filmed[k] in place of envs[k] for its filmed positions, so every outcome is the one that evaluation gives.
+    `filmed` needs len(envs) envs with the cameras of `envs`."""
+    size = len(envs)
+    wanted = sorted(set(range(len(layouts)) if positions is None else positions))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < len(layouts):
+        raise ValueError(f"positions must be in [0, {len(layouts)}), got {wanted}")
+    if len(filmed) < size:
+        raise ValueError(f"{len(filmed)} filmed env(s) for groups of {size}: pass one per env")
+    recordings = []
+    for start in sorted({position - position % size for position in wanted}):
+        group = list(layouts[start : start + size])
+        slots = [filmed[k] if start + k in wanted else envs[k] for k in range(len(group))]
+        successes = evaluate_layouts(policy, slots, group)
+        recordings += [
+            EpisodeRecording(env.task, layout, bool(success), len(env.frames), np.stack(env.frames))
+            for k, (env, layout, success) in enumerate(zip(slots, group, successes))
+            if start + k in wanted
+        ]
+    return recordings
+
+
+def select_episodes(tasks: Sequence[str], successes: Sequence[bool] | np.ndarray, per_task: int = 2) -> list[int]:
+    """Which evaluated episodes to film, as indices in evaluation order: per task, its first success and its first
+    failure, then its second of each, and so on (the rest of the commoner outcome last), `per_task` at most."""
+    if len(tasks) != len(successes):
+        raise ValueError(f"{len(tasks)} tasks for {len(successes)} outcomes")
+    chosen: list[int] = []
+    for task in dict.fromkeys(tasks):
+        own = [i for i, name in enumerate(tasks) if name == task]
+        wins, losses = [i for i in own if successes[i]], [i for i in own if not successes[i]]
+        alternating = [i for pair in itertools.zip_longest(wins, losses) for i in pair if i is not None]
+        chosen += alternating[:per_task]
+    return sorted(chosen)
+
+
+def recording_calls(shares: dict[int, np.ndarray], chosen: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:
+    """How to film evaluated episodes in the batches they were evaluated in: shares maps each actor to the indices of
+    the layouts its evaluate() call was given, in order; returns (actor, that share, positions in it of the `chosen`
+    indices) for every share holding one, to pass as record_episodes(weights, [layouts[i] for i in share], size,
+    positions). Any actor with the same actors.envs_per_actor films them the same."""
+    calls, wanted = [], set(chosen)
+    for actor, share in sorted(shares.items()):
+        share = [int(i) for i in share]
+        positions = [k for k, index in enumerate(share) if index in wanted]
+        if positions:
+            calls.append((actor, share, positions))
+    return calls
+
+
+def save_evaluation_videos(run_dir: str | Path, iteration: int, recordings: Sequence[EpisodeRecording]) -> list[Path]:
+    """Write each recording, captioned, to run_dir/videos/iter_XXXXXX/<task>_<layout>_<success|failure>_<N>steps.mp4;
+    returns the paths in the recordings' order."""
+    directory = Path(run_dir) / "videos" / f"iter_{iteration:06d}"
+    return [write_mp4(directory / recording.file_name, recording.captioned()) for recording in recordings]
