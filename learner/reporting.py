@@ -163,7 +163,7 @@ class RunSummary:
         """The run's end: its totals and final evaluation (the last row's), written. wall_seconds: of this launch."""
         final_eval = {k: rows[-1][k] for k in rows[-1] if k.startswith("eval/")} if rows else {}
         self.data.update({"iterations": config.iterations, "env_steps": env_steps, "final_eval": final_eval,
-                          "wall_seconds_this_session": wall_seconds, "config_fingerprint": config.fingerprint(),
+                          "wall_seconds_this_launch": wall_seconds, "config_fingerprint": config.fingerprint(),
                           "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
                           "faults": faults})  # fmt: skip
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
@@ -237,5 +237,5 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"after RL       : {format_eval(final)}")
     if "success_gain" in summary:
         print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
-    print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_session']:.0f}s; curve: {summary.get('curve')}")
+    print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     print("=" * 78, flush=True)
