@@ -12,7 +12,7 @@ through the driver).
 Faults, and what each costs:
 - A rollout actor that dies or wedges is restarted and its call retried, for exactly the samples the failed attempt
   would have given; one out of restarts is dropped (learner.actor_pool).
-- A learner that dies is started again from the run's latest checkpoint and the iterations since are
+- A learner that dies or wedges is started again from the run's latest checkpoint and the iterations since are
   redone, identically (learner.learner_handle). Rollouts in flight (policy_lag > 0) are dropped and sampled again
   with the versions that sampled them first, which the checkpoint keeps (as on --resume), so the redone iterations
   are the same at any lag.

@@ -1,17 +1,22 @@
-"""The learner actor behind one handle: its calls, and its restart when it dies.
+"""The learner actor behind one handle: its calls, each with a deadline, and its restart when it dies or wedges.
 
-A learner that dies is started again from the run's latest checkpoint (learner.max_restarts times). The iterations
-since that checkpoint are redone, identically, and weight versions continue from it.
+A learner that dies, or wedges (no answer within its deadline; it is killed), is started again from the run's
+latest checkpoint (learner.max_restarts times, deaths and wedges together). The iterations since that checkpoint are
+redone, identically, and weight versions continue from it. The deadline of a call is the larger of
+learner.call_timeout_s and learner.call_timeout_update_factor times the slowest update answered so far: it grows
+with what the run has shown an update to need, and a learner's start-up (a SmolVLA learner loads for minutes) is no
+part of it: calls wait without one until the learner has answered its first.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from common.config import RunConfig
 from learner.cluster import ResourceRequest
@@ -23,8 +28,12 @@ class LearnerDiedError(RuntimeError):
     """The learner actor's process is gone."""
 
 
+class LearnerWedgedError(LearnerDiedError):
+    """The learner did not answer a call within its deadline, and was killed."""
+
+
 class LearnerHandle:
-    """The run's learner actor, restarted from the run's checkpoints."""
+    """The run's learner actor, called with a deadline and restarted from the run's checkpoints."""
 
     def __init__(self, config: RunConfig, directory: RunDirectory, checkpoint: Path | None, resume_dir: Path | None,
                  request: ResourceRequest):  # fmt: skip
@@ -34,21 +43,37 @@ class LearnerHandle:
         self.checkpoint, self.resume_dir = checkpoint, resume_dir
         self.restarts = 0
         self.last_saved = 0  # completed iterations of the newest checkpoint the learner started from or wrote
+        self.slowest_update = 0.0  # seconds, over every update answered, restarts included
         self._start(checkpoint, resume_dir)
 
     def _start(self, checkpoint: Path | None, resume_dir: Path | None) -> None:
         self.actor = start_learner(self.config, checkpoint, resume_dir, self.request)
+        self.answered = False
 
     def when_ready(self, callback: Callable[[], None]) -> None:
         """Call `callback()` once the learner is up, without waiting for it; its failure surfaces at its first call."""
         self.actor.__ray_ready__.remote().future().add_done_callback(lambda _: callback())
 
+    def deadline(self) -> float:
+        """Seconds a call may take before the learner counts as wedged."""
+        cfg = self.config.learner
+        return max(cfg.call_timeout_s, cfg.call_timeout_update_factor * self.slowest_update)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`method(*args, **kwargs)` on the learner, waited for; LearnerDiedError if it dies."""
+        """`method(*args, **kwargs)` on the learner, waited for; LearnerDiedError if it dies, LearnerWedgedError (after
+        killing it) if it does not answer in time."""
+        ref = getattr(self.actor, method).remote(*args, **kwargs)
+        timeout = self.deadline() if self.answered else None
         try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+            result = ray.get(ref, timeout=timeout)
         except RayActorError as exc:
             raise LearnerDiedError(str(exc).splitlines()[0]) from exc
+        except GetTimeoutError:
+            ray.kill(self.actor, no_restart=True)
+            raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.call_timeout_s, "
+                                     "learner.call_timeout_update_factor); killed") from None  # fmt: skip
+        self.answered = True
+        return result
 
     def resume_point(self) -> tuple[int, int]:
         """(completed iterations, env steps sampled for them) of the checkpoint the learner started from."""
@@ -65,7 +90,10 @@ class LearnerHandle:
         return self.call("publish_in_flight")
 
     def update(self, batch_refs: list[ray.ObjectRef], verbose: bool = False) -> dict[str, float]:
-        return self.call("update", *batch_refs, verbose=verbose)
+        began = time.perf_counter()
+        metrics = self.call("update", *batch_refs, verbose=verbose)
+        self.slowest_update = max(self.slowest_update, time.perf_counter() - began)
+        return metrics
 
     def publish(self) -> ray.ObjectRef:
         """The current weights, put in the object store once."""
@@ -90,7 +118,8 @@ class LearnerHandle:
         if self.restarts > limit:
             raise LearnerDiedError(f"the learner died {self.restarts} times (learner.max_restarts={limit}); last: {failure}") from failure
         restart_dir = self.directory.latest_checkpoint() if self.last_saved > 0 else self.resume_dir
-        print(f"[fault] the learner died ({failure}): restarting it ({self.restarts}/{limit}) from "
+        what = "wedged" if isinstance(failure, LearnerWedgedError) else "died"
+        print(f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
               f"{restart_dir or self.checkpoint or 'its random initialisation'}", flush=True)  # fmt: skip
         self._start(None if restart_dir else self.checkpoint, restart_dir)
         return self.resume_point()

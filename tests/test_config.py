@@ -33,6 +33,8 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("actors.num_actors=zero", r"actors\.num_actors must be int"),
         ("env.eval_benchmark_seeds=[2]", r"env\.eval_benchmark_seeds \[2\] also used for training"),
         ("learner.grad_accum=3", r"divisible by learner\.grad_accum"),
+        ("learner.call_timeout_s=0", r"learner\.call_timeout_s must be > 0"),
+        ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
         ("nonsense", r"must look like section\.field=value"),
     ],
 )
