@@ -41,7 +41,7 @@ class RolloutActor:
         dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
         once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
         itself (about 0.7 s each). niceness: the process's scheduling niceness from now on, if higher than it is
-        (learner.driver.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged)."""
+        (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged)."""
         if niceness is not None:
             os.setpriority(os.PRIO_PROCESS, 0, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription

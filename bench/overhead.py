@@ -46,9 +46,9 @@ from actors.rollout_actor import RolloutActor  # noqa: E402
 from bench.throughput import main_job  # noqa: E402
 from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
-from learner.driver import resolve_init_checkpoint  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from learner.main import parse_args, resolve_config  # noqa: E402
+from learner.startup import resolve_init_checkpoint  # noqa: E402
 
 
 def in_process(

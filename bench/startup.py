@@ -11,7 +11,7 @@
   times the subprocess from launch until its first metrics.jsonl row appears and subtracts that row's
   time/update_seconds: command_to_first_rollout_seconds, which still holds the weight publication and the
   checkpoint the single batch saves (tens of milliseconds for the MLP policy).
-- main_stages: where the main command's start-up went, from its summary.json ("startup", learner.driver.STARTUP_STAGES):
+- main_stages: where the main command's start-up went, from its summary.json ("startup", learner.startup.STARTUP_STAGES):
   seconds since learner.main.run began (the interpreter's start and learner.main's imports come before) at which
   Ray was up, the input checked, the learner and all the actors constructed, the weights published and the first
   rollout collected.

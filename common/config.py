@@ -285,8 +285,13 @@ class PPOConfig:
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3
     nonfinite_lr_backoff: float = 0.5
-    # Times the driver restarts a dead learner actor from the run's last checkpoint before giving up.
+    # Times the driver restarts a dead or wedged learner actor from the run's last checkpoint before giving up.
     max_restarts: int = 2
+    # A learner call (an update, a publication, a checkpoint) unanswered after max(call_timeout_s,
+    # call_timeout_update_factor x the slowest update so far) seconds counts as wedged: the learner is killed and
+    # restarted as a dead one is. The learner's start-up is not counted. Factor 0: a fixed call_timeout_s.
+    call_timeout_s: float = 900.0
+    call_timeout_update_factor: float = 10.0
     # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
     # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
     # custom resource such as {learner_slot: 1} that only the intended node type declares.
@@ -326,6 +331,9 @@ class PPOConfig:
         _positive(self, path, "nonfinite_backoff_after")
         _require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
         _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        _positive(self, path, "call_timeout_s")
+        factor = self.call_timeout_update_factor
+        _require(factor >= 0, f"{path}.call_timeout_update_factor must be >= 0 (0: a fixed call_timeout_s), got {factor}")
 
 
 @dataclass

@@ -184,7 +184,7 @@ def start_local_ray(**init_kwargs: Any) -> Any:
     the flag is restored afterwards. Token auth stays at Ray's default (on; token in ~/.ray/auth_token).
 
     Its workers start at the driver's niceness instead of Ray's 15 (RAY_worker_niceness=0, read by the raylet), so
-    that the learner keeps the driver's priority while the rollout actors lower their own (learner.driver.ACTOR_NICENESS):
+    that the learner keeps the driver's priority while the rollout actors lower their own (learner.startup.ACTOR_NICENESS):
     only a privileged process can raise its priority again, and the learner's update is the iteration's critical path
     where actors and learner share the cores. cluster/*.yaml start their nodes' Ray the same way.
     """

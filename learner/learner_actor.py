@@ -29,7 +29,7 @@ class LearnerActor:
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None):
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
-        privileged process comes back: there the learner stays at 15, still above the actors' (learner.driver.ACTOR_NICENESS)."""
+        privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS)."""
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, niceness)

@@ -1,7 +1,7 @@
 """The command line: `python -m learner.main --num-actors 10`.
 
 Resolves the config (embedded defaults, `--config`, `--set`, flags), refuses bad input before anything is
-written (learner.driver.preflight, checked while Ray starts), takes the run directory (learner.run_dir), and
+written (learner.startup.preflight, checked while Ray starts), takes the run directory (learner.run_dir), and
 hands over to the training loop in learner.driver. Importing this module brings in Ray but not torch or the envs,
 so that Ray's start-up can overlap theirs.
 """
@@ -66,12 +66,12 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
         include_dashboard: bool = True, **options: Any) -> dict[str, Any]:  # fmt: skip
     """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout.
 
-    Ray starts while the input is checked (learner.driver.preflight): importing the driver brings in torch, the
+    Ray starts while the input is checked (learner.startup.preflight): importing it brings in torch, the
     policies and the envs, seconds that would otherwise come before Ray's own seconds of start-up. Bad input still
     stops the run before its directory is created or touched, and a Ray started here is shut down when the run
     fails."""
     began = time.perf_counter()
-    startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.driver.STARTUP_STAGES)
+    startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.startup.STARTUP_STAGES)
     connected_here = False
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
@@ -98,8 +98,8 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
 
 
 def check_input(config: RunConfig, address: str | None, resume: bool) -> list:
-    """learner.driver.preflight, imported here: in run's checking thread, beside Ray's start."""
-    from learner.driver import preflight
+    """learner.startup.preflight, imported here: in run's checking thread, beside Ray's start."""
+    from learner.startup import preflight
 
     return preflight(config, address, resume)
 
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         # before run() starts Ray, the very seconds run() overlaps.
         from common.diagnostics import RandomInitError
         from common.policy import CheckpointError
-        from learner.driver import ActorsExhaustedError, LearnerDiedError
+        from learner.actor_pool import ActorsExhaustedError
+        from learner.learner_handle import LearnerDiedError
 
         if isinstance(exc, (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
             print(f"error: {exc}", file=sys.stderr)  # bad input: a clear message, no traceback, nothing written

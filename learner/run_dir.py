@@ -32,7 +32,8 @@ CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # and the resources actors and the learner ask for. Nothing here changes what is computed.
 SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
                             "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
-                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts"})  # fmt: skip
+                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts",
+                            "learner.call_timeout_s", "learner.call_timeout_update_factor"})  # fmt: skip
 
 
 class RunDirLockedError(FileExistsError):

@@ -227,7 +227,7 @@ def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_
     import os
 
     from learner.cluster import start_local_ray
-    from learner.driver import ACTOR_NICENESS, plan_resources, start_actors, start_learner
+    from learner.startup import ACTOR_NICENESS, plan_resources, start_actors, start_learner
 
     def niceness(_actor) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)

@@ -38,6 +38,8 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("learner.grad_accum=501", r"learner\.grad_accum \(501\) exceeds the decisions of the smallest minibatch \(500 of 1000"),
         ("learner.num_minibatches=0", r"learner\.num_minibatches must be > 0"),
         ("learner.minibatch_size=0", r"learner\.minibatch_size must be > 0 or null"),
+        ("learner.call_timeout_s=0", r"learner\.call_timeout_s must be > 0"),
+        ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
         ("nonsense", r"must look like section\.field=value"),
     ],
 )

@@ -361,7 +361,7 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
 
 
 def test_counting_layouts_simulates_no_benchmark(tmp_path, monkeypatch) -> None:
-    """A run is planned and checked (learner.driver.preflight) before any MT1 benchmark is built: layouts() counts by
+    """A run is planned and checked (learner.startup.preflight) before any MT1 benchmark is built: layouts() counts by
     LAYOUTS_PER_BENCHMARK, and building a benchmark holds Metaworld to that count."""
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached layouts: benchmark_tasks must build

@@ -28,7 +28,7 @@ from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
 from common.envs import MetaworldTaskEnv
 from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, write_directory_atomically
-from learner.driver import ActorPool, ActorsExhaustedError
+from learner.actor_pool import ActorPool, ActorsExhaustedError
 from learner.learner import Learner
 from learner.main import main
 from learner.run_dir import RunDirectory
@@ -155,7 +155,7 @@ def test_a_run_survives_the_fault_with_the_undisturbed_results(tmp_path, bc_chec
 
 @pytest.mark.slow
 def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_went(undisturbed) -> None:
-    from learner.driver import STARTUP_STAGES
+    from learner.startup import STARTUP_STAGES
 
     summary = json.loads((undisturbed / "summary.json").read_text())
     cost = summary["cost"]
@@ -173,7 +173,7 @@ def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_
 
 @pytest.mark.slow
 def test_an_unexpected_error_saves_the_completed_iterations_first(tmp_path, bc_checkpoint, undisturbed, monkeypatch) -> None:
-    from learner import driver
+    from learner import reporting
 
     lines = []
 
@@ -183,7 +183,7 @@ def test_an_unexpected_error_saves_the_completed_iterations_first(tmp_path, bc_c
             raise RuntimeError("a bug in the driver")
         return ""
 
-    monkeypatch.setattr(driver, "console_line", failing_console_line)
+    monkeypatch.setattr(reporting, "console_line", failing_console_line)
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="a bug in the driver"):
         main(run_args(run_dir, bc_checkpoint, "--set", "checkpoint_every=100"))

@@ -467,7 +467,7 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
 
 def test_the_banner_states_the_updates_shape_in_one_line() -> None:
     from common.config import load_config
-    from learner.driver import banner
+    from learner.reporting import banner
 
     assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
     sixteen = load_config(None, ["actors.num_actors=16", "learner.num_minibatches=3", "learner.grad_accum=2"])

@@ -67,10 +67,10 @@ def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) 
     """A held-out evaluation is submitted to the actors and collected once finished, while the loop goes on sampling
     and training. With no evaluation ever reported finished, all 3 iterations still run before any of their
     evaluations is collected, and the rows are written in order at the end, each with its own evaluation."""
-    from learner import driver
+    from learner import actor_pool
 
     events = []
-    collect_sample, collect_evaluate = driver.ActorPool.collect_sample, driver.ActorPool.collect_evaluate
+    collect_sample, collect_evaluate = actor_pool.ActorPool.collect_sample, actor_pool.ActorPool.collect_evaluate
 
     def spy(name, method):
         def wrapped(self, *args):
@@ -79,9 +79,9 @@ def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) 
 
         return wrapped
 
-    monkeypatch.setattr(driver.ActorPool, "collect_sample", spy("sample", collect_sample))
-    monkeypatch.setattr(driver.ActorPool, "collect_evaluate", spy("eval", collect_evaluate))
-    monkeypatch.setattr(driver.ActorPool, "finished", staticmethod(lambda pending: False))
+    monkeypatch.setattr(actor_pool.ActorPool, "collect_sample", spy("sample", collect_sample))
+    monkeypatch.setattr(actor_pool.ActorPool, "collect_evaluate", spy("eval", collect_evaluate))
+    monkeypatch.setattr(actor_pool.ActorPool, "finished", staticmethod(lambda pending: False))
     run_dir = tmp_path / "run"
     assert main(tiny_args(run_dir, bc_checkpoint, 3)) == 0  # eval_every=1
     assert events == ["eval"] + ["sample"] * 3 + ["eval"] * 3  # the initial evaluation, then training never waited
@@ -180,7 +180,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     one put."""
     import common.envs as envs_module
     from actors.rollout_actor import RolloutActor
-    from learner.driver import build_benchmark_tables
+    from learner.startup import build_benchmark_tables
     from tests.conftest import tiny_config
 
     config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})

@@ -1,0 +1,185 @@
+"""The rollout actors as one pool: every call has a deadline, and a dead or wedged actor is restarted and asked again.
+
+A rollout actor that dies, or wedges (no answer within actors.call_timeout_s; it is killed), is restarted by Ray
+(actors.max_restarts) and its call retried with the same arguments. A rollout is a pure function of (weights, run
+seed, iteration, actor index), so the retry yields exactly the samples the dead attempt would have: its partial work
+never reaches the learner, nothing is lost or counted twice. With its restarts spent the actor is dropped with a
+warning and the rest go on; below actors.min_alive the run stops.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray._private import state
+from ray.exceptions import ActorDiedError, RayActorError
+
+from common.config import RunConfig
+
+
+class ActorsExhaustedError(RuntimeError):
+    """Fewer rollout actors are left than actors.min_alive."""
+
+
+@dataclass
+class PendingCall:
+    """One method call on every actor of a pool, submitted and not yet collected (ActorPool.collect)."""
+
+    method: str
+    args_for: Callable[[int], tuple]
+    num_returns: int
+    refs: dict[int, list[ray.ObjectRef]]  # the current attempt's result refs, by actor index
+    retried: set[int] = field(default_factory=set)
+
+
+class ActorPool:
+    """The rollout actors by index, called with a deadline; see the module docstring for what a fault does."""
+
+    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any], creation_refs: Iterable[ray.ObjectRef] = ()):
+        self.cfg = config.actors
+        self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
+        self.restarts = dict.fromkeys(self.actors, 0)
+        # Objects the actors were created with (the layout tables): Ray re-runs an actor's constructor with them when it
+        # restarts the actor, so they must live as long as the pool, not just until the actors first start.
+        self.creation_refs = list(creation_refs)
+        self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
+                       "faults/resampled_env_steps": 0.0}  # fmt: skip
+
+    def call(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
+             num_returns: int = 1) -> dict[int, list[ray.ObjectRef]]:  # fmt: skip
+        """`method(*args_for(index))` on the live actors (or those of `indices`); returns the result refs of each call
+        that succeeded, by actor index. A call's first result must be small: the driver fetches it to learn whether
+        the call succeeded (a receipt), and leaves any other result in the object store."""
+        return self.collect(self.submit(method, args_for, indices, num_returns))
+
+    def submit(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
+               num_returns: int = 1) -> PendingCall:  # fmt: skip
+        """Start `call` without waiting: the actors queue it behind the calls they already have."""
+        call = PendingCall(method, args_for, num_returns, {})
+        for index in self.actors if indices is None else indices:
+            self._attempt(call, index)
+        return call
+
+    def _attempt(self, call: PendingCall, index: int) -> None:
+        refs = getattr(self.actors[index], call.method).options(num_returns=call.num_returns).remote(*call.args_for(index))
+        call.refs[index] = refs if call.num_returns > 1 else [refs]
+
+    def collect(self, call: PendingCall) -> dict[int, list[ray.ObjectRef]]:
+        """Wait for a submitted call; dead actors are asked again after their restart, wedged ones killed first."""
+        timeout = self.cfg.call_timeout_s
+        pending = {index: refs for index, refs in call.refs.items() if index in self.actors}  # not those dropped since
+        # The deadline runs from now: a call submitted ahead (policy_lag) waited behind the actor's previous one.
+        since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt started
+        done: dict[int, list[ray.ObjectRef]] = {}
+        retried = call.retried
+        while pending:
+            receipts = {refs[0]: index for index, refs in pending.items()}
+            wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
+            ready, _ = ray.wait(list(receipts), num_returns=len(receipts), timeout=wait)
+            for ref, index in receipts.items():
+                if ref in ready:
+                    try:
+                        receipt = ray.get(ref)
+                    except ActorDiedError as exc:  # dead for good: Ray has no restart left for it
+                        self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
+                        del pending[index]
+                        continue
+                    except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
+                        retried.add(index)
+                        if self._count_restarts(index, call.method):
+                            since[index] = time.monotonic()  # a fresh attempt on a fresh actor
+                        time.sleep(0.5)
+                        self._attempt(call, index)
+                        pending[index] = call.refs[index]
+                        continue
+                    done[index] = pending.pop(index)
+                    if index in retried and isinstance(receipt, dict):
+                        self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
+                elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
+                    print(f"[fault] rollout actor {index} wedged (no answer to {call.method} within actors.call_timeout_s="
+                          f"{timeout:g}s): killing it", flush=True)  # fmt: skip
+                    self.faults["faults/actor_timeouts"] += 1
+                    ray.kill(self.actors[index], no_restart=False)
+                    retried.add(index)
+                    self._attempt(call, index)
+                    pending[index], since[index] = call.refs[index], time.monotonic()
+        for index in retried & set(self.actors):
+            self._count_restarts(index, call.method)
+        return done
+
+    def _count_restarts(self, index: int, method: str) -> bool:
+        """Take actor `index`'s restart count from Ray's actor table (Ray restarts it; this only keeps the books).
+        True when it went up."""
+        restarts = int(state.actors(actor_id=self.actors[index]._actor_id.hex()).get("NumRestarts", 0))
+        if restarts <= self.restarts[index]:
+            return False
+        self.faults["faults/actor_restarts"] += restarts - self.restarts[index]
+        self.restarts[index] = restarts
+        print(f"[fault] rollout actor {index} restarted ({restarts}/{self.cfg.max_restarts} restarts): its {method} call retried",
+              flush=True)  # fmt: skip
+        return True
+
+    def _drop(self, index: int, failure: str) -> None:
+        """Go on without actor `index`; below actors.min_alive actors, stop."""
+        del self.actors[index]
+        self.faults["faults/dropped_actors"] += 1
+        message = f"rollout actor {index} {failure} (actors.max_restarts): dropped"
+        if len(self.actors) < self.cfg.min_alive:
+            raise ActorsExhaustedError(f"{message}; {len(self.actors)} left, below actors.min_alive={self.cfg.min_alive}")
+        warnings.warn(f"{message}; training goes on with the {len(self.actors)} left", RuntimeWarning, stacklevel=3)
+
+    def submit_sample(self, weights_ref: ray.ObjectRef, iteration: int) -> PendingCall:
+        """Every live actor's rollout of `iteration` with the weights of `weights_ref`, started."""
+        return self.submit("sample_with_receipt", lambda index: (weights_ref, iteration), num_returns=2)
+
+    def collect_sample(self, call: PendingCall) -> list[ray.ObjectRef]:
+        """The rollouts of a submitted sample call (refs, in actor order)."""
+        results = self.collect(call)
+        return [results[index][1] for index in sorted(results)]
+
+    def submit_evaluate(self, weights_ref: ray.ObjectRef, eval_layouts: list, todo: np.ndarray | None = None) -> PendingEvaluation:
+        """Start a deterministic held-out evaluation without waiting, the layouts of `todo` (by default all) split across
+        the live actors: they run it after the calls they already have, so the learner goes on training meanwhile."""
+        todo = np.arange(len(eval_layouts)) if todo is None else todo
+        shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
+        layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
+        call = self.submit("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares)
+        return PendingEvaluation(call, shares, weights_ref, eval_layouts, np.zeros(len(eval_layouts), dtype=bool), set())
+
+    def collect_evaluate(self, pending: PendingEvaluation) -> tuple[np.ndarray, set[int]]:
+        """Wait for a submitted evaluation; the share of an actor dropped meanwhile is dealt out again."""
+        results = self.collect(pending.call)
+        for index, (ref,) in results.items():
+            version, values = ray.get(ref)
+            pending.successes[pending.shares[index]] = values
+            pending.versions.add(version)
+        todo = [pending.shares[index] for index in pending.shares if index not in results]
+        if todo:
+            again = self.submit_evaluate(pending.weights_ref, pending.eval_layouts, np.concatenate(todo))
+            again.successes, again.versions = pending.successes, pending.versions
+            return self.collect_evaluate(again)
+        return pending.successes, pending.versions
+
+    @staticmethod
+    def finished(call: PendingCall) -> bool:
+        """Whether every actor has answered a submitted call (an answer may be an error that collect handles)."""
+        receipts = [refs[0] for refs in call.refs.values()]
+        return len(ray.wait(receipts, num_returns=len(receipts), timeout=0)[0]) == len(receipts)
+
+
+@dataclass
+class PendingEvaluation:
+    """A held-out evaluation submitted to the actors (ActorPool.submit_evaluate), and what it has gathered."""
+
+    call: PendingCall
+    shares: dict[int, np.ndarray]  # actor index -> indices of its layouts
+    weights_ref: ray.ObjectRef
+    eval_layouts: list
+    successes: np.ndarray  # (layouts,) bool, filled in as the actors answer
+    versions: set[int]

@@ -1,0 +1,137 @@
+"""The learner actor behind one handle: its calls, each with a deadline, and its restart when it dies or wedges.
+
+A learner that dies, or wedges (no answer within its deadline; it is killed), is started again from the run's
+latest checkpoint (learner.max_restarts times, deaths and wedges together). The iterations since that checkpoint are
+redone, identically, and weight versions continue from it. The deadline of a call is the larger of
+learner.call_timeout_s and learner.call_timeout_update_factor times the slowest update answered so far: it grows
+with what the run has shown an update to need, and a learner's start-up (a SmolVLA learner loads for minutes) is no
+part of it: calls wait without one until the learner has answered its first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from common.config import RunConfig
+from learner.cluster import ResourceRequest
+from learner.run_dir import RunDirectory
+from learner.startup import start_learner
+
+
+class LearnerDiedError(RuntimeError):
+    """The learner actor's process is gone."""
+
+
+class LearnerWedgedError(LearnerDiedError):
+    """The learner did not answer a call within its deadline, and was killed."""
+
+
+class LearnerHandle:
+    """The run's learner actor, called with a deadline and restarted from the run's checkpoints."""
+
+    def __init__(self, config: RunConfig, directory: RunDirectory, checkpoint: Path | None, resume_dir: Path | None,
+                 request: ResourceRequest):  # fmt: skip
+        """checkpoint: the policy the run fine-tunes (None on resume or from a random init); resume_dir: the
+        checkpoint a resumed run continues from."""
+        self.config, self.directory, self.request = config, directory, request
+        self.checkpoint, self.resume_dir = checkpoint, resume_dir
+        self.restarts = 0
+        self.last_saved = 0  # completed iterations of the newest checkpoint the learner started from or wrote
+        self.slowest_update = 0.0  # seconds, over every update answered, restarts included
+        self._start(checkpoint, resume_dir)
+
+    def _start(self, checkpoint: Path | None, resume_dir: Path | None) -> None:
+        self.actor = start_learner(self.config, checkpoint, resume_dir, self.request)
+        self.answered = False
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once the learner is up, without waiting for it; its failure surfaces at its first call."""
+        self.actor.__ray_ready__.remote().future().add_done_callback(lambda _: callback())
+
+    def deadline(self) -> float:
+        """Seconds a call may take before the learner counts as wedged."""
+        cfg = self.config.learner
+        return max(cfg.call_timeout_s, cfg.call_timeout_update_factor * self.slowest_update)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` on the learner, waited for; LearnerDiedError if it dies, LearnerWedgedError (after
+        killing it) if it does not answer in time."""
+        ref = getattr(self.actor, method).remote(*args, **kwargs)
+        timeout = self.deadline() if self.answered else None
+        try:
+            result = ray.get(ref, timeout=timeout)
+        except RayActorError as exc:
+            raise LearnerDiedError(str(exc).splitlines()[0]) from exc
+        except GetTimeoutError:
+            ray.kill(self.actor, no_restart=True)
+            raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.call_timeout_s, "
+                                     "learner.call_timeout_update_factor); killed") from None  # fmt: skip
+        self.answered = True
+        return result
+
+    def resume_point(self) -> tuple[int, int]:
+        """(completed iterations, env steps sampled for them) of the checkpoint the learner started from."""
+        self.last_saved, env_steps = self.call("progress")
+        return self.last_saved, env_steps
+
+    def initial_weights(self) -> str:
+        """The policy directory the rollout actors start from: a random-init run's learner saves its weights for them."""
+        start = self.resume_dir or self.checkpoint
+        return str(start) if start else self.call("save", str(self.directory.checkpoints / "random_init"))
+
+    def publish_in_flight(self) -> list[ray.ObjectRef]:
+        """The weights that sample the next iterations (LearnerActor.publish_in_flight); the last is the current version."""
+        return self.call("publish_in_flight")
+
+    def update(self, batch_refs: list[ray.ObjectRef], verbose: bool = False) -> dict[str, float]:
+        began = time.perf_counter()
+        metrics = self.call("update", *batch_refs, verbose=verbose)
+        self.slowest_update = max(self.slowest_update, time.perf_counter() - began)
+        return metrics
+
+    def publish(self) -> ray.ObjectRef:
+        """The current weights, put in the object store once."""
+        return self.call("publish")[0]
+
+    def save(self, iteration: int) -> None:
+        """Checkpoint the learner as iter_NNNNNN and point the run's `latest` at it."""
+        name = f"iter_{iteration:06d}"
+        self.call("save", str(self.directory.checkpoints / name))
+        self.directory.write_latest(name)
+        self.last_saved = iteration
+
+    def export_gauges(self, row: dict[str, float]) -> None:
+        """Publish an iteration's metrics as Ray gauges, without waiting."""
+        self.actor.export_gauges.remote(row)
+
+    def restart(self, failure: LearnerDiedError) -> tuple[int, int]:
+        """A new learner in place of the failed one, from the run's latest checkpoint (before the first, from what the
+        run started with); returns its resume_point. Past learner.max_restarts, LearnerDiedError."""
+        self.restarts += 1
+        limit = self.config.learner.max_restarts
+        if self.restarts > limit:
+            raise LearnerDiedError(f"the learner died {self.restarts} times (learner.max_restarts={limit}); last: {failure}") from failure
+        restart_dir = self.directory.latest_checkpoint() if self.last_saved > 0 else self.resume_dir
+        what = "wedged" if isinstance(failure, LearnerWedgedError) else "died"
+        print(f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
+              f"{restart_dir or self.checkpoint or 'its random initialisation'}", flush=True)  # fmt: skip
+        self._start(None if restart_dir else self.checkpoint, restart_dir)
+        return self.resume_point()
+
+    def save_progress(self, error: BaseException) -> None:
+        """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them."""
+        try:
+            completed, _ = ray.get(self.actor.progress.remote(), timeout=60)
+            if completed > self.last_saved:
+                self.save(completed)
+                what = "interrupted" if isinstance(error, KeyboardInterrupt) else f"stopped by {type(error).__name__}"
+                print(f"\n[{what}] saved iter_{completed:06d}; continue with --resume", flush=True)
+        except Exception as exc:  # the learner is gone or wedged: nothing more can be kept
+            print(f"[fault] could not save the learner's progress ({type(exc).__name__}): --resume continues from the last checkpoint",
+                  flush=True)  # fmt: skip

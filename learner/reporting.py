@@ -1,0 +1,243 @@
+"""What a run reports: the banner, each iteration's row (metrics.jsonl, the Ray gauges, wandb, the console) in
+iteration order with its held-out evaluation, what the run costs, and summary.json with its printed summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+
+from common.config import RunConfig
+from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve
+from common.policy import WEIGHTS_FILE, file_sha256
+from learner.actor_pool import ActorPool, PendingEvaluation
+from learner.cluster import ResourceRequest
+from learner.learner import update_shape
+from learner.learner_handle import LearnerHandle
+from learner.manifest import reproducibility_manifest
+from learner.pretrain import REPORT_FILE
+from learner.run_dir import RunDirectory
+from learner.startup import StartupClock, in_time_order
+
+
+class CostMeter:
+    """What the run costs: the resources it holds (reserved, busy or idle) times wall time, start-up included, summed
+    over every launch of a resumed run. Reported per iteration (cost/...) and in summary.json."""
+
+    def __init__(self, since: float, learner: ResourceRequest, actor: ResourceRequest, carried: dict[str, float]):
+        """since: when the run began (time.perf_counter); carried: the totals of the launches a resumed run continues."""
+        self.learner, self.actor, self.clock = learner, actor, since
+        self.totals = {key: float(carried.get(key, 0.0)) for key in ("wall_seconds", "cpu_seconds_reserved", "gpu_seconds_reserved")}
+
+    def charge(self, actors_held: int) -> dict[str, float]:
+        """Add the time since the last charge, with `actors_held` rollout actors; returns the totals as cost/... metrics."""
+        now = time.perf_counter()
+        seconds, self.clock = now - self.clock, now
+        self.totals["wall_seconds"] += seconds
+        self.totals["cpu_seconds_reserved"] += (self.learner.num_cpus + self.actor.num_cpus * actors_held) * seconds
+        self.totals["gpu_seconds_reserved"] += (self.learner.num_gpus + self.actor.num_gpus * actors_held) * seconds
+        return {f"cost/{key}": value for key, value in self.totals.items()}
+
+    def final(self, actors_held: int) -> dict[str, float]:
+        """The totals at the run's end, after a last charge."""
+        self.charge(actors_held)
+        return dict(self.totals)
+
+
+@dataclass
+class Evaluation:
+    """A held-out evaluation submitted to the actors, under the label its "[eval:...]" line prints."""
+
+    pending: PendingEvaluation
+    label: str
+    submitted: float  # time.perf_counter() after its submission
+
+
+class Evaluator:
+    """Held-out evaluations on the rollout actors: submitted without waiting, collected when their row is written."""
+
+    def __init__(self, pool: ActorPool, eval_layouts: list):
+        self.pool, self.eval_layouts = pool, eval_layouts
+
+    def submit(self, weights_ref: ray.ObjectRef, label: str) -> Evaluation:
+        return Evaluation(self.pool.submit_evaluate(weights_ref, self.eval_layouts), label, time.perf_counter())
+
+    def finished(self, evaluation: Evaluation) -> bool:
+        return self.pool.finished(evaluation.pending.call)
+
+    def collect(self, evaluation: Evaluation) -> dict[str, float]:
+        """Wait for a submitted evaluation; its eval/... metrics, printed."""
+        t0 = time.perf_counter()
+        successes, versions = self.pool.collect_evaluate(evaluation.pending)
+        result = eval_metrics(successes, self.eval_layouts)
+        result["eval/wait_seconds"] = time.perf_counter() - t0  # what the driver spent blocked on it
+        print(f"[eval:{evaluation.label}] held-out {format_eval(result)}, weights v{sorted(versions)}, "
+              f"{time.perf_counter() - evaluation.submitted:.1f}s after submission ({result['eval/wait_seconds']:.1f}s waited)",
+              flush=True)  # fmt: skip
+        return result
+
+    def run(self, weights_ref: ray.ObjectRef, label: str) -> dict[str, float]:
+        return self.collect(self.submit(weights_ref, label))
+
+
+class MetricsRows:
+    """Each iteration's row, written in iteration order to metrics.jsonl, the Ray gauges, wandb and the console.
+
+    Held-out evaluations do not stop training: one is submitted to the actors after its iteration's weights are
+    published and collected once finished, while the learner trains on. An evaluated iteration's row (and those after
+    it) waits for its evaluation."""
+
+    def __init__(self, log: MetricsLog, evaluator: Evaluator, learner: LearnerHandle, wandb_run: Any, single_batch: bool):
+        """wandb_run: None for no wandb; single_batch: each row is also printed whole."""
+        self.log, self.evaluator, self.learner, self.wandb_run, self.single_batch = log, evaluator, learner, wandb_run, single_batch
+        self.held: deque[tuple[dict[str, float], Evaluation | None]] = deque()
+
+    def add(self, row: dict[str, float], evaluation: Evaluation | None, wait: bool) -> None:
+        """Hold an iteration's row (with its submitted evaluation), then write what is ready (everything, if `wait`)."""
+        self.held.append((row, evaluation))
+        self.write(wait)
+
+    def write(self, wait: bool) -> None:
+        """Write the held rows in order; a row whose evaluation is unfinished stops there, unless `wait`."""
+        while self.held:
+            row, evaluation = self.held[0]
+            if evaluation is not None:
+                if not wait and not self.evaluator.finished(evaluation):
+                    return
+                row.update(self.evaluator.collect(evaluation))
+            self.held.popleft()
+            self.log.write(row)
+            self.learner.export_gauges(row)
+            if self.wandb_run is not None:
+                self.wandb_run.log(row, step=int(row["iteration"]))
+            print(console_line(row), flush=True)
+            if self.single_batch:
+                print(json.dumps(row, indent=1, sort_keys=True), flush=True)
+
+    def keep_completed(self) -> None:
+        """Write the held rows as they are: a run that stops keeps its completed iterations, not their unfinished evaluations."""
+        for row, _ in self.held:
+            self.log.write(row)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+class RunSummary:
+    """summary.json: the run's manifest, start-up stages, held-out evaluations, faults and cost. A resumed run carries on
+    from the summary its earlier launches wrote."""
+
+    def __init__(self, directory: RunDirectory, resume: bool):
+        self.path = directory.path / "summary.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if resume and self.path.is_file() else {}
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+    def begin(self, config: RunConfig, checkpoint: Path | None, eval_layouts: list) -> None:
+        """A new run's manifest."""
+        self.data["manifest"] = reproducibility_manifest(config, checkpoint, eval_layouts)
+
+    def note_initial_eval(self, result: dict[str, float]) -> None:
+        """The initial policy's evaluation, written at once: kept if the run stops."""
+        self.data["initial_eval"] = result
+        self.write()
+
+    def note_first_rollout(self, clock: StartupClock) -> None:
+        """The start-up's last stage, the first rollout collected: the stages are complete (a no-op after the first)."""
+        if "first_rollout" in clock.stages:
+            return
+        clock.reached("first_rollout")
+        self.data["startup"] = in_time_order(clock.stages)
+        print(f"[start] first rollout in {clock.stages['first_rollout']:.1f}s ({clock})", flush=True)
+
+    def finish(self, config: RunConfig, rows: list[dict], env_steps: int, wall_seconds: float, checkpoint: Path | None,
+               faults: dict[str, float], cost: dict[str, float]) -> None:  # fmt: skip
+        """The run's end: its totals and final evaluation (the last row's), written. wall_seconds: of this launch."""
+        final_eval = {k: rows[-1][k] for k in rows[-1] if k.startswith("eval/")} if rows else {}
+        self.data.update({"iterations": config.iterations, "env_steps": env_steps, "final_eval": final_eval,
+                          "wall_seconds_this_launch": wall_seconds, "config_fingerprint": config.fingerprint(),
+                          "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
+                          "faults": faults})  # fmt: skip
+        self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
+        if "initial_eval" in self.data and final_eval:
+            self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
+        self.write()
+
+    def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
+        """The learning curve (its path under "curve", not written to summary.json), and the summary printed."""
+        title = f"{config.env.task}: {config.learner.algo.upper()} fine-tuning"
+        self.data["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", title, self.data.get("initial_eval")))
+        print_summary(self.data)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
+    lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
+    lines.append(yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    lines.append("-" * 78)
+    lines.append(f"config fingerprint : {config.fingerprint()}")
+    lines.append(f"ray resources      : {resources}")
+    lines.append(f"  per actor        : {cpus_per_actor:.4g} CPU, {config.actors.num_gpus} GPU, custom {config.actors.resources}")
+    lines.append(f"  learner          : {config.learner.num_gpus} GPU, custom {config.learner.resources}")
+    if checkpoint is not None:
+        lines.append(f"init checkpoint    : {checkpoint} (sha256 {file_sha256(checkpoint / WEIGHTS_FILE)[:16]})")
+        report = checkpoint / REPORT_FILE
+        if report.is_file():
+            data = json.loads(report.read_text())
+            lines.append(
+                f"  pre-training     : {data['demos']} demos, held-out success {data['eval_success_rate']:.2f} ({data['eval_layouts']})"
+            )
+    if resume_dir is not None:
+        lines.append(f"resuming from      : {resume_dir}")
+    p = config.policy
+    lines.append(
+        f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
+        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
+    )
+    lines.append(f"update             : {update_shape(config)}")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def init_wandb(config: RunConfig, run_dir: Path, resume: bool):
+    os.environ.setdefault("WANDB_MODE", "offline")  # offline by default; WANDB_MODE=online/disabled respected
+    if os.environ["WANDB_MODE"] == "disabled":
+        return None
+    import wandb
+
+    run_id_file = run_dir / "wandb_run_id"
+    run_id = run_id_file.read_text().strip() if resume and run_id_file.is_file() else None
+    run = wandb.init(project=config.wandb_project, dir=str(run_dir), config=config.to_dict(), id=run_id, resume="allow" if run_id else None)
+    run_id_file.write_text(run.id)
+    return run
+
+
+def format_eval(result: dict[str, float]) -> str:
+    return (
+        f"success {result['eval/success_rate']:.3f} (95% CI {result['eval/success_low']:.3f}-{result['eval/success_high']:.3f})"
+        f" on {int(result['eval/episodes'])} layouts"
+    )
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print("=" * 78)
+    initial, final = summary.get("initial_eval"), summary.get("final_eval")
+    if initial:
+        print(f"initial policy : {format_eval(initial)}")
+    if final:
+        print(f"after RL       : {format_eval(final)}")
+    if "success_gain" in summary:
+        print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
+    print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
+    print("=" * 78, flush=True)

@@ -1,0 +1,203 @@
+"""A run's start-up: the input checked before Ray is needed, the resources planned, the learner and the rollout
+actors started, and the clock of the stages the start-up passes (summary.json "startup", the "[start]" lines)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from actors.rollout_actor import RolloutActor
+from common.config import ConfigError, RunConfig
+from common.diagnostics import check_ratio_sensitivity
+from common.envs import adopt_benchmark_tasks, benchmark_task_tables, held_benchmark_tasks, layouts
+from common.flow import num_log_prob_elements
+from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
+from learner.actor_pool import ActorPool
+from learner.cluster import (
+    FIRST_ACTOR_BUNDLE,
+    LEARNER_BUNDLE,
+    ResourceRequest,
+    actor_request,
+    learner_request,
+    node_cluster_address,
+)
+from learner.learner_actor import LearnerActor
+from learner.pretrain import ensure_bc_checkpoint
+
+MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
+# The rollout actors' scheduling niceness. At policy_lag 1 the learner's update (one thread) runs while the actors
+# sample, and it is the iteration's critical path: at equal niceness, ten actors and the learner on two cores left
+# the update 3.6 s of wall time for 1.5 s of CPU, and one core idle once the actors were done. With the actors at a
+# lower priority the learner gets a core whenever it works, and the actors every cycle it leaves (bench/throughput.py,
+# default job: iterations 3.6 -> 3.3 s). The same arithmetic either way: only the order of who runs changes.
+ACTOR_NICENESS = 19
+
+
+def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
+    """Every check that needs no Ray and no run directory, so bad input is refused before anything is written.
+    Returns the held-out layouts."""
+    try:
+        eval_layouts = layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
+        layouts(config.env.task, config.env.train_benchmark_seeds)
+    except ValueError as exc:
+        raise ConfigError(f"env.task: {exc}") from None
+    if len(eval_layouts) < config.eval_episodes:
+        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
+    if config.init_checkpoint is not None and not resume:  # a resumed run loads its own checkpoint
+        check_checkpoint_matches(config, Path(config.init_checkpoint))
+    local = not (address or os.environ.get("RAY_ADDRESS") or node_cluster_address())
+    if local:  # the machine this runs on is the whole cluster: check the request against it now
+        if (config.actors.num_gpus > 0 or config.learner.num_gpus > 0) and not torch.cuda.is_available():
+            raise ConfigError(f"actors.num_gpus={config.actors.num_gpus} / learner.num_gpus={config.learner.num_gpus} ask for GPUs "
+                              "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
+                              "with --address")  # fmt: skip
+        check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
+    return eval_layouts
+
+
+def check_checkpoint_matches(config: RunConfig, checkpoint: Path) -> None:
+    """The run's policy section must describe the checkpoint's network (its architecture comes from the file)."""
+    if not (checkpoint / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"init checkpoint {checkpoint} has no {WEIGHTS_FILE}: expected a directory written by save_pretrained")
+    stored = read_policy_config(checkpoint)
+    sampling = set(config.policy.SAMPLING_FIELDS)
+    differ = {name: (getattr(stored, name), getattr(config.policy, name))
+              for name in ("type", "obs_dim", "action_dim", "chunk_size", "image_size")
+              if name not in sampling and getattr(stored, name) != getattr(config.policy, name)}  # fmt: skip
+    if differ:
+        listing = "; ".join(f"policy.{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in differ.items())
+        raise ConfigError(f"the config disagrees with the checkpoint {checkpoint}: {listing}. Make the config match the checkpoint")
+
+
+def check_actor_cpus(config: RunConfig, request: ResourceRequest) -> None:
+    if request.num_cpus < MIN_CPUS_PER_ACTOR and config.actors.num_gpus == 0:
+        raise ConfigError(
+            f"actors.num_actors={config.actors.num_actors} leaves each actor {request.num_cpus:.3g} CPU on this cluster (< "
+            f"{MIN_CPUS_PER_ACTOR}): use fewer actors and more actors.envs_per_actor, or a bigger cluster"
+        )
+
+
+def resolve_init_checkpoint(config: RunConfig) -> Path | None:
+    """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use)."""
+    if config.init_checkpoint is None:
+        return None if config.allow_random_init else ensure_bc_checkpoint(config)
+    checkpoint = Path(config.init_checkpoint)
+    check_checkpoint_matches(config, checkpoint)
+    return checkpoint
+
+
+def warn_if_ratio_insensitive(config: RunConfig) -> None:
+    """common.diagnostics.check_ratio_sensitivity on the run's policy; its warning is shown at every run's start."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
+                                config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
+
+
+def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:
+    """What the learner and each actor ask of the Ray cluster joined; refuses what the cluster cannot give."""
+    resources = ray.cluster_resources()
+    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
+    learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
+    for section, request in (("learner", learner), ("actors", actor)):
+        missing = {k: v for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v}
+        if missing:  # Ray would leave the actor pending forever
+            raise ConfigError(f"{section} asks for {missing} ({section}.num_gpus / {section}.resources) but the Ray cluster "
+                              f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)")  # fmt: skip
+    check_actor_cpus(config, actor)
+    return learner, actor
+
+
+def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> Any:
+    return (
+        ray.remote(LearnerActor)
+        .options(**request.options(bundle_index=LEARNER_BUNDLE))
+        .remote(
+            config,
+            None if checkpoint is None else str(checkpoint),
+            None if resume_dir is None else str(resume_dir),
+            niceness=os.getpriority(os.PRIO_PROCESS, 0),
+        )
+    )
+
+
+def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
+    """Every actor needs the same layouts, each benchmark seed simulated once (0.7 s per seed): built by Ray tasks
+    while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
+    the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
+    holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an
+    earlier run in it: start_actors adopts what the tasks built) or reads from the layout cache (common.envs: every
+    run after a machine's first) go through one put instead. The actors take the list unresolved (Ray resolves only
+    top-level refs) and read it when their envs need it."""
+    seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
+    held = held_benchmark_tasks(config.env.task, seeds)
+    missing = [seed for seed in seeds if (config.env.task, seed) not in held]
+    refs = [ray.put(held)] if held else []
+    if missing:
+        tasks = max(1, min(len(missing), int(ray.cluster_resources().get("CPU", 1)) // 4))
+        build = ray.remote(benchmark_task_tables).options(num_cpus=0)
+        refs += [build.remote(config.env.task, missing[group::tasks]) for group in range(tasks)]
+    return refs
+
+
+def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
+    remote_actor = ray.remote(RolloutActor)
+    tables = build_benchmark_tables(config)
+
+    def start(index: int) -> Any:
+        options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
+        return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(
+            config, index, checkpoint_dir, tables, niceness=ACTOR_NICENESS
+        )
+
+    pool = ActorPool(config, start, creation_refs=tables)
+    # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
+    # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
+    ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
+    adopt_benchmark_tasks({key: tasks for part in ray.get(tables) for key, tasks in part.items()})  # for a later run here
+    return pool
+
+
+# What a run's start-up passes through, in seconds since learner.main.run began (summary.json "startup", the "[start]"
+# lines): Ray connected, the input checked (beside Ray's start), the learner and all the rollout actors constructed,
+# the first weights published, the initial policy's held-out evaluation (a full run), and the first rollout collected.
+STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "learner_ready": "learner", "actors_ready": "actors",
+                  "weights_published": "weights published", "initial_evaluation": "initial evaluation",
+                  "first_rollout": "first rollout"}  # fmt: skip
+
+
+def in_time_order(startup: dict[str, float]) -> dict[str, float]:
+    """The stages passed, in the order they were passed (the callbacks of learner.main.run and train note some late)."""
+    return dict(sorted(startup.items(), key=lambda item: item[1]))
+
+
+def format_startup(startup: dict[str, float]) -> str:
+    """The stages passed, in order: "Ray 5.2s, input checked 5.3s, ..."."""
+    return ", ".join(f"{STARTUP_STAGES[stage]} {seconds:.1f}s" for stage, seconds in in_time_order(startup).items())
+
+
+class StartupClock:
+    """The STARTUP_STAGES a run has passed, in seconds since it began."""
+
+    def __init__(self, began: float | None = None, passed: dict[str, float] | None = None):
+        """began: when the run started (time.perf_counter; default now); passed: the stages noted before, by then."""
+        self.began = time.perf_counter() if began is None else began
+        self.stages = dict(passed or {})
+
+    def reached(self, *stages: str) -> None:
+        """Note each stage as passed now, unless it was noted before (a callback may note one early)."""
+        for stage in stages:
+            self.stages.setdefault(stage, time.perf_counter() - self.began)
+
+    def elapsed(self) -> float:
+        """Seconds since the run began."""
+        return time.perf_counter() - self.began
+
+    def __str__(self) -> str:
+        return format_startup(self.stages)
