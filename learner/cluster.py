@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, read_yaml_file
 
 LOOPBACK = "127.0.0.1"
 # Fixed-point unit of Ray's resource accounting (it rounds requests to 1e-4).
@@ -211,11 +210,10 @@ def start_local_ray(**init_kwargs: Any) -> Any:
 
 def load_cluster_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster config {path} does not exist")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml_file(path, "cluster config")
     if not isinstance(data, dict):
-        raise ConfigError(f"cluster config {path} must hold a mapping at top level")
+        found = "nothing" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(f"cluster config {path} must hold a mapping at top level (Ray's cluster-launcher fields), got {found}")
     return data
 
 
