@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,34 @@ def test_a_cluster_yaml_that_is_not_a_yaml_mapping_gets_one_line_naming_the_file
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert re.search(f"^cluster config error: cluster config {re.escape(str(path))} {message}", err), err
     assert [p.name for p in tmp_path.iterdir()] == ["cluster.yaml"] and not ray.is_initialized()
+
+
+def unused_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # free once closed: nothing listens there
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "message"),
+    [(["--address", "127.0.0.1:{port}"], {}, r"--address 127\.0\.0\.1:{port}: no Ray cluster answers at \S+:{port} \(Connection refused"),
+     ([], {"RAY_ADDRESS": "127.0.0.1:{port}"}, r"RAY_ADDRESS 127\.0\.0\.1:{port}: no Ray cluster answers"),
+     (["--address", "ray://127.0.0.1:{port}"], {}, r"--address ray://127\.0\.0\.1:{port}: no Ray cluster answers at 127\.0\.0\.1:{port}"),
+     (["--address", "head-node"], {}, r"--address head-node: Invalid address format: head-node; expected HOST:PORT")],
+    ids=["flag", "environment", "ray-client", "no-port"],
+)  # fmt: skip
+def test_an_address_where_no_ray_answers_is_refused_at_once_and_nothing_written(tmp_path: Path, monkeypatch, capsys, argv, environment,
+                                                                                 message) -> None:  # fmt: skip
+    """ray.init would retry an absent GCS for minutes; the run refuses it before starting anything."""
+    ray.shutdown()
+    port = unused_loopback_port()
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value.format(port=port))
+    assert main([*(a.format(port=port) for a in argv), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search("^error: " + message.format(port=port), err), err
+    assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
