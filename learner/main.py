@@ -137,14 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         # Imported only now (run imported them already): importing them up front would bring torch and the envs in
         # before run() starts Ray, the very seconds run() overlaps.
         from common.diagnostics import RandomInitError
-        from common.policy import CheckpointError
+        from common.policy import CheckpointError, CheckpointWriteError
         from learner.driver import ActorsExhaustedError, LearnerDiedError
 
         if isinstance(exc, (CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
             print(f"error: {exc}", file=sys.stderr)  # bad input too
             return 2
-        if isinstance(exc, (ActorsExhaustedError, LearnerDiedError)):
-            print(f"error: {exc}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
+        if isinstance(exc, (ActorsExhaustedError, LearnerDiedError, CheckpointWriteError)):
+            # An error of the learner's arrives as Ray's RayTaskError, whose text is the remote traceback: its cause is the error.
+            print(f"error: {getattr(exc, 'cause', exc)}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
             return 1
         raise
     return 0
