@@ -40,7 +40,7 @@ import ray
 import torch
 import yaml
 from ray._private import state
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, OwnerDiedError, RayActorError
 
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, RunConfig
@@ -155,6 +155,9 @@ class ActorPool:
                         self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
                         del pending[index]
                         continue
+                    except OwnerDiedError as exc:  # the weights it was given were put by a learner that has died since
+                        raise LearnerDiedError(f"the learner that published the weights of rollout actor {index}'s {call.method} "
+                                               "call died") from exc  # fmt: skip
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
                         retried.add(index)
                         if self._count_restarts(index, call.method):
