@@ -531,7 +531,18 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     """A YAML parse error in one line: what is wrong, and where."""
     mark = getattr(error, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{getattr(error, 'problem', None) or error}{where}"
+    return " ".join(f"{getattr(error, 'problem', None) or error}{where}".split())  # an undecodable byte's message spans lines
+
+
+def read_yaml_file(path: Path, what: str) -> Any:
+    """The YAML document in the file at `path` (None when it is empty); ConfigError naming `what` and the file, and
+    the line of a syntax error, when it is missing or not YAML."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_bytes())  # bytes: PyYAML reports a bad encoding as a YAMLError too
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -556,12 +567,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+        loaded = read_yaml_file(path, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level")
         data = loaded or {}

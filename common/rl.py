@@ -218,6 +218,7 @@ def grpo_advantages(
     discounts: Tensor,
     terminated: Tensor,
     truncated: Tensor,
+    valid: Tensor,
     group_size: int,
     std_normalization: bool,
     eps: float = 1e-4,
@@ -225,10 +226,14 @@ def grpo_advantages(
     """Per-decision GRPO advantages of a rollout whose env n belongs to group n // group_size.
 
     Inputs (T, N) as in `gae`, N a multiple of group_size; the k-th episodes of a group's members must share
-    their initial state (the rollout's job). The group-episode (g, k) counts only when all G members
-    completed their k-th episode; otherwise all its decisions are masked (a partial group would compare
-    the short episodes, often the successes, among themselves).
-    Returns (advantages (T, N), mask (T, N) bool: decisions that belong in the loss, metrics).
+    their initial state (the rollout's job). valid (T, N) bool is False on every decision of an episode that
+    its env broke (ended with NaN/Inf output; RolloutBatch.valid). The group-episode (g, k) counts only when
+    all G members completed their k-th episode and none broke it; otherwise all its decisions are masked (a
+    partial group would compare the short episodes, often the successes, among themselves, and a broken
+    episode's return is cut short by the fault, not earned).
+    Returns (advantages (T, N), mask (T, N) bool: decisions that belong in the loss, metrics). Metrics count
+    the started group-episodes three ways: "groups" (used), "groups_broken" (complete, but a member broke),
+    "groups_incomplete" (a member was cut off by the rollout's end).
     """
     num_decisions, num_envs = rewards.shape
     if num_envs % group_size:
@@ -242,10 +247,14 @@ def grpo_advantages(
     table_returns = torch.zeros(num_envs, num_episodes, dtype=rewards.dtype, device=device)
     table_complete = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=device)
     table_started = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=device)
+    table_valid = torch.zeros(num_envs, num_episodes, dtype=torch.bool, device=device)
     table_returns[env_ids, episode_index] = returns
     table_complete[env_ids, episode_index] = complete
     table_started[env_ids, episode_index] = True
-    group_complete = table_complete.view(num_groups, group_size, num_episodes).all(1)  # (num_groups, E)
+    table_valid[env_ids, episode_index] = valid.to(device)
+    group_ended = table_complete.view(num_groups, group_size, num_episodes).all(1)  # (num_groups, E)
+    group_broken = group_ended & ~table_valid.view(num_groups, group_size, num_episodes).all(1)
+    group_complete = group_ended & ~group_broken
     group_started = table_started.view(num_groups, group_size, num_episodes).any(1)
     group_returns = table_returns.view(num_groups, group_size, num_episodes).transpose(1, 2)  # (num_groups, E, G)
     valid_advantages, metrics = group_advantages(group_returns[group_complete], std_normalization, eps)
@@ -257,7 +266,8 @@ def grpo_advantages(
     mask = table_mask[env_ids, episode_index]
     metrics.update({
         "groups": group_complete.sum(),
-        "groups_incomplete": (group_started & ~group_complete).sum(),
+        "groups_broken": group_broken.sum(),
+        "groups_incomplete": (group_started & ~group_ended).sum(),
         "episodes_cut_off": (table_started & ~table_complete).sum(),
         "masked_decision_frac": 1.0 - mask.float().mean(),
         "episode_return": group_returns[group_complete].mean(),  # over complete groups; NaN with none

@@ -18,13 +18,10 @@ from typing import Any
 import numpy as np
 import ray
 from ray._private import state
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, OwnerDiedError, RayActorError
 
 from common.config import RunConfig
-
-
-class ActorsExhaustedError(RuntimeError):
-    """Fewer rollout actors are left than actors.min_alive."""
+from learner.failures import ActorsExhaustedError, LearnerDiedError
 
 
 @dataclass
@@ -90,6 +87,9 @@ class ActorPool:
                         self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
                         del pending[index]
                         continue
+                    except OwnerDiedError as exc:  # the weights it was given were put by a learner that has died since
+                        raise LearnerDiedError(f"the learner that published the weights of rollout actor {index}'s {call.method} "
+                                               "call died") from exc  # fmt: skip
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
                         retried.add(index)
                         if self._count_restarts(index, call.method):

@@ -25,18 +25,21 @@ import difflib
 import json
 import os
 import shlex
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, read_yaml_file
 
 LOOPBACK = "127.0.0.1"
+# How long a Ray address may take to accept a TCP connection before the run is refused: a live GCS answers in
+# milliseconds, even across regions.
+GCS_PROBE_TIMEOUT_S = 10.0
 # Fixed-point unit of Ray's resource accounting (it rounds requests to 1e-4).
 RESOURCE_UNIT = 10_000
 
@@ -158,19 +161,52 @@ def node_cluster_address() -> str | None:
     return find_bootstrap_address(None)
 
 
+def cluster_to_join(address: str | None) -> str | None:
+    """The Ray cluster a run joins: `address`, else RAY_ADDRESS, else the cluster this node's `ray start` left; None
+    when there is none (a local Ray is started). Refused at once when nothing answers there (check_reachable)."""
+    source = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "this node's Ray cluster file"
+    address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()
+    if address:
+        check_reachable(address, source)
+    return address or None
+
+
 def connect_ray(address: str | None, include_dashboard: bool) -> bool:
-    """Join the cluster named by `address`, RAY_ADDRESS or this node's cluster file; else start a local Ray on loopback.
+    """Join the cluster at `address` (cluster_to_join's answer), or start a local Ray on loopback when it is None.
     True when this call started or joined Ray (False: this process was connected already)."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or node_cluster_address()
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
         start_local_ray(include_dashboard=include_dashboard, log_to_driver=True)
     return True
+
+
+def check_reachable(address: str, source: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> None:
+    """ConfigError naming `address` (and `source`, where it came from) when its port takes no TCP connection within
+    `timeout_s`: ray.init would retry an absent GCS for minutes, and Ray 2.60's init takes no deadline of its own.
+    The port probed is the one ray.init dials: a loopback host becomes this machine's address, as Ray resolves it;
+    a Ray Client address (ray://HOST:PORT) is dialled as given."""
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        target = address.removeprefix("ray://") if address.startswith("ray://") else canonicalize_bootstrap_address(address)
+    except ValueError as exc:
+        raise ConfigError(f"{source} {address}: {exc}; expected HOST:PORT (the head node's GCS port, 6379 by default)") from None
+    parsed = None if target is None else parse_address(target)
+    if parsed is None:  # "local", or "auto" with no cluster found: ray.init starts or refuses at once
+        return
+    try:
+        with socket.create_connection((parsed[0], int(parsed[1])), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = f"no answer within {timeout_s:g}s" if isinstance(exc, TimeoutError) else getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{source} {address}: no Ray cluster answers at {target} ({reason}): start one there (ray start --head) "
+                          "or correct the address") from None  # fmt: skip
 
 
 def start_local_ray(**init_kwargs: Any) -> Any:
@@ -211,11 +247,10 @@ def start_local_ray(**init_kwargs: Any) -> Any:
 
 def load_cluster_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster config {path} does not exist")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml_file(path, "cluster config")
     if not isinstance(data, dict):
-        raise ConfigError(f"cluster config {path} must hold a mapping at top level")
+        found = "nothing" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(f"cluster config {path} must hold a mapping at top level (Ray's cluster-launcher fields), got {found}")
     return data
 
 

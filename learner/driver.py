@@ -32,7 +32,8 @@ import ray
 from common.config import RunConfig
 from common.metrics import MetricsLog
 from learner.actor_pool import ActorPool, PendingCall
-from learner.learner_handle import LearnerDiedError, LearnerHandle
+from learner.failures import LearnerDiedError
+from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
 from learner.reporting import CostMeter, Evaluator, MetricsRows, RunSummary, banner, init_wandb
 from learner.run_dir import RunDirectory

@@ -218,7 +218,7 @@ class PPO:
 
 class GRPO:
     """Group-relative episode advantages (common.rl.grpo_advantages). No critic: it is neither trained, broadcast nor
-    warmed up. Only the decisions of groups whose episodes all completed enter the loss."""
+    warmed up. Only the decisions of groups whose episodes all completed, none broken by its env, enter the loss."""
 
     critic = False
 
@@ -232,8 +232,10 @@ class GRPO:
         cfg = self.cfg
         check_groups_share_initial_states(t["obs"], t["terminated"] | t["truncated"], cfg.group_size)
         advantages, keep, grpo_metrics = grpo_advantages(
-            t["rewards"], t["discounts"], t["terminated"], t["truncated"], cfg.group_size, cfg.grpo_std_normalization
+            t["rewards"], t["discounts"], t["terminated"], t["truncated"], t["valid"], cfg.group_size, cfg.grpo_std_normalization
         )
+        if not keep.any() and grpo_metrics["groups_broken"] > 0:  # a fault, not a config mistake: the update is skipped
+            raise NonFiniteError("GRPO: every group that completed an episode has one an env ended with NaN/Inf output")
         if not keep.any():
             raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
         metrics = {f"grpo/{key}": float(value) for key, value in grpo_metrics.items()}

@@ -20,16 +20,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from common.config import RunConfig
 from learner.cluster import ResourceRequest
+from learner.failures import LearnerDiedError, LearnerWedgedError
 from learner.run_dir import RunDirectory
 from learner.startup import start_learner
-
-
-class LearnerDiedError(RuntimeError):
-    """The learner actor's process is gone."""
-
-
-class LearnerWedgedError(LearnerDiedError):
-    """The learner did not answer a call within its deadline, and was killed."""
 
 
 class LearnerHandle:

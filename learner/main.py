@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from common.config import ConfigError, RunConfig, fields_of, load_config
-from learner.cluster import check_cluster, connect_ray
+from learner.cluster import check_cluster, cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
 
@@ -74,10 +74,12 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
     startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.startup.STARTUP_STAGES)
     connected_here = False
     try:
+        # Before the input checks start: an address nothing answers at is refused at once, not after them.
+        joining = None if ray.is_initialized() else cluster_to_join(address)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
             checked = checking.submit(check_input, config, address, resume)
             checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
-            connected_here = connect_ray(address, include_dashboard)
+            connected_here = connect_ray(joining, include_dashboard)
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         from learner.driver import train
@@ -128,19 +130,22 @@ def main(argv: list[str] | None = None) -> int:
             address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
     except KeyboardInterrupt:
         return 130
+    except ConfigError as exc:  # bad input: a clear message, no traceback, nothing written
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         # Imported only now (run imported them already): importing them up front would bring torch and the envs in
         # before run() starts Ray, the very seconds run() overlaps.
         from common.diagnostics import RandomInitError
-        from common.policy import CheckpointError
-        from learner.actor_pool import ActorsExhaustedError
-        from learner.learner_handle import LearnerDiedError
+        from common.policy import CheckpointError, CheckpointWriteError
+        from learner.failures import ActorsExhaustedError, LearnerDiedError
 
-        if isinstance(exc, (ConfigError, CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
-            print(f"error: {exc}", file=sys.stderr)  # bad input: a clear message, no traceback, nothing written
+        if isinstance(exc, (CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
+            print(f"error: {exc}", file=sys.stderr)  # bad input too
             return 2
-        if isinstance(exc, (ActorsExhaustedError, LearnerDiedError)):
-            print(f"error: {exc}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
+        if isinstance(exc, (ActorsExhaustedError, LearnerDiedError, CheckpointWriteError)):
+            # An error of the learner's arrives as Ray's RayTaskError, whose text is the remote traceback: its cause is the error.
+            print(f"error: {getattr(exc, 'cause', exc)}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
             return 1
         raise
     return 0

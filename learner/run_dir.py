@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig, flatten
-from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, verify_checksums
+from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, verify_checksums
 from learner.learner import TRAINER_STATE_FILE
 
 LATEST_FILE = "latest"
@@ -185,7 +185,12 @@ class RunDirectory:
         return None
 
     def write_latest(self, name: str) -> None:
+        """Point `latest` at checkpoint `name`; a failed write (CheckpointWriteError) leaves the old pointer."""
         pointer = self.checkpoints / LATEST_FILE
         tmp = pointer.with_suffix(".tmp")
-        tmp.write_text(name)
-        os.replace(tmp, pointer)
+        try:
+            tmp.write_text(name)
+            os.replace(tmp, pointer)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointWriteError.of(pointer, exc) from exc

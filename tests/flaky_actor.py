@@ -21,3 +21,12 @@ class Flaky:
                 os._exit(1)
             time.sleep(3600)
         return {"env_steps": value}
+
+
+class Owner:
+    """Puts a value into Ray's object store and owns it there, as the learner owns the weights it publishes."""
+
+    def put(self, size: int) -> list:
+        import ray
+
+        return [ray.put(bytes(size))]  # in a list: Ray hands the caller the reference, not the value

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,56 @@ def test_check_cluster_flag_prints_the_plan_and_starts_no_ray(capsys) -> None:
     assert not ray.is_initialized()
     assert main(["--check-cluster", str(REPO / "cluster" / "h200.yaml"), "--set", "actors.resources={rollout_gpuu: 0.1}"]) == 2
     assert "actors.resources.rollout_gpuu: no node type" in capsys.readouterr().err
+
+
+UNREADABLE = {
+    "bad syntax": ("provider:\n  type: aws\n  region: [us-east-1\n", r"is not valid YAML: .* at line 4, column 1"),
+    "a tab": ("provider:\n\ttype: aws\n", r"is not valid YAML: found character '\\t' that cannot start any token at line 2, column 1"),
+    "not UTF-8": (b"cluster_name: \xc3(\n", r"is not valid YAML: .*invalid continuation byte"),
+    "a list": ("- provider\n- head_node_type\n", r"must hold a mapping at top level .*, got a list"),
+    "a scalar": ("h200\n", r"must hold a mapping at top level .*, got a str"),
+    "empty": ("", r"must hold a mapping at top level .*, got nothing"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNREADABLE))
+def test_a_cluster_yaml_that_is_not_a_yaml_mapping_gets_one_line_naming_the_file(tmp_path: Path, capsys, name: str) -> None:
+    text, message = UNREADABLE[name]
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["--check-cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(f"^cluster config error: cluster config {re.escape(str(path))} {message}", err), err
+    assert [p.name for p in tmp_path.iterdir()] == ["cluster.yaml"] and not ray.is_initialized()
+
+
+def unused_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # free once closed: nothing listens there
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "message"),
+    [(["--address", "127.0.0.1:{port}"], {}, r"--address 127\.0\.0\.1:{port}: no Ray cluster answers at \S+:{port} \(Connection refused"),
+     ([], {"RAY_ADDRESS": "127.0.0.1:{port}"}, r"RAY_ADDRESS 127\.0\.0\.1:{port}: no Ray cluster answers"),
+     (["--address", "ray://127.0.0.1:{port}"], {}, r"--address ray://127\.0\.0\.1:{port}: no Ray cluster answers at 127\.0\.0\.1:{port}"),
+     (["--address", "head-node"], {}, r"--address head-node: Invalid address format: head-node; expected HOST:PORT")],
+    ids=["flag", "environment", "ray-client", "no-port"],
+)  # fmt: skip
+def test_an_address_where_no_ray_answers_is_refused_at_once_and_nothing_written(tmp_path: Path, monkeypatch, capsys, argv, environment,
+                                                                                 message) -> None:  # fmt: skip
+    """ray.init would retry an absent GCS for minutes; the run refuses it before starting anything."""
+    ray.shutdown()
+    port = unused_loopback_port()
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value.format(port=port))
+    assert main([*(a.format(port=port) for a in argv), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search("^error: " + message.format(port=port), err), err
+    assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -22,18 +22,20 @@ import pytest
 import ray
 import torch
 from ray._private import state
+from ray.exceptions import OwnerDiedError
 from safetensors.numpy import load_file
 
 from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
 from common.envs import MetaworldTaskEnv
 from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, write_directory_atomically
-from learner.actor_pool import ActorPool, ActorsExhaustedError
+from learner.actor_pool import ActorPool
+from learner.failures import ActorsExhaustedError, LearnerDiedError
 from learner.learner import Learner
 from learner.main import main
 from learner.run_dir import RunDirectory
 from tests.conftest import tiny_config
-from tests.flaky_actor import Flaky
+from tests.flaky_actor import Flaky, Owner
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,22 @@ def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path, lo
     strict = pool_of(tmp_path / "b", ["die", "ok"], max_restarts=0, min_alive=2)
     with pytest.raises(ActorsExhaustedError, match="1 left, below actors.min_alive=2"):
         strict.call("work", lambda i: (1,))
+
+
+@pytest.mark.slow
+def test_a_call_whose_weights_owner_died_reports_the_learner_dead(tmp_path, local_ray) -> None:
+    """The weights a rollout call names are owned by the learner that put them: once it dies, the call cannot get
+    them, and the driver must restart the learner (which publishes them again), not fail the run."""
+    pool = pool_of(tmp_path, ["ok", "ok"])
+    owner = ray.remote(Owner).options(num_cpus=0).remote()
+    (weights,) = ray.get(owner.put.remote(10**7))  # the size of small weights, so not inlined into the reply
+    ray.kill(owner)
+    with pytest.raises(OwnerDiedError):  # once Ray knows the owner is gone (until then a copy may still be read)
+        while True:
+            ray.get(weights, timeout=60)
+            time.sleep(0.05)
+    with pytest.raises(LearnerDiedError, match="the learner that published the weights of rollout actor 0's work call died"):
+        pool.call("work", lambda i: (weights,))
 
 
 # ---------------------------------------------------------------------------------------------- real runs

@@ -42,6 +42,24 @@ def test_group_advantages_match_a_plain_loop_in_both_variants() -> None:
         group_advantages(torch.ones(3, 1), True)
 
 
+def plain_episodes(rewards: torch.Tensor, discounts: torch.Tensor, ends: torch.Tensor) -> list[list[tuple[int, int, bool, float]]]:
+    """Each env's episodes as (first decision, last decision, complete, discounted return), by a plain loop."""
+    num_decisions, num_envs = rewards.shape
+    episodes = []
+    for n in range(num_envs):
+        start, env_episodes = 0, []
+        for t in range(num_decisions):
+            if ends[t, n] or t == num_decisions - 1:
+                ret, factor = 0.0, 1.0
+                for s in range(start, t + 1):
+                    ret += factor * rewards[s, n].item()
+                    factor *= discounts[s, n].item()
+                env_episodes.append((start, t, bool(ends[t, n]), ret))
+                start = t + 1
+        episodes.append(env_episodes)
+    return episodes
+
+
 def test_grpo_advantages_on_a_hand_made_rollout() -> None:
     """T = 5 decisions, N = 4 envs in groups (0, 1) and (2, 3), against a plain loop over envs and episodes."""
     torch.manual_seed(0)
@@ -53,19 +71,7 @@ def test_grpo_advantages_on_a_hand_made_rollout() -> None:
     rewards[:, 2] = 0.0
     rewards[0, 3] = 0.0  # group 1's first episodes both return 0: an all-equal group
 
-    # Plain loop: each env's episodes as (first decision, last decision, complete, discounted return).
-    episodes = []
-    for n in range(4):
-        start, env_episodes = 0, []
-        for t in range(5):
-            if ends[t, n] or t == 4:
-                ret, factor = 0.0, 1.0
-                for s in range(start, t + 1):
-                    ret += factor * rewards[s, n].item()
-                    factor *= discounts[s, n].item()
-                env_episodes.append((start, t, bool(ends[t, n]), ret))
-                start = t + 1
-        episodes.append(env_episodes)
+    episodes = plain_episodes(rewards, discounts, ends)
     expected_adv, expected_mask = torch.zeros(5, 4), torch.zeros(5, 4, dtype=torch.bool)
     complete_groups = all_equal = 0
     for g in range(2):
@@ -82,18 +88,51 @@ def test_grpo_advantages_on_a_hand_made_rollout() -> None:
                 if len(set(rets)) > 1:
                     expected_adv[first : last + 1, n] = (ret - statistics.mean(rets)) / (statistics.stdev(rets) + 1e-4)
 
-    advantages, mask, metrics = grpo_advantages(rewards, discounts, terminated, truncated, 2, True)
+    valid = torch.ones_like(ends)
+    advantages, mask, metrics = grpo_advantages(rewards, discounts, terminated, truncated, valid, 2, True)
     assert torch.equal(mask, expected_mask)
     torch.testing.assert_close(advantages, expected_adv)
     assert (complete_groups, all_equal) == (2, 1)
     assert metrics["groups"].item() == 2 and metrics["groups_all_equal"].item() == 1
     assert metrics["groups_incomplete"].item() == 3  # (group 0, ep 1), (group 1, ep 1), (group 1, ep 2)
+    assert metrics["groups_broken"].item() == 0
     assert metrics["episodes_cut_off"].item() == 2
     assert metrics["masked_decision_frac"].item() == pytest.approx(9 / 20)
-    dr_advantages, dr_mask, _ = grpo_advantages(rewards, discounts, terminated, truncated, 2, False)
+    dr_advantages, dr_mask, _ = grpo_advantages(rewards, discounts, terminated, truncated, valid, 2, False)
     assert torch.equal(dr_mask, mask)
     ret00, ret10 = episodes[0][0][3], episodes[1][0][3]
     assert dr_advantages[0, 0].item() == pytest.approx(ret00 - (ret00 + ret10) / 2)  # Dr. GRPO keeps the return's scale
+
+
+def test_an_episode_an_env_broke_takes_its_group_out_of_the_statistics() -> None:
+    """T = 4, N = 6 in groups of 3; every env ends episodes at t = 1 and t = 3. Env 1 breaks its second episode
+    (NaN output at t = 3: truncated there, its decisions invalid), so group-episode (0, 1) is dropped whole: its
+    other members' advantages must not be computed against the broken one's cut-short return."""
+    torch.manual_seed(1)
+    rewards, discounts = torch.rand(4, 6), 0.9 + 0.1 * torch.rand(4, 6)
+    terminated = torch.zeros(4, 6, dtype=torch.bool)
+    terminated[[1, 3]] = True
+    truncated = torch.zeros_like(terminated)
+    terminated[3, 1], truncated[3, 1] = False, True
+    valid = torch.ones_like(terminated)
+    valid[2:, 1] = False
+    episodes = plain_episodes(rewards, discounts, terminated | truncated)
+    expected_adv, expected_mask = torch.zeros(4, 6), torch.ones(4, 6, dtype=torch.bool)
+    expected_mask[2:, 0:3] = False  # group 0's second episodes, all three members
+    used = []
+    for g, k in ((0, 0), (1, 0), (1, 1)):
+        members = range(3 * g, 3 * g + 3)
+        rets = [episodes[n][k][3] for n in members]
+        used += rets
+        for n, ret in zip(members, rets):
+            first, last = episodes[n][k][:2]
+            expected_adv[first : last + 1, n] = (ret - statistics.mean(rets)) / (statistics.stdev(rets) + 1e-4)
+
+    advantages, mask, metrics = grpo_advantages(rewards, discounts, terminated, truncated, valid, 3, True)
+    assert torch.equal(mask, expected_mask)
+    torch.testing.assert_close(advantages, expected_adv)
+    assert (metrics["groups"].item(), metrics["groups_broken"].item(), metrics["groups_incomplete"].item()) == (3, 1, 0)
+    assert metrics["episode_return"].item() == pytest.approx(statistics.mean(used))
 
 
 # -- KL to the reference ---------------------------------------------------------------------------
@@ -253,6 +292,14 @@ def test_checkpoint_keeps_the_reference_for_resume(tmp_path, bc_checkpoint) -> N
     no_kl.save_checkpoint(tmp_path / "k0")
     with pytest.raises(CheckpointError, match="holds no KL reference"):
         resumed.load_trainer_state(tmp_path / "k0")
+
+
+def test_a_grpo_rollout_where_every_group_broke_is_a_skipped_update(tmp_path, bc_checkpoint) -> None:
+    _, actor, learner = grpo_learner(tmp_path, bc_checkpoint)
+    batch = actor.sample(None, 0)
+    batch.valid[:, 0] = False  # env 0 broke every episode: its group (0, 1) has none left to compare
+    with pytest.warns(RuntimeWarning, match="every group that completed an episode has one an env ended with NaN/Inf"):
+        assert learner.update(batch)["faults/skipped_update"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -3,16 +3,18 @@ fallback to the previous complete checkpoint, and a metrics log that survives a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from common.config import ConfigError
 from common.metrics import MetricsLog
-from common.policy import CheckpointError, FlowPolicy
+from common.policy import CheckpointError, CheckpointWriteError, FlowPolicy
 from learner.learner import Learner
 from learner.run_dir import LOCK_FILE, RunDirectory, RunDirLockedError
 from tests.conftest import tiny_config
@@ -93,6 +95,31 @@ def test_leftover_temp_directories_are_removed_when_a_run_takes_the_directory(ru
     with directory.locked():
         assert not any(p.exists() for p in leftovers)
         assert directory.latest_checkpoint().name == "iter_000002"
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[1]) if len(args) > 1 else None)
+
+
+def test_a_checkpoint_write_on_a_full_disk_leaves_no_trace_and_the_previous_one_loadable(run_with_checkpoints, tmp_path, bc_checkpoint,
+                                                                                          monkeypatch) -> None:  # fmt: skip
+    directory = run_with_checkpoints
+    before = {p.name: p.read_bytes() for p in (directory.checkpoints / "iter_000002").iterdir()}
+    learner = Learner(tiny_config(tmp_path), FlowPolicy.from_pretrained(bc_checkpoint))
+    monkeypatch.setattr(torch, "save", no_space)  # the trainer state, written after the weights: a half-written directory
+    for name in ("iter_000003", "iter_000002"):  # a new checkpoint, and one replacing an existing one
+        with pytest.raises(CheckpointWriteError, match=f"could not write .*{name}: No space left on device \\(trainer_state.pt\\)"):
+            learner.save_checkpoint(directory.checkpoints / name)
+    assert sorted(p.name for p in directory.checkpoints.iterdir()) == ["iter_000001", "iter_000002", "latest"]  # no partial copy
+    assert {p.name: p.read_bytes() for p in (directory.checkpoints / "iter_000002").iterdir()} == before
+    assert directory.latest_checkpoint().name == "iter_000002"
+    assert directory.checkpoint_problem(directory.checkpoints / "iter_000002") is None
+
+    monkeypatch.setattr(os, "replace", no_space)  # the pointer itself cannot be replaced
+    with pytest.raises(CheckpointWriteError, match=r"could not write .*checkpoints/latest: No space left on device"):
+        directory.write_latest("iter_000003")
+    assert sorted(p.name for p in directory.checkpoints.iterdir()) == ["iter_000001", "iter_000002", "latest"]
+    assert directory.latest_checkpoint().name == "iter_000002"
 
 
 def test_metrics_log_survives_a_torn_last_line(tmp_path) -> None:

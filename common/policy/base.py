@@ -51,6 +51,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, malformed, or does not match the model it is loaded into."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, an unwritable directory): what it was to replace is untouched,
+    and no partial copy is left. Its text is one line: what, the system's reason, the file."""
+
+    @classmethod
+    def of(cls, what: str | Path, error: OSError) -> CheckpointWriteError:
+        """The error for writing `what` that failed with `error`, in one line: the system's reason and the file."""
+        reason = error.strerror or str(error)
+        return cls(f"could not write {what}: {reason}" + (f" ({Path(error.filename).name})" if error.filename else ""))
+
+
 class FlowPolicy(nn.Module, ABC):
     """Base class of every flow-matching policy backend (see the module docstring for the contract)."""
 
@@ -253,23 +264,31 @@ def _fsync(path: Path) -> None:
 
 def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
-    so a crash at any point leaves either the old directory or the new one, never half of either.
+    so a crash at any point leaves either the old directory or the new one, never half of either. A write that
+    fails (an OSError: a full disk, an unwritable directory) removes the temp directory and raises
+    CheckpointWriteError naming `directory`.
 
     Before the swap, every file's sha256 goes into CHECKSUMS_FILE (verified by every load, verify_checksums)
     and every file and directory is fsynced, so a power cut cannot leave a renamed directory of empty files."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     for leftover in (tmp, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
-    (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
-    for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-        _fsync(path)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        write(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
+        (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
+        for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+            _fsync(path)
+    except BaseException as exc:  # a full disk, or any other stop: the half-written copy goes, the old directory stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CheckpointWriteError.of(directory, exc) from exc
+        raise
     if directory.exists():
         directory.rename(old)
     tmp.rename(directory)

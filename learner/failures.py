@@ -1,0 +1,14 @@
+"""The failures that restart a run's learner or end the run, shared by the actor pool, the learner handle and the command
+line (which turns them into one line and exit code 1, keeping the checkpoints)."""
+
+
+class LearnerDiedError(RuntimeError):
+    """The learner actor's process is gone."""
+
+
+class LearnerWedgedError(LearnerDiedError):
+    """The learner did not answer a call within its deadline, and was killed."""
+
+
+class ActorsExhaustedError(RuntimeError):
+    """Fewer rollout actors are left than actors.min_alive."""
