@@ -35,7 +35,7 @@ from learner.actor_pool import ActorPool, PendingCall
 from learner.failures import LearnerDiedError
 from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
-from learner.reporting import CostMeter, Evaluator, MetricsRows, RunSummary, banner, init_wandb
+from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
 from learner.run_dir import RunDirectory
 from learner.startup import StartupClock, plan_resources, resolve_init_checkpoint, start_actors, warn_if_ratio_insensitive
 
@@ -60,14 +60,16 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     clock.reached("learner_ready", "weights_published")  # a learner whose callback has not run yet was up by now
     print(f"[start] {len(pool.actors)} rollout actors and the learner up in {clock.stages['weights_published']:.1f}s ({clock})", flush=True)
 
-    evaluator, summary = Evaluator(pool, eval_layouts), RunSummary(directory, resume=resume_dir is not None)
+    summary = RunSummary(directory, resume=resume_dir is not None)
     cost = CostMeter(clock.began, learner_resources, actor_resources, summary.data.get("cost", {}))
     wandb_run = None if single_batch else init_wandb(config, directory.path, resume_dir is not None)
+    films = EvaluationFilms(config, pool, eval_layouts, directory.path, wandb_run) if config.eval_videos else None
+    evaluator = Evaluator(pool, eval_layouts, films)
     rows = MetricsRows(MetricsLog(directory.path / "metrics.jsonl"), evaluator, learner, wandb_run, single_batch)
     if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
         summary.begin(config, checkpoint, eval_layouts)
         if not single_batch:
-            summary.note_initial_eval(evaluator.run(rollouts.weights_ref, "initial policy"))
+            summary.note_initial_eval(evaluator.run(rollouts.weights_ref, "initial policy", iteration))
             clock.reached("initial_evaluation")
     try:
         while iteration < config.iterations:
@@ -80,7 +82,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 iteration_seconds = time.perf_counter() - t0
                 done = iteration + 1 == config.iterations
                 due = not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0))
-                evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}") if due else None
+                evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
                 if done or (iteration + 1) % config.checkpoint_every == 0:
                     learner.save(iteration + 1)
             except LearnerDiedError as failure:  # a new learner, from the latest checkpoint: the iterations since are redone

@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import yaml
 
 from common.config import RunConfig
 from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve
 from common.policy import WEIGHTS_FILE, file_sha256
+from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
 from learner.cluster import ResourceRequest
 from learner.learner import update_shape
@@ -58,22 +61,23 @@ class Evaluation:
     pending: PendingEvaluation
     label: str
     submitted: float  # time.perf_counter() after its submission
+    iteration: int  # the iteration whose weights it evaluates (0: the initial policy)
 
 
 class Evaluator:
     """Held-out evaluations on the rollout actors: submitted without waiting, collected when their row is written."""
 
-    def __init__(self, pool: ActorPool, eval_layouts: list):
-        self.pool, self.eval_layouts = pool, eval_layouts
+    def __init__(self, pool: ActorPool, eval_layouts: list, films: EvaluationFilms | None = None):
+        self.pool, self.eval_layouts, self.films = pool, eval_layouts, films
 
-    def submit(self, weights_ref: ray.ObjectRef, label: str) -> Evaluation:
-        return Evaluation(self.pool.submit_evaluate(weights_ref, self.eval_layouts), label, time.perf_counter())
+    def submit(self, weights_ref: ray.ObjectRef, label: str, iteration: int) -> Evaluation:
+        return Evaluation(self.pool.submit_evaluate(weights_ref, self.eval_layouts), label, time.perf_counter(), iteration)
 
     def finished(self, evaluation: Evaluation) -> bool:
         return self.pool.finished(evaluation.pending.call)
 
     def collect(self, evaluation: Evaluation) -> dict[str, float]:
-        """Wait for a submitted evaluation; its eval/... metrics, printed."""
+        """Wait for a submitted evaluation; its eval/... metrics, printed. Its episodes to film are asked for then."""
         t0 = time.perf_counter()
         successes, versions = self.pool.collect_evaluate(evaluation.pending)
         result = eval_metrics(successes, self.eval_layouts)
@@ -81,10 +85,55 @@ class Evaluator:
         print(f"[eval:{evaluation.label}] held-out {format_eval(result)}, weights v{sorted(versions)}, "
               f"{time.perf_counter() - evaluation.submitted:.1f}s after submission ({result['eval/wait_seconds']:.1f}s waited)",
               flush=True)  # fmt: skip
+        if self.films is not None:
+            self.films.submit(evaluation, successes)
         return result
 
-    def run(self, weights_ref: ray.ObjectRef, label: str) -> dict[str, float]:
-        return self.collect(self.submit(weights_ref, label))
+    def run(self, weights_ref: ray.ObjectRef, label: str, iteration: int) -> dict[str, float]:
+        return self.collect(self.submit(weights_ref, label, iteration))
+
+
+class EvaluationFilms:
+    """Videos of held-out episodes (config.eval_videos per task: first success, first failure) after each evaluation.
+
+    The actors film them in the batches the evaluation ran them in (common.recording), while training goes on; they
+    are written to run_dir/videos/iter_XXXXXX/ as they come in and logged to wandb. Filming changes nothing that is
+    evaluated or trained, and a failed filming is a warning, never the run's end."""
+
+    def __init__(self, config: RunConfig, pool: ActorPool, eval_layouts: list, run_dir: Path, wandb_run: Any):
+        self.per_task, self.task, self.pool, self.eval_layouts = config.eval_videos, config.env.task, pool, eval_layouts
+        self.run_dir, self.wandb_run = run_dir, wandb_run
+        self.pending: deque[tuple[int, list[ray.ObjectRef]]] = deque()  # (iteration, record_episodes refs)
+
+    def submit(self, evaluation: Evaluation, successes: np.ndarray) -> None:
+        chosen = select_episodes([self.task] * len(successes), successes, self.per_task)
+        refs = []
+        for actor, share, positions in recording_calls(evaluation.pending.shares, chosen):
+            index = actor if actor in self.pool.actors else min(self.pool.actors)  # a dropped actor's share: any actor films alike
+            layouts = [self.eval_layouts[i] for i in share]
+            refs.append(self.pool.actors[index].record_episodes.remote(evaluation.pending.weights_ref, layouts, VIDEO_SIZE, positions))
+        self.pending.append((evaluation.iteration, refs))
+
+    def save(self, wait: bool) -> None:
+        """Write the films that are in (all of them, if `wait`), in iteration order."""
+        while self.pending:
+            iteration, refs = self.pending[0]
+            if not wait and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                return
+            self.pending.popleft()
+            try:
+                recordings = [recording for ref in refs for recording in ray.get(ref)]
+            except ray.exceptions.RayError as exc:
+                warnings.warn(f"the videos of iteration {iteration} were not filmed: {str(exc).splitlines()[0]}", stacklevel=2)
+                continue
+            paths = save_evaluation_videos(self.run_dir, iteration, recordings)
+            if paths:
+                print(f"[videos] iteration {iteration}: {len(paths)} held-out episodes in {paths[0].parent}", flush=True)
+            if self.wandb_run is not None and paths:
+                import wandb
+
+                videos = {f"eval/video/{path.stem}": wandb.Video(str(path), format="mp4") for path in paths}
+                self.wandb_run.log(videos, commit=False)  # shown with the next iteration's row
 
 
 class MetricsRows:
@@ -113,6 +162,8 @@ class MetricsRows:
                     return
                 row.update(self.evaluator.collect(evaluation))
             self.held.popleft()
+            if self.evaluator.films is not None:
+                self.evaluator.films.save(wait=False)
             self.log.write(row)
             self.learner.export_gauges(row)
             if self.wandb_run is not None:
@@ -127,6 +178,8 @@ class MetricsRows:
             self.log.write(row)
 
     def close(self) -> None:
+        if self.evaluator.films is not None:
+            self.evaluator.films.save(wait=True)
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import av
 import numpy as np
 import pytest
 import ray
@@ -24,7 +25,7 @@ def local_ray():
 def tiny_args(run_dir, bc_checkpoint, iterations: int, *extra: str) -> list[str]:
     sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=8", "env.max_episode_steps=40",
             "learner.minibatch_size=16", "learner.update_epochs=2", "eval_every=1", "eval_episodes=4",
-            "checkpoint_every=1", "learner.lr_schedule=constant", "learner.critic_warmup_iters=0"]  # fmt: skip
+            "checkpoint_every=1", "learner.lr_schedule=constant", "learner.critic_warmup_iters=0", "eval_videos=0"]  # fmt: skip
     argv = ["--num-actors", "2", "--iterations", str(iterations), "--run-dir", str(run_dir), "--checkpoint", str(bc_checkpoint)]
     for item in sets:
         argv += ["--set", item]
@@ -37,7 +38,7 @@ def weights(directory) -> dict[str, np.ndarray]:
 
 def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoint) -> None:
     run_dir = tmp_path / "run"
-    assert main(tiny_args(run_dir, bc_checkpoint, 2)) == 0
+    assert main(tiny_args(run_dir, bc_checkpoint, 2, "--set", "eval_videos=1")) == 0
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
@@ -61,6 +62,14 @@ def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoi
     assert "initial_eval" in summary and summary["final_eval"]["eval/episodes"] == 4
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    # eval_videos=1: after each of the 3 evaluations (initial, iterations 1 and 2), one filmed held-out episode whose
+    # outcome in its name is the one its evaluation counted.
+    for iteration, row in zip((0, 1, 2), [summary["initial_eval"], *rows]):
+        (video,) = (run_dir / "videos" / f"iter_{iteration:06d}").glob("*.mp4")
+        with av.open(str(video)) as container:
+            assert sum(1 for _ in container.decode(video=0)) > 1
+        outcome = "success" if row["eval/success_rate"] == 1.0 else "failure" if row["eval/success_rate"] == 0.0 else None
+        assert outcome is None or f"_{outcome}_" in video.name
 
 
 def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) -> None:
