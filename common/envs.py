@@ -498,6 +498,10 @@ class MetaworldTaskEnv(gymnasium.Env):
         state, _ = MujocoEnv.reset(env)
         env._prev_obs = state[:18].copy()
         state[18:36] = env._prev_obs
+        # Positions derived from the layout (the goal marker's site) as a frame rendered before the first step must
+        # show them: a replayed hand reset leaves them from the episode that simulated it. Positions only; the next
+        # step computes everything again from the same state.
+        mujoco.mj_kinematics(env.model, env.data)
         return state.astype(np.float64)
 
     def close(self) -> None:

@@ -414,3 +414,20 @@ def test_layouts_are_simulated_once_per_machine_and_a_bad_cache_file_is_named_an
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     with pytest.warns(UserWarning, match="could not keep the layouts"):
         assert envs_module.benchmark_tasks(DEFAULT_TASK, 4) == built
+
+
+@pytest.mark.parametrize("task", ["pick-place-v3", "drawer-open-v3"])
+def test_the_frame_after_a_reset_shows_this_episodes_layout_whatever_came_before(task):
+    """A frame rendered right after reset (the first decision's view) must not depend on the env's history: an env
+    that visited other layouts first renders the same frame as a fresh one. The goal marker is a site placed by the
+    layout; with the hand's reset replayed, nothing recomputed its position before the first step."""
+    camera = ImageConfig(48, 48, "corner")
+    travelled = MetaworldTaskEnv(task, cameras=[camera])
+    for layout in (Layout(2, 0), Layout(3, 5)):
+        travelled.reset(options={"layout": layout})
+        travelled.step(np.zeros(4, np.float32))
+    target = Layout(2, 17)
+    travelled.reset(options={"layout": target})
+    fresh = MetaworldTaskEnv(task, cameras=[camera])
+    fresh.reset(options={"layout": target})
+    np.testing.assert_array_equal(travelled.render_cameras(), fresh.render_cameras())
