@@ -1,7 +1,7 @@
 """The one place where the two supported lerobot lines differ for the project's VLA backends.
 
-  lerobot 0.4.x (Python 3.11, transformers 4.57): installed with --no-deps beside torch 2.13 (README).
-  lerobot 0.6.x (Python >= 3.12, transformers 5.4-5.5): installed with its own `smolvla` extra beside torch 2.11.
+  lerobot 0.4.x (Python 3.11, transformers 4.57): installed with --no-deps beside torch 2.13 (docs/smolvla.md).
+  lerobot 0.6.x (Python >= 3.12, transformers 5.4-5.5): the project's `lerobot` extra (lerobot[smolvla]) beside torch 2.11.
 
 What differs, and what the backends get from here instead:
   prefix KV cache   The backends run the prefix once (encode) and keep its per-layer keys and values as plain
@@ -28,10 +28,10 @@ from transformers import DynamicCache
 
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 
-# Supported lerobot lines (major, minor) -> the Python they need and how they install (README, "Installing SmolVLA").
+# Supported lerobot lines (major, minor) -> the Python they need and how they install (docs/smolvla.md).
 SUPPORTED_LEROBOT = {
     (0, 4): 'Python 3.11: pip install torch==2.13.0 && pip install -e ".[smolvla]" && pip install --no-deps lerobot==0.4.4',
-    (0, 6): 'Python >= 3.12: pip install torch==2.11.0 && pip install -e ".[smolvla]"',
+    (0, 6): 'Python >= 3.12: pip install torch==2.11.0 && pip install -e ".[lerobot]"',
 }
 
 

@@ -15,8 +15,8 @@ What each FlowPolicy piece reads:
 Actions and state are normalised with buffers saved with the weights (as the MLP backend), and the chain
 lives in the first action_dim of lerobot's max_action_dim padded action vector.
 
-Install: the `smolvla` extra, plus `pip install --no-deps lerobot==0.4.4` on Python 3.11 (README, "Installing
-SmolVLA"); where the two lerobot lines differ is common.policy.lerobot_compat. This module is imported only when
+Install (docs/smolvla.md): the `smolvla` extra plus `pip install --no-deps lerobot==0.4.4` on Python 3.11, the
+`lerobot` extra on Python >= 3.12; where the two lerobot lines differ is common.policy.lerobot_compat. This module is imported only when
 policy.type is "smolvla".
 """
 
