@@ -1,6 +1,7 @@
-"""The SmolVLA backend on a tiny SmolVLA built offline (CPU, no network): chain sampling through lerobot's
-model, parity with lerobot's own sampler, the ratio check, what trains, strict loading, eval-mode guard,
-and seed 001's ratio sensitivity on SmolVLA's 50-action chunk.
+"""The SmolVLA backend on a tiny SmolVLA built offline (CPU, no network), on whichever supported lerobot is
+installed (0.4.x on Python 3.11, 0.6.x on Python >= 3.12): chain sampling through lerobot's model, parity with
+that lerobot's own sampler, the prefix cache kept intact, the ratio check, what trains, strict loading, eval-mode
+guard, and seed 001's ratio sensitivity on SmolVLA's 50-action chunk.
 
 `python -m tests.test_smolvla` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,8 +25,10 @@ from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, chec
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
+from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
 from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy, lerobot_flow_time
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from common.policy.torchvision_shim import META_MODULE
 from common.rl import normalize, ppo_policy_loss, value_loss
 
 IMAGE_SIZE = 32
@@ -127,7 +131,7 @@ def test_time_convention_map() -> None:
 
 @pytest.mark.parametrize("start", ["zero", "gaussian"])
 def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
-    """The project's Euler chain with the noise off == lerobot's own sampler, same weights, same x_0."""
+    """The project's Euler chain with the noise off == the installed lerobot's own sampler, same weights, same x_0."""
     obs = observations(policy, 3, seed=2)
     shape = (3, policy.chunk_size, policy.action_dim)
     x0 = torch.zeros(shape) if start == "zero" else torch.randn(shape, generator=torch.Generator().manual_seed(3))
@@ -143,6 +147,54 @@ def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> Non
     assert policy.vla.model.config.num_steps == policy.num_steps
     assert theirs.abs().max() > 0.1  # a real trajectory, not zeros on both sides
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_denoising_leaves_the_kept_prefix_cache_untouched(policy) -> None:
+    """lerobot 0.6's denoise_step appends the action tokens to its DynamicCache and crops them off in place; every
+    velocity call gets a cache of its own, so the kept keys and values stay the prefix's, bit for bit, and the
+    same call after a whole chain gives the same velocity."""
+    obs = observations(policy, 3, seed=15)
+    a_t, t = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(16)), torch.full((3,), 0.5)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        kept = [tensor.clone() for tensor in features.key_states + features.value_states]
+        first = policy.velocity(a_t, t, features)
+        sample_chain(policy, features, 3, generator=torch.Generator().manual_seed(17))
+        again = policy.velocity(a_t, t, features)
+    assert torch.equal(first, again)
+    prefix_length = features.prefix_pad_mask.shape[1]
+    assert all(keys.shape[1] == prefix_length for keys in features.key_states)
+    assert all(torch.equal(before, after) for before, after in zip(kept, features.key_states + features.value_states))
+    model = policy.vla.model.vlm_with_expert
+    assert denoise_cache(model, features.kv()) is not denoise_cache(model, features.kv())
+    # The DynamicCache form (0.6's SmolVLA; pi0 on both lines) holds the same tensors in its own layout.
+    round_trip = kv_layers(dynamic_cache(features.kv()))
+    assert all(torch.equal(a, b) for a, b in zip(round_trip[0] + round_trip[1], features.key_states + features.value_states))
+
+
+@pytest.mark.parametrize(("height", "width"), [(16, 8), (8, 16)])
+def test_resize_with_pad_takes_height_then_width_on_either_lerobot_line(height, width) -> None:
+    """lerobot 0.4 takes (width, height), 0.6 (height, width); the adapter takes (height, width) on both. The image
+    keeps its aspect and sits bottom-right, padded on the left and top."""
+    image = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(18))
+    side = min(height, width)
+    expected = torch.full((2, 3, height, width), -1.0)
+    expected[..., height - side :, width - side :] = F.interpolate(image, size=(side, side), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(resize_with_pad(image, height, width, pad_value=-1.0), expected)
+
+
+def test_the_lerobot_line_is_checked_and_the_torchvision_shim_only_acts_beside_a_cpu_torch() -> None:
+    import sys
+
+    import torchvision
+
+    assert lerobot_line("0.4.4") == (0, 4) and lerobot_line("0.6.1") == (0, 6) and LEROBOT_LINE in {(0, 4), (0, 6)}
+    with pytest.raises(ImportError, match=r"lerobot 0\.5\.0 is installed.*0\.4\.x on Python 3\.11.*0\.6\.x on Python >= 3\.12"):
+        lerobot_line("0.5.0")
+    # The empty stand-in for torchvision's meta registrations (a module without a file) is there exactly when a
+    # CPU torch meets a CUDA torchvision; a matching pair imports torchvision's own.
+    stand_in = not hasattr(sys.modules[META_MODULE], "__file__")
+    assert stand_in == (torch.version.cuda is None and "+cu" in torchvision.__version__)
 
 
 def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:

@@ -107,7 +107,8 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights_on_smolvla(
     metrics = learner.update(ahead)
     assert ahead.weight_version == 0 and learner.version == 2
     assert metrics["logprob/behaviour_gap_max"] < 1e-4 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
-    assert metrics["ppo/behaviour_weight_min"] < 1 < metrics["ppo/behaviour_weight_max"]  # v1 scores these chains otherwise
+    # v1 scores these chains otherwise (which side of 1 each of the few weights falls on is up to the draw)
+    assert max(abs(metrics["ppo/behaviour_weight_min"] - 1), abs(metrics["ppo/behaviour_weight_max"] - 1)) > 1e-5
 
 
 def test_the_learner_encodes_one_micro_batch_of_frames_at_a_time(smolvla_bc, tmp_path) -> None:

@@ -1,11 +1,11 @@
-"""SmolVLA (lerobot 0.4.4's SmolVLAPolicy) as a flow policy: camera frames, instruction and state in.
+"""SmolVLA (lerobot's SmolVLAPolicy, 0.4.x or 0.6.x) as a flow policy: camera frames, instruction and state in.
 
 What each FlowPolicy piece reads:
   encode(obs)   runs the VLM prefix ONCE (SigLIP image tokens, instruction tokens, projected state) with
-                lerobot's `embed_prefix` and `vlm_with_expert.forward(fill_kv_cache=True)`, and keeps the
-                per-layer key/value cache, the prefix pad mask and the critic's input. The cache is never
-                mutated by a denoising step, so one encode serves all K steps, the critic, and (VLM frozen)
-                every PPO epoch and minibatch of an iteration.
+                lerobot's `embed_prefix` and its prefix pass (common.policy.lerobot_compat.fill_prefix_cache),
+                and keeps the per-layer key/value cache, the prefix pad mask and the critic's input. The kept
+                cache is never mutated by a denoising step, so one encode serves all K steps, the critic, and
+                (VLM frozen) every PPO epoch and minibatch of an iteration.
   velocity      lerobot's `denoise_step` on that cache: the action expert attends to the prefix and
                 `action_out_proj` maps its hidden state to a velocity, converted to the project's time
                 convention by `lerobot_flow_time` (the only place the two conventions meet).
@@ -15,8 +15,9 @@ What each FlowPolicy piece reads:
 Actions and state are normalised with buffers saved with the weights (as the MLP backend), and the chain
 lives in the first action_dim of lerobot's max_action_dim padded action vector.
 
-Install: lerobot pins torch<2.11, so it goes in with `pip install --no-deps lerobot==0.4.4` beside the
-`smolvla` extra (README, "SmolVLA"). This module is imported only when policy.type is "smolvla".
+Install (docs/smolvla.md): the `smolvla` extra plus `pip install --no-deps lerobot==0.4.4` on Python 3.11, the
+`lerobot` extra on Python >= 3.12; where the two lerobot lines differ is common.policy.lerobot_compat. This module is imported only when
+policy.type is "smolvla".
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ install_cpu_torchvision_shim()
 
 from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LerobotSmolVLAConfig  # noqa: E402
-from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy, make_att_2d_masks, pad_vector, resize_with_pad  # noqa: E402
+from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: E402
+
+from common.policy.lerobot_compat import KVLayers, denoise_cache, fill_prefix_cache, make_att_2d_masks, pad_vector, resize_with_pad  # noqa: E402
 
 # lerobot config.json fields that fix tensor shapes or layer wiring: a lerobot checkpoint must agree with
 # policy.smolvla on each of them (field name in lerobot's config -> in policy.smolvla).
@@ -87,9 +90,9 @@ class SmolVLAFeatures:
     # the sigma() call that follows it. Not an init field: index_features' copies start without it.
     last_expert_hidden: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    def kv_cache(self) -> dict[int, dict[str, Tensor]]:
-        """lerobot's past_key_values layout."""
-        return {i: {"key_states": k, "value_states": v} for i, (k, v) in enumerate(zip(self.key_states, self.value_states))}
+    def kv(self) -> KVLayers:
+        """The kept prefix cache as common.policy.lerobot_compat takes it."""
+        return self.key_states, self.value_states
 
 
 @contextlib.contextmanager
@@ -264,12 +267,12 @@ class SmolVLAFlowPolicy(FlowPolicy):
             )
         if obs.images.shape[1] != len(self.config.cameras):
             raise ValueError(f"Observation.images has {obs.images.shape[1]} cameras, policy.cameras lists {len(self.config.cameras)}")
-        size = self.vla.config.resize_imgs_with_padding
+        width, height = self.vla.config.resize_imgs_with_padding  # lerobot's order
         images = []
         for camera in range(obs.images.shape[1]):
             frame = obs.images[:, camera].permute(0, 3, 1, 2).float() / 255.0
-            if tuple(frame.shape[-2:]) != tuple(size):
-                frame = resize_with_pad(frame, *size, pad_value=0)
+            if tuple(frame.shape[-2:]) != (height, width):
+                frame = resize_with_pad(frame, height, width, pad_value=0)
             images.append(frame * 2.0 - 1.0)
         masks = [torch.ones(obs.state.shape[0], dtype=torch.bool, device=obs.state.device) for _ in images]
         return images, masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.smolvla.max_state_dim)
@@ -281,20 +284,13 @@ class SmolVLAFlowPolicy(FlowPolicy):
         model = self.vla.model
         images, image_masks, tokens, token_mask, state = self.lerobot_inputs(obs)
         embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
-        (prefix_out, _), cache = model.vlm_with_expert.forward(
-            attention_mask=make_att_2d_masks(pad_mask, att_mask),
-            position_ids=torch.cumsum(pad_mask, dim=1) - 1,
-            past_key_values=None,
-            inputs_embeds=[embeddings, None],
-            use_cache=True,
-            fill_kv_cache=True,
-        )
+        attention, positions = make_att_2d_masks(pad_mask, att_mask), torch.cumsum(pad_mask, dim=1) - 1  # as lerobot's sample_actions
+        prefix_out, (key_states, value_states) = fill_prefix_cache(model.vlm_with_expert, embeddings, attention, positions)
         weights = pad_mask.unsqueeze(-1).to(prefix_out.dtype)
         pooled = (prefix_out * weights).sum(1) / weights.sum(1).clamp_min(1.0)
-        layers = range(len(cache))
         return SmolVLAFeatures(
-            key_states=tuple(cache[i]["key_states"] for i in layers),
-            value_states=tuple(cache[i]["value_states"] for i in layers),
+            key_states=key_states,
+            value_states=value_states,
             prefix_pad_mask=pad_mask,
             critic_input=torch.cat([pooled.float(), state[:, : self.config.obs_dim].float()], dim=-1),
         )
@@ -305,7 +301,7 @@ class SmolVLAFlowPolicy(FlowPolicy):
         lerobot_t, sign = lerobot_flow_time(t)
         padded = pad_vector(action, self.config.smolvla.max_action_dim)
         with capture_input(model.action_out_proj) as hidden:
-            v = model.denoise_step(features.prefix_pad_mask, features.kv_cache(), padded, lerobot_t)
+            v = model.denoise_step(features.prefix_pad_mask, denoise_cache(model.vlm_with_expert, features.kv()), padded, lerobot_t)
         features.last_expert_hidden = (t, hidden[-1])
         return sign * v[..., : self.config.action_dim]
 
