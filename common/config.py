@@ -214,8 +214,8 @@ class ActorsConfig:
     # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
     # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
     # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
-    # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. On pick-place, 4 seeds
-    # at equal env steps: lag 1 gained +47 to +61 points, lag 0 +16 to +33 (README "Across seeds").
+    # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
+    # the two lags across seeds.
     policy_lag: int = 1
 
     def validate(self, path: str = "actors") -> None:
@@ -239,7 +239,7 @@ class PPOConfig:
     value_clip: float | None = None  # None: plain MSE; else clip the new value around the old by this much
     vf_coef: float = 0.5
     ent_coef: float = 0.0
-    actor_lr: float = 1e-4  # with clip_eps 0.05: +24 points mean, +16 min over 4 seeds (README, "Seeds"); 3e-5/0.02 gave +10 to +35
+    actor_lr: float = 1e-4  # with clip_eps 0.05 (docs/results.md: the recipe and the step sizes tried)
     critic_lr: float = 5e-4
     update_epochs: int = 8
     # Every epoch shuffles the iteration's decisions and splits ALL of them into num_minibatches minibatches whose sizes
@@ -274,8 +274,8 @@ class PPOConfig:
     kl_estimator: str = "exact"  # "exact" (analytic, per transition), "k1", "k2" or "k3"
     # A rollout from an older weight version (actors.policy_lag > 0): "behaviour" clips the ratio to the policy that
     # sampled the chains, so every update stays within clip_eps of it; "decoupled" clips it to the learner's weights
-    # before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021). On pick-place seed 0
-    # at lag 1: +51 points against -13 (README "Performance").
+    # before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021). docs/performance.md
+    # compares the two.
     stale_rollouts: str = "behaviour"
     # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running

@@ -36,7 +36,7 @@ CHAOS_SEED = 20240611
 SETTINGS = ["--iterations", str(ITERATIONS), "--set", "actors.decisions_per_rollout=16", "--set", "learner.minibatch_size=32",
             "--set", "checkpoint_every=5", "--set", "actors.max_restarts=30", "--set", "actors.call_timeout_s=20",
             "--set", "learner.max_restarts=3"]  # fmt: skip
-FULL_DISK_AT = 20  # the checkpoint whose write finds the disk full: session one ends there, --resume goes on from 15
+FULL_DISK_AT = 20  # the checkpoint whose write finds the disk full: the first launch ends there, --resume goes on from 15
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def rows_by_iteration(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # three sessions of 40 iterations with their restarts: about 4 minutes on two idle cores
+@pytest.mark.timeout(1200)  # three launches of 40 iterations with their restarts: about 4 minutes on two idle cores
 def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit(tmp_path, bc_checkpoint, fault_plan, capsys) -> None:
     reference, run_dir = tmp_path / "undisturbed", tmp_path / "chaos"
     fault_injection.arm(fault_plan)
@@ -121,7 +121,7 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
     stop = threading.Event()
     injector = inject_signals(run_dir, schedule, stop)
     try:
-        # Session one: the disk is full when iteration 20's checkpoint is written.
+        # The first launch: the disk is full when iteration 20's checkpoint is written.
         fault_injection.arm(fault_plan, full_disk_for=(f"iter_{FULL_DISK_AT:06d}",))
         assert main(run_args(run_dir, bc_checkpoint, *SETTINGS)) == 1
         err = capsys.readouterr().err.strip()
@@ -131,8 +131,8 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
         directory = RunDirectory(run_dir)
         assert sorted(p.name for p in directory.checkpoints.iterdir()) == ["iter_000005", "iter_000010", "iter_000015", "latest"]
         assert directory.latest_checkpoint().name == "iter_000015"  # loadable: checked file by file
-        first_session = rows_by_iteration(run_dir)[FULL_DISK_AT - 1]
-        # Session two, with room on the disk again: the learner dies after its step 2 of the mid-update iteration's update.
+        first_launch = rows_by_iteration(run_dir)[FULL_DISK_AT - 1]
+        # The second launch, with room on the disk again: the learner dies after its step 2 of the mid-update iteration's update.
         fault_injection.arm(fault_plan, kill_learner_at_optimizer_step=steps_before + 2)
         assert main(run_args(run_dir, bc_checkpoint, *SETTINGS, "--resume")) == 0
         wall_seconds = time.perf_counter() - started
@@ -150,16 +150,16 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
     kinds = [event["kind"] for event in schedule.injected]
     assert len(kinds) == len(schedule.signals) and kinds.count("kill learner") == kinds.count("wedge rollout actor") == 1
     summary = json.loads((run_dir / "summary.json").read_text())["faults"]
-    learner_restarts = first_session["faults/learner_restarts"] + summary["faults/learner_restarts"]
-    actor_restarts = first_session["faults/actor_restarts"] + summary["faults/actor_restarts"]
-    assert learner_restarts == 2  # killed from outside in session one, mid-update in session two
-    assert summary["faults/actor_timeouts"] == 1 and summary["faults/dropped_actors"] == first_session["faults/dropped_actors"] == 0
+    learner_restarts = first_launch["faults/learner_restarts"] + summary["faults/learner_restarts"]
+    actor_restarts = first_launch["faults/actor_restarts"] + summary["faults/actor_restarts"]
+    assert learner_restarts == 2  # killed from outside in the first launch, mid-update in the second
+    assert summary["faults/actor_timeouts"] == 1 and summary["faults/dropped_actors"] == first_launch["faults/dropped_actors"] == 0
     # A kill while an actor waits between calls is never seen (its next call finds it restarted): at most one each.
     assert 1 <= actor_restarts <= kinds.count("kill rollout actor") + 1
-    resampled = first_session["faults/resampled_env_steps"] + summary["faults/resampled_env_steps"]
+    resampled = first_launch["faults/resampled_env_steps"] + summary["faults/resampled_env_steps"]
     with capsys.disabled():  # the figures the README quotes (pytest -s shows them)
         print(json.dumps({"faults injected": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)} | {
             "learner killed mid-update": 1, "full disk at a checkpoint": 1}, "learner restarts": learner_restarts,
             "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": summary["faults/actor_timeouts"],
-            "env steps resampled by retried calls": resampled, "wall seconds (two sessions)": round(wall_seconds, 1),
+            "env steps resampled by retried calls": resampled, "wall seconds (two launches)": round(wall_seconds, 1),
             "schedule": schedule.injected, "mid-update kill after optimiser step": steps_before + 2}, indent=1), flush=True)  # fmt: skip

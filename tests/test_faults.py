@@ -1,4 +1,4 @@
-"""Faults a run survives, and bad input it refuses before writing anything (issue 8).
+"""Faults a run survives, and bad input it refuses before writing anything.
 
 Real `learner.main` runs on local Ray lose a rollout actor (SIGKILL), wedge one (SIGSTOP) or lose the learner
 (SIGKILL); each must finish with exactly the results of an undisturbed run, because a retried rollout repeats

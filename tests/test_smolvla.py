@@ -1,7 +1,7 @@
 """The SmolVLA backend on a tiny SmolVLA built offline (CPU, no network), on whichever supported lerobot is
 installed (0.4.x on Python 3.11, 0.6.x on Python >= 3.12): chain sampling through lerobot's model, parity with
 that lerobot's own sampler, the prefix cache kept intact, the ratio check, what trains, strict loading, eval-mode
-guard, and seed 001's ratio sensitivity on SmolVLA's 50-action chunk.
+guard, and the ratio sensitivity of summed log-probs on SmolVLA's 50-action chunk.
 
 `python -m tests.test_smolvla` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
 """
@@ -267,7 +267,7 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
-    """Seed 000: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
+    """A reported failure: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
     VLM has attention dropout 0.1 in its vision tower; with the VLM trainable, lerobot's own train() no
     longer keeps it in eval mode, so an unguarded train() makes the features random."""
     policy = tiny_policy(smolvla={"train_vlm": True})
@@ -437,7 +437,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
         build_policy(tiny_config(smolvla={**smolvla, "reinit_state_proj": True}))
 
 
-# -- seed 001: summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------
+# -- summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------
 
 SEED_001 = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
 
@@ -477,7 +477,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
     }
 
 
-def test_seed_001_sum_aggregation_warns_and_clips_everything() -> None:
+def test_summed_log_probs_warn_and_clip_everything() -> None:
     config = tiny_config(**SEED_001)
     elements = config.chunk_size * config.action_dim * config.num_steps
     with pytest.warns(RatioSensitivityWarning, match="log_prob_normalization='mean'"):
@@ -487,7 +487,7 @@ def test_seed_001_sum_aggregation_warns_and_clips_everything() -> None:
         check_ratio_sensitivity(elements, config.sigma_min, "mean", SMOLVLA_PPO.clip_eps)
 
     summed, averaged = clip_fraction_after_one_update("sum"), clip_fraction_after_one_update("mean")
-    print(f"\nseed 001 on SmolVLA's chunk: sum {summed}\n                              mean {averaged}")
+    print(f"\nsummed log-probs on SmolVLA's chunk: sum {summed}\n                              mean {averaged}")
     assert summed["elements"] == averaged["elements"] == 200
     assert summed["clipfrac_before"] == averaged["clipfrac_before"] == 0.0
     assert summed["clipfrac"] >= 0.9

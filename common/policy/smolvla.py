@@ -236,7 +236,7 @@ class SmolVLAFlowPolicy(FlowPolicy):
         return self
 
     def train(self, mode: bool = True) -> SmolVLAFlowPolicy:
-        """Heads follow `mode`; the lerobot model stays in eval mode whatever is asked. Seed 000: a wrapper's
+        """Heads follow `mode`; the lerobot model stays in eval mode whatever is asked. A known failure: a wrapper's
         .train() switched SmolVLA's dropout on, so recomputed log-probs differed from the behaviour ones by
         hundreds of nats before any update (KL ~3e8). Eval mode only turns dropout off: gradients still flow."""
         super().train(mode)

@@ -59,7 +59,7 @@ class TinyVLMSpec:
     vision_intermediate: int = 64
     vision_layers: int = 1
     vision_heads: int = 2
-    vision_attention_dropout: float = 0.1  # > 0 on purpose: train mode would make log-probs random (seed 000)
+    vision_attention_dropout: float = 0.1  # > 0 on purpose: train mode would make log-probs random (a failure the tests provoke)
     text_hidden: int = 64
     text_layers: int = 2
     text_heads: int = 4
