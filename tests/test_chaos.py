@@ -157,7 +157,7 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
     # A kill while an actor waits between calls is never seen (its next call finds it restarted): at most one each.
     assert 1 <= actor_restarts <= kinds.count("kill rollout actor") + 1
     resampled = first_launch["faults/resampled_env_steps"] + summary["faults/resampled_env_steps"]
-    with capsys.disabled():  # the figures the README quotes (pytest -s shows them)
+    with capsys.disabled():  # the figures docs/faults.md quotes (pytest -s shows them)
         print(json.dumps({"faults injected": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)} | {
             "learner killed mid-update": 1, "full disk at a checkpoint": 1}, "learner restarts": learner_restarts,
             "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": summary["faults/actor_timeouts"],

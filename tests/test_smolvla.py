@@ -3,7 +3,7 @@ installed (0.4.x on Python 3.11, 0.6.x on Python >= 3.12): chain sampling throug
 that lerobot's own sampler, the prefix cache kept intact, the ratio check, what trains, strict loading, eval-mode
 guard, and the ratio sensitivity of summed log-probs on SmolVLA's 50-action chunk.
 
-`python -m tests.test_smolvla` prints the seed-001 clip fractions (sum vs mean) quoted in the README.
+`python -m tests.test_smolvla` prints the clip fractions of summed and averaged log-probs quoted in docs/smolvla.md.
 """
 
 from __future__ import annotations
@@ -439,7 +439,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
 
 # -- summed log-probs over SmolVLA's 50 x A chunk with sigma in [0.08, 0.16] ------------------
 
-SEED_001 = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
+SMOLVLA_CHUNK = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
 
 
 SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").learner
@@ -449,7 +449,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
     """One real PPO step (the shipped SmolVLA recipe's actor_lr and clip_eps, Adam) on chains sampled by the
     tiny SmolVLA with a 50-action chunk, then the next minibatch's clip fraction on the same chains."""
     ppo = SMOLVLA_PPO
-    policy = tiny_policy(log_prob_normalization=normalization, **SEED_001)
+    policy = tiny_policy(log_prob_normalization=normalization, **SMOLVLA_CHUNK)
     obs = observations(policy, batch, seed=9)
     with torch.no_grad():
         features = policy.encode(obs)
@@ -478,7 +478,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
 
 
 def test_summed_log_probs_warn_and_clip_everything() -> None:
-    config = tiny_config(**SEED_001)
+    config = tiny_config(**SMOLVLA_CHUNK)
     elements = config.chunk_size * config.action_dim * config.num_steps
     with pytest.warns(RatioSensitivityWarning, match="log_prob_normalization='mean'"):
         check_ratio_sensitivity(elements, config.sigma_min, "sum", SMOLVLA_PPO.clip_eps)
