@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from common.config import RunConfig
+from common.decision_graph import DecisionGraph
 from common.envs import ChunkedVectorEnv, ImageConfig, Layout, adopt_benchmark_tasks, layouts
 from common.policy import FlowPolicy
 from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, FilmedTaskEnv, record_layouts
@@ -52,6 +53,9 @@ class RolloutActor:
         self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
         if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
+        if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision
+            autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
+            self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         if isinstance(benchmark_tables, list):
             import ray  # only the Ray-hosted actor is handed refs; the class itself runs without Ray

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -85,6 +87,7 @@ def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, 
     print(f"[smolvla_gpu] {name} ...", file=sys.stderr, flush=True)
     try:
         results[name] = {**stage(), **gpu_memory(device)}
+        print(f"[smolvla_gpu] {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)  # kept if a later stage hangs
         return True
     except Exception as exc:  # noqa: BLE001 - reported, and the remaining stages still measure what they can
         traceback.print_exc()
@@ -120,32 +123,74 @@ def write_inputs(work: Path, size: str, sets: list[str]) -> tuple[RunConfig, Pat
     return config, checkpoint, counts
 
 
+def launch_counts(profile: torch.profiler.profile) -> dict[str, int]:
+    """What one profiled decision asked of the host: ATen ops dispatched, and CUDA kernel and graph launches."""
+    counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}
+    for event in profile.key_averages():
+        if event.key.startswith("aten::"):
+            counts["aten_ops"] += event.count
+        elif event.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC"):
+            counts["kernel_launches"] += event.count
+        elif event.key == "cudaGraphLaunch":
+            counts["graph_launches"] += event.count
+    return counts
+
+
 def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:
-    """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer;
-    profile: print torch.profiler's table of one decision at the first batch size."""
-    from common.rollout import decide
+    """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer,
+    eager and (on a GPU) as a CUDA graph replay (common.decision_graph), with the graph's outputs against the eager path's
+    on the same noise, and the host's ops and launches per decision (profile: also the profiler's table of the first
+    batch size's decisions)."""
+    from common.decision_graph import DecisionGraph
+    from common.rollout import decide, decision_tensors
 
     policy = actor.policy
     size, cameras = policy.config.image_size, len(policy.config.cameras)
+    autocast = torch.bfloat16 if actor.config.actors.precision == "bfloat16" else None
+    paths = ("eager", "graph") if actor.device.type == "cuda" else ("eager",)
     rng = np.random.default_rng(0)
-    figures: dict[str, Any] = {}
-    for batch in batch_sizes:
-        tokens, mask = policy.tokenize([actor.vec_env.envs[0].instruction] * batch)
-        obs = Observation(rng.normal(size=(batch, policy.config.obs_dim)).astype(np.float32),
-                          rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
-        times = []
-        with torch.no_grad(), actor.precision():
-            for _ in range(repeats + 1):  # the first call warms up kernels and allocator
-                start = clock.now()
-                decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
-                times.append(clock.now() - start)
-        figures[f"batch{batch}_seconds"] = statistics.median(times[1:])
-        if profile:
-            with torch.no_grad(), actor.precision(), torch.profiler.profile(record_shapes=False) as prof:
-                decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
-            print(f"[smolvla_gpu] one decision for {batch} envs, by CPU time:", flush=True)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-            profile = False
+    kept, figures = policy.decision_graph, {}
+    try:
+        for batch in batch_sizes:
+            tokens, mask = policy.tokenize([actor.vec_env.envs[0].instruction] * batch)
+            obs = Observation(rng.normal(size=(batch, policy.config.obs_dim)).astype(np.float32),
+                              rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
+            for path in paths:
+                policy.decision_graph = DecisionGraph(policy, batch, autocast) if path == "graph" else None
+                times = []
+                try:
+                    with torch.no_grad(), actor.precision():
+                        for _ in range(repeats + 1):  # the first call warms up kernels and allocator, and captures the graph
+                            start = clock.now()
+                            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+                            times.append(clock.now() - start)
+                        with torch.profiler.profile() as prof:
+                            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+                except Exception as exc:  # noqa: BLE001 - a graph that cannot be captured: the actor samples eagerly
+                    if path == "eager":
+                        raise
+                    traceback.print_exc()
+                    figures[f"graph_batch{batch}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    kept = policy.decision_graph = None
+                    break
+                figures[f"{path}_batch{batch}_seconds"] = statistics.median(times[1:])
+                figures.update({f"{path}_batch{batch}_{name}": count for name, count in launch_counts(prof).items()})
+                if profile and batch == batch_sizes[0]:
+                    print(f"[smolvla_gpu] one {path} decision for {batch} envs, by CPU time:", flush=True)
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+            if policy.decision_graph is None:
+                continue
+            graph = policy.decision_graph
+            figures[f"graph_batch{batch}_first_call_seconds"] = times[0]
+            figures[f"graph_speedup_batch{batch}"] = figures[f"eager_batch{batch}_seconds"] / figures[f"graph_batch{batch}_seconds"]
+            with torch.no_grad(), actor.precision():
+                replayed = graph.decide(obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(1))
+                eager = decision_tensors(policy, obs.to_torch(actor.device), deterministic=False, noise=graph.noise.clone())
+            for name in ("chain", "log_prob_per_element", "value"):
+                difference = np.abs(replayed[name] - eager[name].float().cpu().numpy()).max()
+                figures[f"graph_vs_eager_batch{batch}_max_abs_{name}"] = float(difference)
+    finally:
+        policy.decision_graph = kept
     return figures
 
 
@@ -257,6 +302,21 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     "behaviour_gap_max": prepared.metrics["logprob/behaviour_gap_max"],
                     **{f"rollout_{k}": v for k, v in rollout_figures(batch, sampled - start_sample).items()}}  # fmt: skip
 
+        def update_variant(overrides: str) -> Callable[[], dict[str, Any]]:
+            """A fresh learner from the same checkpoint with learner fields overridden (e.g. "grad_accum=1,precision=bfloat16"),
+            its update on the same version-0 rollouts."""
+
+            def stage() -> dict[str, Any]:
+                fields = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in overrides.split(","))}
+                learner_config = dataclasses.replace(config.learner, **fields)
+                learner_config.validate()
+                policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
+                state["learner"] = Learner(dataclasses.replace(config, learner=learner_config), policy.to(device))
+                state["learner"].broadcast()
+                return update()
+
+            return stage
+
         if run_stage(results, "actor_start", start_actor, device):
             run_stage(results, "decision_latency", latency, device)
             sampled = run_stage(results, "sample_v0", sample_version_0, device)
@@ -266,6 +326,8 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     run_stage(results, "prepare_whole_batch", prepare(sum(b.num_decisions * b.num_envs for b in state["batches"])), device)
                 if run_stage(results, "update", update, device):
                     run_stage(results, "publish_load_sample_v1", publish_and_load, device)
+                for overrides in filter(None, args.update_variants.split(";")):
+                    run_stage(results, f"update[{overrides}]", update_variant(overrides), device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the scoring pass encoding the whole batch at once (the learner before it encoded by micro-batch)",
     )
-    parser.add_argument("--profile", action="store_true", help="print the profiler's table of one chunk decision")
+    parser.add_argument("--update-variants", default="", metavar="FIELD=VALUE[,...][;...]",
+                        help="then the update again, by a fresh learner per ;-separated set of learner overrides")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="print the profiler tables of one eager and one graphed decision")
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)

@@ -217,6 +217,10 @@ class ActorsConfig:
     # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
     # the two lags across seeds.
     policy_lag: int = 1
+    # On a CUDA device, each chunk decision is one CUDA graph replay (common.decision_graph): the same policy, its
+    # noise drawn in one call per decision, so a run samples other (equally reproducible) noise than without graphs.
+    # No effect on CPU.
+    cuda_graphs: bool = True
 
     def validate(self, path: str = "actors") -> None:
         _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
@@ -281,6 +285,9 @@ class PPOConfig:
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
     behaviour_gap_warn: float | None = 1e-3
+    # Arithmetic of the learner's scoring and update: "float32", or "bfloat16" (torch.autocast over float32 weights,
+    # for a GPU). The ratio check compares the learner with itself, so it holds in either.
+    precision: str = "float32"
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3
@@ -328,6 +335,7 @@ class PPOConfig:
         _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
         _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
         _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
+        _choice(self, path, "precision", ("float32", "bfloat16"))
         _positive(self, path, "nonfinite_backoff_after")
         _require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
         _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")

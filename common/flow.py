@@ -112,19 +112,26 @@ def sample_chain(
     deterministic: bool = False,
     generator: torch.Generator | None = None,
     device: torch.device | None = None,
+    noise: Tensor | None = None,
 ) -> ChainSample:
     """Run the K Euler steps with injected noise and record the whole chain.
 
     deterministic=True starts at a_0 = 0 and injects no noise: the evaluation policy. The returned
     scores are still those of the stochastic policy (useful as a diagnostic, never for PPO).
+    noise: the chain's standard-normal draws given up front, (K+1, B, H, A): noise[0] scales into a_0 and
+    noise[k+1] into step k (a CUDA graph reads them from a fixed buffer); None draws them here, step by step.
     """
     shape = (batch_size, policy.chunk_size, policy.action_dim)
+
+    def draw(index: int) -> Tensor:
+        return noise[index] if noise is not None else torch.randn(shape, generator=generator, device=device)
+
     init_std = 0.0 if deterministic else policy.config.init_noise_std
-    action = torch.randn(shape, generator=generator, device=device) * init_std
+    action = draw(0) * init_std
     chain, means, stds = [action], [], []
     for k in range(policy.num_steps):
         mean, std = transition(policy, features, action, k)
-        action = mean if deterministic else mean + std * torch.randn(shape, generator=generator, device=device)
+        action = mean if deterministic else mean + std * draw(k + 1)
         chain.append(action)
         means.append(mean)
         stds.append(std)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from common.config import EnvConfig, PolicyConfig
 from common.diagnostics import check_finite_arrays
@@ -33,21 +34,33 @@ class Decision:
     value: np.ndarray  # (B,)
 
 
+def decision_tensors(
+    policy: FlowPolicy, obs: Observation, *, deterministic: bool, generator: torch.Generator | None = None, noise: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Encode torch observations once, sample the denoising chain, read the critic: Decision's fields as tensors."""
+    features = policy.encode(obs)
+    sample = sample_chain(
+        policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=policy.obs_device, noise=noise
+    )
+    return {
+        "chain": sample.chain,
+        "env_actions": policy.to_env_action(sample.chain[:, -1]),
+        "log_prob": sample.scores.log_prob,
+        "log_prob_per_element": sample.scores.log_prob_per_element,
+        "value": policy.value(features),
+    }
+
+
 @torch.no_grad()
 def decide(policy: FlowPolicy, obs: Observation, *, deterministic: bool, generator: torch.Generator | None = None) -> Decision:
-    """Encode the observations once, sample the denoising chain, and read the critic."""
+    """One chunk decision for numpy observations: by the policy's CUDA graph when it has one (common.decision_graph),
+    else eagerly."""
     check_finite_arrays({"obs": obs.state}, "environment output")
-    device = policy.obs_device
-    features = policy.encode(obs.to_torch(device))
-    sample = sample_chain(policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=device)
+    if policy.decision_graph is not None:
+        return Decision(**policy.decision_graph.decide(obs, deterministic=deterministic, generator=generator))
+    outputs = decision_tensors(policy, obs.to_torch(policy.obs_device), deterministic=deterministic, generator=generator)
     # .float(): under a bfloat16 autocast some outputs are bfloat16, which numpy cannot hold (a no-op in float32)
-    return Decision(
-        chain=sample.chain.float().cpu().numpy(),
-        env_actions=policy.to_env_action(sample.chain[:, -1]).float().cpu().numpy(),
-        log_prob=sample.scores.log_prob.float().cpu().numpy(),
-        log_prob_per_element=sample.scores.log_prob_per_element.float().cpu().numpy(),
-        value=policy.value(features).float().cpu().numpy(),
-    )
+    return Decision(**{name: value.float().cpu().numpy() for name, value in outputs.items()})
 
 
 def camera_configs(policy_config: PolicyConfig) -> list[ImageConfig]:

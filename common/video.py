@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
@@ -34,6 +33,8 @@ def write_mp4(path: str | Path, frames: Sequence[np.ndarray] | np.ndarray, fps: 
     array = np.pad(array, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import av  # here, not at the top: actors import this module, and only writing a video needs PyAV's FFmpeg
+
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = array.shape[1:3]

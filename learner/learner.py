@@ -397,11 +397,19 @@ class Learner:
 
     # -- one PPO iteration ------------------------------------------------------------------------
 
-    @torch.no_grad()
+    def precision(self) -> torch.autocast:
+        """learner.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32)."""
+        device = self.policy.obs_device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bfloat16")
+
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
         """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
         values (PPO), or group-relative episode advantages keeping only complete groups' decisions (GRPO).
         With a KL reference, also its scores of the same chains."""
+        with torch.no_grad(), self.precision():
+            return self._prepare(batch)
+
+    def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
         policy, cfg = self.policy, self.cfg
         t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(RolloutBatch.PER_DECISION).items()}
         b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
@@ -486,7 +494,8 @@ class Learner:
         iteration, and the update is skipped and counted. Returns metrics."""
         before = ({name: p.detach().clone() for name, p in self.trainable_state().items()}, copy.deepcopy(self.optimizer.state_dict()))
         try:
-            metrics = self._update(batch, verbose)
+            with self.precision():
+                metrics = self._update(batch, verbose)
         except NonFiniteError as exc:
             with torch.no_grad():
                 for name, param in self.trainable_state().items():

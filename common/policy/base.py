@@ -21,6 +21,7 @@ demonstrations); `to_env_action` maps a chunk back to the environment's units.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -69,6 +70,9 @@ class FlowPolicy(nn.Module, ABC):
     # Where the weights came from: set by from_pretrained, None for a fresh random initialisation.
     # The learner refuses to fine-tune a policy whose loaded_from is None unless told otherwise.
     loaded_from: str | None = None
+    # A common.decision_graph.DecisionGraph that replays whole chunk decisions on a GPU (set by the rollout actor with
+    # actors.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
+    decision_graph: Any = None
 
     @property
     def chunk_size(self) -> int:
@@ -113,6 +117,11 @@ class FlowPolicy(nn.Module, ABC):
         less; RL chooses its own trainable set when it loads the checkpoint."""
         self.requires_grad_(True)
         return list(self.parameters())
+
+    def capture_context(self) -> contextlib.AbstractContextManager:
+        """Entered while a CUDA graph of the policy's decisions is warmed up and captured (common.decision_graph): a
+        backend whose library reads device tensors on the host on the way swaps in an equivalent path here."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def tokenize(self, instructions: list[str]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from importlib.metadata import version
 
+import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
@@ -56,7 +58,9 @@ else:
     from lerobot.policies.smolvla.modeling_smolvla import make_att_2d_masks, pad_vector
     from lerobot.policies.smolvla.modeling_smolvla import resize_with_pad as lerobot_resize_with_pad
 
-__all__ = ["LEROBOT_VERSION", "denoise_cache", "fill_prefix_cache", "make_att_2d_masks", "pad_vector", "resize_with_pad"]
+__all__ = [
+    "LEROBOT_VERSION", "denoise_cache", "embed_whole_frames", "fill_prefix_cache", "make_att_2d_masks", "pad_vector", "resize_with_pad",
+]  # fmt: skip
 
 KVLayers = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]  # per layer keys, per layer values, each (B, L, kv_heads, head_dim)
 
@@ -111,3 +115,42 @@ def denoise_cache(vlm_with_expert: nn.Module, kv: KVLayers) -> dict[int, dict[st
     if keeps_dict_cache(type(vlm_with_expert)):
         return {i: {"key_states": keys, "value_states": values} for i, (keys, values) in enumerate(zip(*kv))}
     return dynamic_cache(kv)
+
+
+# Per vision embeddings module: (frame height and width, device) -> the position ids of a whole frame's patches.
+WHOLE_FRAME_POSITIONS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def whole_frame_positions(vision: nn.Module, frames: Tensor) -> Tensor:
+    """The position ids (1, P) SmolVLM's vision embeddings give the patches of a whole frame of this size, as the
+    installed transformers computes them (4.57 numbers them otherwise than 5.x: the ids are read, not derived). Read once
+    per embeddings module and frame size, by one eager call on the first frame, and kept on the frames' device."""
+    embeddings = vision.embeddings
+    key = (tuple(frames.shape[-2:]), frames.device)
+    kept = WHOLE_FRAME_POSITIONS.setdefault(embeddings, {})
+    if key not in kept:
+        side = vision.config.patch_size
+        whole = torch.ones((1, frames.shape[-2] // side, frames.shape[-1] // side), dtype=torch.bool, device=frames.device)
+        read: list[Tensor] = []
+        handle = embeddings.position_embedding.register_forward_pre_hook(lambda _module, args: read.append(args[0]))
+        try:
+            embeddings(pixel_values=frames[:1], patch_attention_mask=whole)
+        finally:
+            handle.remove()
+        kept[key] = read[0].clone()
+    return kept[key]
+
+
+def embed_whole_frames(vlm_with_expert: nn.Module, images: Tensor) -> Tensor:
+    """lerobot's `embed_image` (SigLIP, then the connector) for whole frames, without reading any tensor on the host
+    after the first call. SmolVLM's vision tower takes frames of any size: at every call it reads the patch mask's
+    contents to number the patches (a boolean index and scalar reads) and to drop the attention mask, which stalls the
+    CPU and rules out a CUDA graph. Every patch of a whole frame is real, so the numbering is fixed
+    (whole_frame_positions) and attention needs no mask: the same numbers (tests/test_decision_graph.py)."""
+    vision = vlm_with_expert.get_vlm_model().vision_model
+    pixels = images.to(dtype=vision.dtype)
+    positions = whole_frame_positions(vision, pixels)
+    patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
+    hidden = patches + vision.embeddings.position_embedding(positions)
+    hidden = vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
+    return vlm_with_expert.get_vlm_model().connector(vision.post_layernorm(hidden))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -49,7 +50,15 @@ from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LerobotSmolVLAConfig  # noqa: E402
 from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: E402
 
-from common.policy.lerobot_compat import KVLayers, denoise_cache, fill_prefix_cache, make_att_2d_masks, pad_vector, resize_with_pad  # noqa: E402
+from common.policy.lerobot_compat import (  # noqa: E402
+    KVLayers,
+    denoise_cache,
+    embed_whole_frames,
+    fill_prefix_cache,
+    make_att_2d_masks,
+    pad_vector,
+    resize_with_pad,
+)  # fmt: skip
 
 # lerobot config.json fields that fix tensor shapes or layer wiring: a lerobot checkpoint must agree with
 # policy.smolvla on each of them (field name in lerobot's config -> in policy.smolvla).
@@ -242,6 +251,17 @@ class SmolVLAFlowPolicy(FlowPolicy):
         super().train(mode)
         self.vla.eval()
         return self
+
+    @contextlib.contextmanager
+    def capture_context(self) -> Iterator[None]:
+        """lerobot's embed_image reads the patch mask on the host (common.policy.lerobot_compat.embed_whole_frames);
+        frames always reach it whole, at the vision tower's size, where the equivalent path needs no such read."""
+        vlm_with_expert = self.vla.model.vlm_with_expert
+        vlm_with_expert.embed_image = functools.partial(embed_whole_frames, vlm_with_expert)
+        try:
+            yield
+        finally:
+            del vlm_with_expert.embed_image
 
     # -- inputs ------------------------------------------------------------------------------------
 
