@@ -250,7 +250,6 @@ def test_an_existing_out_is_replaced_only_with_overwrite(exported, tmp_path) -> 
 # -- the command line on a run directory --------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_the_command_exports_a_run_directorys_latest_checkpoint(tmp_path) -> None:
     """`python -m learner.export RUN_DIR --out DIR` in a fresh process: the checkpoint `latest` names, not an earlier one."""
     run = RunDirectory(tmp_path / "run")
