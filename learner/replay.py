@@ -34,11 +34,11 @@ import numpy as np
 
 from common.config import RunConfig, from_dict, load_config
 from common.envs import TASKS, Layout, layouts
-from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_policy_config
+from common.policy import CheckpointError, read_policy_config
 from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, layout_id
 from common.video import side_by_side, write_mp4
 from learner.pretrain import REPORT_FILE
-from learner.run_dir import LATEST_FILE, RUN_CONFIG_FILE, RunDirectory
+from learner.run_dir import RUN_CONFIG_FILE, policy_directory
 
 EXIT_BAD_INPUT = 2
 
@@ -55,21 +55,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="draw the layouts from the held-out pool with this seed (default: the first ones)")
     parser.add_argument("--config", help="YAML run config for env rules and sampling fields (default: the checkpoint's run's, see above)")
     return parser.parse_args(argv)
-
-
-def policy_directory(path: Path) -> Path:
-    """The policy checkpoint that `path` names (see the module docstring); ValueError says why there is none."""
-    if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {path} is not a directory")
-    checkpoints = path / "checkpoints" if (path / RUN_CONFIG_FILE).is_file() else path
-    if (checkpoints / LATEST_FILE).is_file():
-        return RunDirectory(checkpoints.parent).latest_checkpoint()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / name).is_file():
-            raise ValueError(f"checkpoint {path} has no {name}: pass a policy directory written by save_pretrained, or a run directory")
-    return path
 
 
 def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> RunConfig:

@@ -194,3 +194,20 @@ class RunDirectory:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointWriteError.of(pointer, exc) from exc
+
+
+def policy_directory(path: Path) -> Path:
+    """The policy checkpoint that `path` names, for the tools that read one (learner.replay, learner.export): a policy
+    directory written by save_pretrained as it is, or a run directory or its checkpoints/ directory for the run's latest
+    checkpoint (RunDirectory.latest_checkpoint). ValueError says why there is none."""
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} is not a directory")
+    checkpoints = path / "checkpoints" if (path / RUN_CONFIG_FILE).is_file() else path
+    if (checkpoints / LATEST_FILE).is_file():
+        return RunDirectory(checkpoints.parent).latest_checkpoint()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {path} has no {name}: pass a policy directory written by save_pretrained, or a run directory")
+    return path

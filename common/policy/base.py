@@ -31,7 +31,7 @@ import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -73,6 +73,9 @@ class FlowPolicy(nn.Module, ABC):
     # A common.decision_graph.DecisionGraph that replays whole chunk decisions on a GPU (set by the rollout actor with
     # actors.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
     decision_graph: Any = None
+    # The lerobot policy type this backend writes with to_lerobot (python -m learner.export), or None: a backend
+    # with no lerobot counterpart (the MLP) has nothing to export.
+    lerobot_type: ClassVar[str | None] = None
 
     @property
     def chunk_size(self) -> int:
@@ -187,6 +190,13 @@ class FlowPolicy(nn.Module, ABC):
         return {name: p.detach() for name, p in self.named_parameters() if p.requires_grad}
 
     # -- persistence (lerobot-style: a directory with safetensors weights and a type-tagged config) --
+
+    def to_lerobot(self, directory: Path) -> dict[str, list[str]]:
+        """Write this policy into the empty `directory` as a checkpoint of lerobot's `lerobot_type` policy, everything
+        lerobot's own loaders read (the policy class's from_pretrained, make_pre_post_processors), the project's
+        normalisation included -> {what a group of files holds: their names}. A backend with a lerobot counterpart
+        overrides this and sets lerobot_type."""
+        raise CheckpointError(f"policy.type {self.config.type!r} has no lerobot counterpart: there is nothing to export to lerobot")
 
     def save_pretrained(self, directory: str | Path) -> Path:
         directory = Path(directory)

@@ -15,6 +15,12 @@ What differs, and what the backends get from here instead:
                     kept tensors (`denoise_cache`), and the kept tensors are never touched by lerobot.
   helpers           make_att_2d_masks, pad_vector and resize_with_pad moved to lerobot.policies.common.vla_utils
                     in 0.6, and resize_with_pad's arguments became (height, width, *, pad_value).
+
+What does not differ: a lerobot SmolVLA checkpoint (FlowPolicy.to_lerobot, python -m learner.export). Both lines save
+config.json and model.safetensors with SmolVLAPolicy.save_pretrained, and build their processor pipelines with
+lerobot.policies.factory.make_pre_post_processors(config, dataset_stats=...). Both write the same
+policy_preprocessor.json and policy_postprocessor.json, with the same step names and normaliser state files, and read
+them back the same way. So the backends call lerobot for these directly.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ What each FlowPolicy piece reads:
   sigma         the ReinFlow noise head on the expert's hidden state, i.e. the input of `action_out_proj`
                 at the same (a_k, t_k), bounded by a tanh into [log sigma_min^2, log sigma_max^2].
   value         the critic head; see SmolVLAFlowPolicy.value for what it reads and why.
+  to_lerobot    writes the policy back as a lerobot SmolVLA checkpoint (python -m learner.export).
 Actions and state are normalised with buffers saved with the weights (as the MLP backend), and the chain
 lives in the first action_dim of lerobot's max_action_dim padded action vector.
 
@@ -49,6 +50,7 @@ install_cpu_torchvision_shim()
 from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LerobotSmolVLAConfig  # noqa: E402
 from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: E402
+from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE  # noqa: E402
 
 from common.policy.lerobot_compat import (  # noqa: E402
     KVLayers,
@@ -164,6 +166,8 @@ def build_lerobot_config(config: PolicyConfig, vlm_path: Path) -> LerobotSmolVLA
 
 class SmolVLAFlowPolicy(FlowPolicy):
     """lerobot's SmolVLAPolicy (attribute `vla`) plus a ReinFlow noise head and a critic head."""
+
+    lerobot_type = "smolvla"
 
     def __init__(self, config: PolicyConfig):
         super().__init__()
@@ -360,6 +364,40 @@ class SmolVLAFlowPolicy(FlowPolicy):
         (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
         return directory
 
+    def to_lerobot(self, directory: Path) -> dict[str, list[str]]:
+        """lerobot's SmolVLAPolicy checkpoint of this policy: its config (the backbone at this policy's local VLM
+        directory) and weights as lerobot saves them, padded action elements neutralised (lerobot_sampling_copy),
+        the noise head and critic left out; and its processor pipelines as lerobot builds them, with the
+        project's state and action mean and std as the statistics of lerobot's MEAN_STD normaliser (frames are
+        not normalised, on either side). lerobot's pipeline then maps env-unit state to the state this policy
+        reads, and its normalised chunk to env units, as normalized_state and to_env_action do, except for their
+        clips (normalised state to +-OBS_CLIP, actions to [-1, 1]), which lerobot's normaliser does not apply."""
+        from lerobot.policies.factory import make_pre_post_processors  # imports every lerobot policy's config: only here
+
+        vla = lerobot_sampling_copy(self.vla, self.config.action_dim)
+        vla.save_pretrained(directory)
+        stats = {
+            OBS_STATE: {"mean": self.obs_mean.detach().cpu().numpy(), "std": self.obs_std.detach().cpu().numpy()},
+            ACTION: {"mean": self.action_mean.detach().cpu().numpy(), "std": self.action_std.detach().cpu().numpy()},
+        }
+        preprocessor, postprocessor = make_pre_post_processors(vla.config, dataset_stats=stats)
+        for pipeline in (preprocessor, postprocessor):
+            pipeline.save_pretrained(directory)
+        written = sorted(path.name for path in Path(directory).iterdir())
+        cameras = ", ".join(f"{OBS_IMAGES}.{camera}" for camera in self.config.cameras)
+        side = self.config.image_size
+        return {
+            f"SmolVLAConfig: backbone {vla.config.vlm_model_name}; {OBS_STATE} ({self.config.obs_dim},), {cameras} (3, {side}, {side}), "
+            f"{ACTION} ({self.config.action_dim},); chunk {self.config.chunk_size}, {self.config.num_steps} steps": [CONFIG_FILE],
+            f"SmolVLAPolicy weights, {len(vla.state_dict())} tensors (the noise head and critic left out)": [WEIGHTS_FILE],
+            "preprocessor: the backbone's tokenizer; the project's state (and action) mean and std": [
+                name for name in written if name.startswith(preprocessor.name)
+            ],
+            "postprocessor: the project's action mean and std, to env units": [
+                name for name in written if name.startswith(postprocessor.name)
+            ],
+        }
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, vlm_path: str | None = None, **overrides: Any) -> SmolVLAFlowPolicy:
         """Strict load (every tensor from the file, or CheckpointError naming the missing ones). `vlm_path`
@@ -369,6 +407,21 @@ class SmolVLAFlowPolicy(FlowPolicy):
             saved = dataclasses.asdict(read_policy_config(directory).smolvla)
             overrides["smolvla"] = {**saved, **overrides.get("smolvla", {}), "vlm_path": vlm_path}
         return super().from_pretrained(directory, **overrides)
+
+
+def lerobot_sampling_copy(vla: SmolVLAPolicy, action_dim: int) -> SmolVLAPolicy:
+    """A copy of `vla` whose padded action elements (action_dim onward, up to max_action_dim) do not reach the
+    expert: action_in_proj's columns for them are zero.
+
+    The project's chain holds those elements at zero (velocity pads a_t with zeros and reads back the first
+    action_dim), so these columns never touch what it computes. lerobot's sample_actions integrates all
+    max_action_dim elements, from noise it draws for all of them, and feeds them back through action_in_proj: with
+    the columns as trained, its first action_dim would follow another chain. Without them it is the project's
+    (what lerobot integrates in the padded elements is sliced off its output)."""
+    vla = copy.deepcopy(vla)
+    with torch.no_grad():
+        vla.model.action_in_proj.weight[:, action_dim:] = 0.0
+    return vla
 
 
 def load_lerobot_checkpoint(vla: SmolVLAPolicy, config: PolicyConfig) -> None:

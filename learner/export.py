@@ -1,0 +1,105 @@
+"""The command line: `python -m learner.export CHECKPOINT --out DIR`: a fine-tuned VLA policy as a lerobot checkpoint.
+
+CHECKPOINT is a policy directory written by save_pretrained (a BC checkpoint, or a run's checkpoints/iter_NNNNNN), or
+a run directory or its checkpoints/ directory (then the run's latest checkpoint, as learner.replay resolves it). It is
+loaded strictly (FlowPolicy.from_pretrained: checksums, every tensor), and its backend writes what lerobot's own
+loaders read (FlowPolicy.to_lerobot): lerobot's policy config and weights, and its processor pipelines carrying the
+project's normalisation. What the backend keeps to itself (SmolVLA's noise head and critic) is left out. DIR is
+written whole or not at all (write_directory_atomically, with a checksums.json); an existing DIR is replaced only
+with --overwrite.
+
+Nothing here depends on the backend: a backend exports when it names its lerobot policy type (FlowPolicy.lerobot_type)
+and implements to_lerobot; the MLP has no lerobot counterpart and is refused. Bad input is one line on stderr and exit
+status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+from common.policy import (
+    CHECKSUMS_FILE,
+    CheckpointError,
+    CheckpointWriteError,
+    FlowPolicy,
+    policy_class,
+    read_policy_config,
+    write_directory_atomically,
+)
+from learner.run_dir import policy_directory
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m learner.export", description="Write a fine-tuned VLA policy as a lerobot checkpoint.")
+    parser.add_argument("checkpoint", help="policy directory, run directory (its latest checkpoint), or a run's checkpoints/ directory")
+    parser.add_argument("--out", required=True, help="directory to write the lerobot checkpoint to")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return parser.parse_args(argv)
+
+
+def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
+    """--out may be replaced only when asked, only if it is a directory, and never if it holds the checkpoint."""
+    if not out.exists():
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or pick another directory")
+    if not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
+        raise ValueError(f"--out {out} holds the checkpoint {checkpoint} being exported: pick another directory")
+
+
+def load(checkpoint: Path) -> FlowPolicy:
+    """The checkpoint's policy, loaded strictly, after checking that its backend has a lerobot counterpart."""
+    config = read_policy_config(checkpoint)  # verifies the checksums
+    if policy_class(config.type).lerobot_type is None:
+        raise ValueError(
+            f"{checkpoint} holds a policy.type {config.type!r} policy, which has no lerobot counterpart: "
+            "there is nothing to export to lerobot (the VLA backends export)"
+        )
+    return FlowPolicy.from_pretrained(checkpoint)
+
+
+def how_to_load(out: Path, lerobot_type: str) -> str:
+    return (
+        "load it in lerobot:\n"
+        "  from lerobot.policies.factory import get_policy_class, make_pre_post_processors\n"
+        f'  policy = get_policy_class("{lerobot_type}").from_pretrained("{out}")\n'
+        f'  preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path="{out}")\n'
+        "  # the project's deterministic policy starts its chain at 0; lerobot draws the start unless given one:\n"
+        "  noise = torch.zeros(batch_size, policy.config.chunk_size, policy.config.max_action_dim)\n"
+        "  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation), noise=noise))"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    groups: dict[str, list[str]] = {}
+    with contextlib.redirect_stdout(sys.stderr):  # lerobot's progress messages; stdout carries the summary alone
+        try:
+            checkpoint = policy_directory(Path(args.checkpoint))
+            check_out(out, checkpoint, args.overwrite)
+            policy = load(checkpoint)
+        except (ValueError, OSError, ImportError, CheckpointError) as exc:  # ConfigError is a ValueError
+            print(f"python -m learner.export: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        try:
+            write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp)))
+        except CheckpointWriteError as exc:  # a full disk or an unwritable directory: nothing was left at --out
+            print(f"python -m learner.export: error: {exc}", file=sys.stderr)
+            return 1
+    print(f"wrote a lerobot {policy.lerobot_type} checkpoint of {checkpoint} to {out}:")
+    for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
+        print(f"  {', '.join(names)}: {what}")
+    print(how_to_load(out.resolve(), policy.lerobot_type))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
