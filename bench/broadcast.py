@@ -55,7 +55,7 @@ from torch import nn  # noqa: E402
 
 from actors.rollout_actor import RolloutActor  # noqa: E402
 from common.trajectory import WeightsPayload  # noqa: E402
-from learner.cluster import start_local_ray  # noqa: E402
+from learner.ray_runtime import start_local_ray  # noqa: E402
 
 PATHS = ("floor", "project", "state_dict")
 MAX_TENSOR_ELEMENTS = 4_000_000  # 16 MB of float32 per tensor

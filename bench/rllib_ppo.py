@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
-    from learner.cluster import start_local_ray
+    from learner.ray_runtime import start_local_ray
 
     envs_per_runner = math.ceil(args.envs / args.env_runners)
     hidden = [int(units) for units in args.hidden.split(",")]

@@ -86,7 +86,7 @@ def floor_stages(actors: int) -> tuple[dict[str, float], dict[str, float]]:
     seconds this process and Ray's spent until then, by kind."""
     import ray
 
-    from learner.cluster import start_local_ray
+    from learner.ray_runtime import start_local_ray
 
     try:
         with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:  # its last reading comes before Ray's shutdown

@@ -19,7 +19,8 @@ from typing import Any
 import ray
 
 from common.config import ConfigError, RunConfig, fields_of, load_config
-from learner.cluster import check_cluster, cluster_to_join, connect_ray
+from learner.cluster_yaml import check_cluster
+from learner.ray_runtime import cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
 

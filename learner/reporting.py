@@ -21,11 +21,11 @@ from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning
 from common.policy import WEIGHTS_FILE, file_sha256
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
-from learner.cluster import ResourceRequest
 from learner.learner import update_shape
 from learner.learner_handle import LearnerHandle
 from learner.manifest import reproducibility_manifest
 from learner.pretrain import REPORT_FILE
+from learner.ray_runtime import ResourceRequest
 from learner.run_dir import RunDirectory
 from learner.startup import StartupClock, in_time_order
 
