@@ -1,4 +1,5 @@
-"""The learner: PPO on recorded denoising chains, versioned weights, atomic checkpoints.
+"""The learner: PPO/GRPO on recorded denoising chains. Its weight versions live in learner.weight_versions, its
+checkpoints in learner.checkpoints.
 
 `Learner` is plain Python (testable without Ray); the run wraps it in a Ray actor (learner.learner_actor.LearnerActor).
 It owns the trainable policy (velocity field + noise head + critic) and one Adam optimiser with two
@@ -24,7 +25,6 @@ the first minibatch's recomputed log-probs pass the same ratio == 1 check agains
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
@@ -49,12 +49,11 @@ from common.diagnostics import (
 )
 from common.flow import ChainLogProb, chain_log_prob, num_log_prob_elements, transition_kl
 from common.observation import Observation
-from common.policy import CheckpointError, FlowPolicy, concat_features, index_features, write_directory_atomically
+from common.policy import FlowPolicy, concat_features, index_features
 from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
-
-TRAINER_STATE_FILE = "trainer_state.pt"
-REFERENCE_DIR = "reference"  # inside a checkpoint: the KL reference policy (save_pretrained), when kl_beta > 0
+from learner.checkpoints import LearnerCheckpoint, TrainerState
+from learner.weight_versions import WeightVersions
 
 
 def lr_scale(iteration: int, total_iterations: int, cfg: PPOConfig) -> float:
@@ -336,14 +335,7 @@ class Learner:
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
-        # What the rollouts in flight were sampled with (policy_lag = L > 0): iteration m with the version published after
-        # m - L completed iterations (the first L + 1 iterations with the starting weights). sampling_versions maps a
-        # completed-iteration count to the version published then, for the last L + 1 counts; published holds those
-        # versions' trainable tensors. Both are saved with checkpoints, so a resumed or restarted learner hands the
-        # actors the versions the uninterrupted run sampled with (in_flight_versions) and scores their chains with them.
-        self.policy_lag = config.actors.policy_lag
-        self.sampling_versions: dict[int, int] = {}
-        self.published: dict[int, dict[str, Tensor]] = {}
+        self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -351,46 +343,12 @@ class Learner:
         """The current version's trainable tensors; copy=False for a payload serialised at once (WeightsPayload.from_state)."""
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
-        if self.policy_lag > 0:
-            self.sampling_versions[self.iteration] = self.version
-            self.sampling_versions = {n: v for n, v in self.sampling_versions.items() if n >= self.iteration - self.policy_lag}
-            if self.version not in self.published:  # a skipped update publishes its version again, unchanged
-                self.published[self.version] = {name: tensor.detach().clone() for name, tensor in state.items()}
-            self.published = {v: tensors for v, tensors in self.published.items() if v in self.sampling_versions.values()}
+        self.weight_versions.record(self.iteration, self.version, state)
         return WeightsPayload.from_state(self.version, state, copy=copy)
 
     def in_flight_versions(self) -> list[int]:
-        """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations), as the
-        uninterrupted run sampled them: at the start of a run the current version for all of them; after a resume or
-        a learner restart the older ones too, restored from the checkpoint. Call after broadcast()."""
-        if self.policy_lag == 0:
-            return [self.version]
-        first = min(self.sampling_versions)  # counts before the first one (the run's start) used its version
-        return [self.sampling_versions[max(first, self.iteration + ahead - self.policy_lag)] for ahead in range(self.policy_lag + 1)]
-
-    def payload_of(self, version: int) -> WeightsPayload:
-        """A kept version's payload, for ray.put at once (its arrays view the kept tensors)."""
-        return WeightsPayload.from_state(version, self.published[version], copy=False)
-
-    @contextlib.contextmanager
-    def weights_of(self, version: int):
-        """The policy with the trainable tensors of published `version` in place of the current ones, restored after."""
-        if version not in self.published:
-            raise ValueError(
-                f"a rollout of weight version {version} reached the learner at version {self.version}, which keeps versions "
-                f"{sorted(self.published)} (actors.policy_lag={self.policy_lag}): the actors ran further behind than the config allows"
-            )
-        params = dict(self.policy.named_parameters())
-        current = {name: params[name].detach().clone() for name in self.published[version]}
-        with torch.no_grad():
-            for name, tensor in self.published[version].items():
-                params[name].copy_(tensor)
-        try:
-            yield self.policy
-        finally:
-            with torch.no_grad():
-                for name, tensor in current.items():
-                    params[name].copy_(tensor)
+        """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations). Call after broadcast()."""
+        return self.weight_versions.in_flight(self.iteration, self.version)
 
     def trainable_state(self) -> dict[str, Tensor]:
         return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
@@ -414,7 +372,7 @@ class Learner:
         lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
         behaviour = old
         if lag:
-            with self.weights_of(batch.weight_version):
+            with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
                 behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
                 behaviour = chain_log_prob(policy, behaviour_features, b_chains)
         behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
@@ -618,40 +576,21 @@ class Learner:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Policy (save_pretrained) + optimiser/iteration state, written to a temp dir then renamed."""
+        """Policy, optimiser and counters, the weight versions in flight and the KL reference, written atomically."""
         check_finite_tensors(self.trainable_state(), f"weights version {self.version} before saving")
-        state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
-                 "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint(),
-                 "skipped_updates": self.skipped_updates, "lr_backoff": self.lr_backoff,
-                 "sampling_versions": self.sampling_versions, "published": self.published}  # fmt: skip
-
-        def write(tmp: Path) -> None:
-            self.policy.save_pretrained(tmp)
-            torch.save(state, tmp / TRAINER_STATE_FILE)
-            if self.reference is not None:  # a resumed run must keep the starting weights as its reference
-                self.reference.save_pretrained(tmp / REFERENCE_DIR)
-
-        return write_directory_atomically(directory, write)
+        versions = self.weight_versions
+        state = TrainerState(self.optimizer.state_dict(), self.iteration, self.version, self.env_steps, self.config.fingerprint(),
+                             self.skipped_updates, self.lr_backoff, versions.sampling_versions, versions.published)  # fmt: skip
+        return LearnerCheckpoint(directory).save(self.policy, state, self.reference)
 
     def load_trainer_state(self, directory: str | Path) -> None:
-        """Restore optimiser, iteration, version and env steps (the policy itself is loaded with from_pretrained)."""
-        path = Path(directory) / TRAINER_STATE_FILE
-        state = torch.load(path, weights_only=True)  # never plain pickle for files from disk
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.iteration = int(state["iteration"])
-        self.version = int(state["version"])
-        self.env_steps = int(state["env_steps"])
-        self.skipped_updates = int(state.get("skipped_updates", 0))  # absent from checkpoints older than the rollback
-        self.lr_backoff = float(state.get("lr_backoff", 1.0))
-        if self.policy_lag > 0:  # absent from checkpoints older than exact lagged resume: the current version samples
-            self.sampling_versions = {int(n): int(v) for n, v in state.get("sampling_versions", {}).items()}
-            self.published = {int(v): tensors for v, tensors in state.get("published", {}).items()}
+        """Restore optimiser, counters, weight versions in flight and KL reference (the policy itself is loaded with
+        from_pretrained)."""
+        checkpoint = LearnerCheckpoint(directory)
+        state = checkpoint.trainer_state()
+        self.optimizer.load_state_dict(state.optimizer)
+        self.iteration, self.version, self.env_steps = state.iteration, state.version, state.env_steps
+        self.skipped_updates, self.lr_backoff = state.skipped_updates, state.lr_backoff
+        self.weight_versions.restore(state.sampling_versions, state.published)
         if self.reference is not None:
-            reference_dir = Path(directory) / REFERENCE_DIR
-            if not reference_dir.is_dir():
-                raise CheckpointError(
-                    f"{directory} holds no KL reference ({REFERENCE_DIR}/): it was written with learner.kl_beta=0, and the reference "
-                    "must be the run's starting policy; resume with kl_beta=0, or start a new run from this checkpoint"
-                )
-            reference = FlowPolicy.from_pretrained(reference_dir, **self.config.policy.sampling_overrides())
-            self.reference.load_state_dict(reference.state_dict())  # into the frozen copy, keeping what it shares
+            checkpoint.load_reference(self.reference, self.config.policy.sampling_overrides())

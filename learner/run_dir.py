@@ -22,7 +22,7 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig, flatten
 from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, verify_checksums
-from learner.learner import TRAINER_STATE_FILE
+from learner.checkpoints import TRAINER_STATE_FILE
 
 LATEST_FILE = "latest"
 LOCK_FILE = "run.lock"

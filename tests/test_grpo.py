@@ -17,7 +17,8 @@ from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, build_policy
 from common.rl import group_advantages, grpo_advantages, k3, kl_to_reference
-from learner.learner import REFERENCE_DIR, Learner, frozen_reference
+from learner.checkpoints import REFERENCE_DIR
+from learner.learner import Learner, frozen_reference
 from tests.conftest import tiny_config
 
 # Group rollouts need whole episodes: 10 decisions x 4 steps cover tiny_config's 40-step episodes.

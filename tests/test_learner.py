@@ -227,7 +227,7 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     assert "ppo/behaviour_weight_min" not in learner.update(first)  # same version: the synchronous loss
     learner.broadcast()
     current = params(learner.policy)
-    with learner.weights_of(0) as behaviour_policy:
+    with learner.weight_versions.weights_of(learner.policy, 0, learner.version) as behaviour_policy:
         assert any(not torch.equal(v, current[k]) for k, v in behaviour_policy.state_dict().items())
     assert all(torch.equal(v, current[k]) for k, v in learner.policy.state_dict().items())  # restored exactly
     calls = []
@@ -250,7 +250,7 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     else:
         assert (first_new - first_anchor).abs().max() > 1e-4 and first_weight is None
     learner.broadcast()
-    assert sorted(learner.published) == [1, 2]  # only what a rollout in flight can still come from
+    assert sorted(learner.weight_versions.published) == [1, 2]  # only what a rollout in flight can still come from
 
 
 def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> None:
@@ -287,7 +287,7 @@ def test_resume_at_policy_lag_one_samples_with_the_versions_the_uninterrupted_ru
     current = resumed.broadcast()
     assert resumed.in_flight_versions() == [1, 2]  # iterations 2 and 3, as the uninterrupted run sampled them
     fresh_actor = RolloutActor(config, 0, tmp_path / "k2")  # holds v2 (the checkpoint's own weights)
-    again = [fresh_actor.sample(resumed.payload_of(1), 2), fresh_actor.sample(current, 3)]
+    again = [fresh_actor.sample(resumed.weight_versions.payload(1), 2), fresh_actor.sample(current, 3)]
     for batch, original in zip(again, batches[2:]):
         assert batch.weight_version == original.weight_version
         np.testing.assert_array_equal(batch.chains, original.chains)
