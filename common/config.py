@@ -141,6 +141,10 @@ class PolicyConfig:
     def sampling_overrides(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.SAMPLING_FIELDS}
 
+    def unused_sections(self) -> list[str]:
+        """The backend subsections (policy.<backend>) that policy.type does not read."""
+        return [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name)) and f.name != self.type]
+
     @property
     def action_elements(self) -> int:
         """D = H * A, the number of action elements in one chunk."""
@@ -298,6 +302,14 @@ class PPOConfig:
     num_cpus: float | None = None
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+
+    # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
+    CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages")
+    GRPO_FIELDS = ("group_size", "grpo_std_normalization")
+
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields `algo` does not read."""
+        return self.GRPO_FIELDS if self.algo == "ppo" else self.CRITIC_FIELDS
 
     def minibatch_sizes(self, decisions: int) -> list[int]:
         """One epoch's minibatch sizes over `decisions` (>= 1) shuffled decisions: they sum to `decisions` (each decision

@@ -235,9 +235,20 @@ class RunSummary:
 # ---------------------------------------------------------------------------------------------- output
 
 
+def applicable_config(config: RunConfig) -> dict[str, Any]:
+    """The config as the banner shows it: without the subsections of the policy backends the run does not use
+    (policy.smolvla on an MLP run) and the fields its algorithm does not read. The recorded config keeps everything."""
+    data = config.to_dict()
+    for name in config.policy.unused_sections():
+        del data["policy"][name]
+    for name in config.learner.unused_fields():
+        del data["learner"][name]
+    return data
+
+
 def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
     lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
-    lines.append(yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    lines.append(yaml.safe_dump(applicable_config(config), sort_keys=False).rstrip())
     lines.append("-" * 78)
     lines.append(f"config fingerprint : {config.fingerprint()}")
     lines.append(f"ray resources      : {resources}")

@@ -478,3 +478,38 @@ def test_the_banner_states_the_updates_shape_in_one_line() -> None:
     assert [line for line in lines if "decisions per iteration" in line] == [
         f"update             : {learner_module.update_shape(RunConfig())}"
     ]
+
+
+def banner_config(config: RunConfig) -> dict:
+    """The YAML block of the run banner, read back."""
+    import yaml
+
+    from learner.reporting import banner
+
+    lines = banner(config, None, None, {}, 1.0).splitlines()
+    return yaml.safe_load("\n".join(lines[3 : lines.index("-" * 78)]))
+
+
+@pytest.mark.parametrize("setting", ["mlp_ppo", "mlp_grpo", "smolvla"])
+def test_the_banner_shows_only_the_policy_subsection_and_algorithm_fields_that_apply(setting: str) -> None:
+    from common.config import load_config
+
+    if setting == "smolvla":
+        config = load_config("configs/smolvla_tiny_pick.yaml")
+    else:
+        config = load_config(None, ["learner.algo=grpo", "learner.group_size=2"] if setting == "mlp_grpo" else [])
+    shown, everything = banner_config(config), config.to_dict()
+    if setting == "smolvla":
+        assert config.policy.type == "smolvla" and shown["policy"]["smolvla"] == everything["policy"]["smolvla"]
+    else:
+        assert config.policy.type == "mlp_flow" and "smolvla" not in shown["policy"]
+    grpo_only, ppo_only = {"group_size", "grpo_std_normalization"}, {"gae_lambda", "vf_coef", "critic_lr", "critic_warmup_iters"}
+    hidden = set(everything["learner"]) - set(shown["learner"])
+    assert hidden >= (ppo_only if setting == "mlp_grpo" else grpo_only) and not hidden & (grpo_only if setting == "mlp_grpo" else ppo_only)
+    # Nothing else is left out, and what is shown is the config's own values.
+    for section, values in everything.items():
+        if isinstance(values, dict):
+            assert {k: v for k, v in values.items() if k in shown[section]} == shown[section], section
+            assert set(values) - set(shown[section]) <= (hidden if section == "learner" else {"smolvla"}), section
+        else:
+            assert shown[section] == values, section
