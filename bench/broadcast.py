@@ -125,7 +125,7 @@ def synthetic_shapes(num_bytes: int) -> dict[str, tuple[int, ...]]:
 
 def smolvla_trainable_shapes() -> dict[str, tuple[int, ...]]:
     """The shapes SmolVLAFlowPolicy broadcasts under configs/smolvla_pick.yaml's trainable flags (module docstring)."""
-    from common.config import load_config
+    from common.config_loading import load_config
     from common.policy.smolvla import SmolVLAFlowPolicy
     from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 

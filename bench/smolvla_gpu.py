@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import REPO_ROOT, emit  # noqa: E402
-from common.config import RunConfig, load_config  # noqa: E402
+from common.config import RunConfig  # noqa: E402
+from common.config_loading import load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.policy import FlowPolicy, build_policy  # noqa: E402

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, read_yaml_file
+from common.config import ConfigError, RunConfig
+from common.config_loading import read_yaml_file
 from learner.ray_runtime import RESOURCE_UNIT, ResourceRequest, actor_request, learner_request
 
 # Top-level parameters of EC2 RunInstances, which Ray's AWS provider passes node_config to verbatim

@@ -18,7 +18,8 @@ from typing import Any
 
 import ray
 
-from common.config import ConfigError, RunConfig, fields_of, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import fields_of, load_config
 from learner.cluster_yaml import check_cluster
 from learner.ray_runtime import cluster_to_join, connect_ray
 

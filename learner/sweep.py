@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import load_config
 from common.metrics import MetricsLog, plot_seed_curves
 from learner.main import run
 from learner.ray_runtime import actor_request, learner_request, start_local_ray

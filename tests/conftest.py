@@ -8,7 +8,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
-from common.config import RunConfig, load_config  # noqa: E402
+from common.config import RunConfig  # noqa: E402
+from common.config_loading import load_config  # noqa: E402
 
 
 def tiny_config(tmp_path, **sections) -> RunConfig:

@@ -12,7 +12,8 @@ import pytest
 import ray
 import yaml
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import load_config
 from learner.cluster_yaml import NodeType, check_cluster, plan_placement
 from learner.main import main, run
 from learner.ray_runtime import ResourceRequest, actor_request

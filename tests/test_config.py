@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import load_config
 
 
 def test_defaults_validate_and_fingerprint_is_stable() -> None:
@@ -118,7 +119,7 @@ def test_an_override_changes_only_the_field_it_names() -> None:
     (a section rebuilt from its class defaults used to reset policy.init_noise_std from 0 to 1)."""
     import json
 
-    from common.config import apply_override, from_dict
+    from common.config_loading import apply_override, from_dict
 
     defaults = dict(_leaves(RunConfig()))
     assert len(defaults) > 40  # the walk reaches every section

@@ -317,7 +317,8 @@ def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
     initialisation differs (random, allowed explicitly; BC would cost minutes here)."""
     import dataclasses
 
-    from common.config import RunConfig, load_config
+    from common.config import RunConfig
+    from common.config_loading import load_config
     from common.policy import build_policy
 
     config = load_config(None, ["allow_random_init=true", f"run_dir={tmp_path / 'run'}"])
@@ -466,7 +467,7 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
 
 
 def test_the_banner_states_the_updates_shape_in_one_line() -> None:
-    from common.config import load_config
+    from common.config_loading import load_config
     from learner.reporting import banner
 
     assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
@@ -492,7 +493,7 @@ def banner_config(config: RunConfig) -> dict:
 
 @pytest.mark.parametrize("setting", ["mlp_ppo", "mlp_grpo", "smolvla"])
 def test_the_banner_shows_only_the_policy_subsection_and_algorithm_fields_that_apply(setting: str) -> None:
-    from common.config import load_config
+    from common.config_loading import load_config
 
     if setting == "smolvla":
         config = load_config("configs/smolvla_tiny_pick.yaml")

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, PolicyConfig, SmolVLAConfig, load_config
+from common.config import ConfigError, PolicyConfig, SmolVLAConfig
+from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
 from common.observation import Observation

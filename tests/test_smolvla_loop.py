@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 
 from actors.rollout_actor import RolloutActor
-from common.config import load_config
+from common.config_loading import load_config
 from common.diagnostics import BehaviourGapWarning
 from common.envs import TASKS
 from common.flow import chain_log_prob
