@@ -53,7 +53,7 @@ RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 TINY_SETS = (
     "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "policy.smolvla.num_vlm_layers=2",
     "actors.envs_per_actor=1", "actors.decisions_per_rollout=2",
-    "learner.minibatch_size=4", "learner.grad_accum=2", "learner.update_epochs=1", "env.max_episode_steps=20",
+    "algorithm.minibatch_size=4", "algorithm.grad_accum=2", "algorithm.update_epochs=1", "env.max_episode_steps=20",
 )  # fmt: skip
 
 

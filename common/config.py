@@ -214,7 +214,7 @@ class ActorsConfig:
     # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
     # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
     # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
-    # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
+    # kept and clips as algorithm.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
     # the two lags across seeds.
     policy_lag: int = 1
 
@@ -230,8 +230,9 @@ class ActorsConfig:
 
 
 @dataclass
-class PPOConfig:
-    """The learner's optimisation: GAE, clipped PPO, schedules."""
+class AlgorithmConfig:
+    """What the update computes: advantages (GAE or GRPO's groups), the clipped PPO loss, KL to a reference,
+    minibatching and the optimiser's schedules. How the learner runs it (resources, restarts) is LearnerConfig's."""
 
     gamma: float = 0.99  # discount per ENV STEP; a chunk of n executed steps is discounted by gamma**n
     gae_lambda: float = 0.95  # per chunk decision
@@ -277,27 +278,6 @@ class PPOConfig:
     # before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021). docs/performance.md
     # compares the two.
     stale_rollouts: str = "behaviour"
-    # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
-    # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
-    # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
-    behaviour_gap_warn: float | None = 1e-3
-    # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
-    # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
-    nonfinite_backoff_after: int = 3
-    nonfinite_lr_backoff: float = 0.5
-    # Times the driver restarts a dead or wedged learner actor from the run's last checkpoint before giving up.
-    max_restarts: int = 2
-    # A learner call (an update, a publication, a checkpoint) unanswered after max(call_timeout_s,
-    # call_timeout_update_factor x the slowest update so far) seconds counts as wedged: the learner is killed and
-    # restarted as a dead one is. The learner's start-up is not counted. Factor 0: a fixed call_timeout_s.
-    call_timeout_s: float = 900.0
-    call_timeout_update_factor: float = 10.0
-    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
-    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
-    # custom resource such as {learner_slot: 1} that only the intended node type declares.
-    num_cpus: float | None = None
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
 
     # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
     CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages")
@@ -315,9 +295,7 @@ class PPOConfig:
         size, larger = divmod(decisions, count)
         return [size + 1] * larger + [size] * (count - larger)
 
-    def validate(self, path: str = "learner") -> None:
-        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
-        _ray_resources(path, self.num_gpus, self.resources)
+    def validate(self, path: str = "algorithm") -> None:
         _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
         _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
         _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
@@ -335,6 +313,38 @@ class PPOConfig:
         _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
         _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+
+
+@dataclass
+class LearnerConfig:
+    """How the learner actor runs the update: its Ray resources, restarts and call deadlines, and what it does when
+    the numbers go wrong (behaviour gap, non-finite updates)."""
+
+    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
+    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
+    # custom resource such as {learner_slot: 1} that only the intended node type declares.
+    num_cpus: float | None = None
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
+    # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
+    # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
+    behaviour_gap_warn: float | None = 1e-3
+    # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
+    # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
+    nonfinite_backoff_after: int = 3
+    nonfinite_lr_backoff: float = 0.5
+    # Times the driver restarts a dead or wedged learner actor from the run's last checkpoint before giving up.
+    max_restarts: int = 2
+    # A learner call (an update, a publication, a checkpoint) unanswered after max(call_timeout_s,
+    # call_timeout_update_factor x the slowest update so far) seconds counts as wedged: the learner is killed and
+    # restarted as a dead one is. The learner's start-up is not counted. Factor 0: a fixed call_timeout_s.
+    call_timeout_s: float = 900.0
+    call_timeout_update_factor: float = 10.0
+
+    def validate(self, path: str = "learner") -> None:
+        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
+        _ray_resources(path, self.num_gpus, self.resources)
         _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         _positive(self, path, "nonfinite_backoff_after")
         _require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
@@ -389,7 +399,8 @@ class RunConfig:
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(init_noise_std=0.0))
     env: EnvConfig = field(default_factory=EnvConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
-    learner: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     seed: int = 0
     iterations: int = 150  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 0.6M env steps
@@ -414,32 +425,33 @@ class RunConfig:
         _require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         _require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
-        for name in ("lr_warmup_iters", "critic_warmup_iters") if self.learner.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
-            warmup = getattr(self.learner, name)
-            _require(warmup < self.iterations, f"learner.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
+        algorithm = self.algorithm
+        for name in ("lr_warmup_iters", "critic_warmup_iters") if algorithm.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
+            warmup = getattr(algorithm, name)
+            _require(warmup < self.iterations, f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
                                                "only warm up")  # fmt: skip
         decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
         _require(
-            self.learner.minibatch_size is None or self.learner.minibatch_size <= decisions,
-            f"learner.minibatch_size ({self.learner.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
+            algorithm.minibatch_size is None or algorithm.minibatch_size <= decisions,
+            f"algorithm.minibatch_size ({algorithm.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
             "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
         )
-        smallest = min(self.learner.minibatch_sizes(decisions))
+        smallest = min(algorithm.minibatch_sizes(decisions))
         _require(
-            self.learner.grad_accum <= smallest,
-            f"learner.grad_accum ({self.learner.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
-            "learner.num_minibatches / learner.minibatch_size): lower it, or make the minibatches larger",
+            algorithm.grad_accum <= smallest,
+            f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
+            "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
         )
-        if self.learner.algo == "grpo":
+        if algorithm.algo == "grpo":
             _require(
-                self.actors.envs_per_actor % self.learner.group_size == 0,
-                f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of learner.group_size "
-                f"({self.learner.group_size}) with learner.algo=grpo: a group's rollouts live in one actor's envs",
+                self.actors.envs_per_actor % algorithm.group_size == 0,
+                f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of algorithm.group_size "
+                f"({algorithm.group_size}) with algorithm.algo=grpo: a group's rollouts live in one actor's envs",
             )
             _require(
                 self.actors.decisions_per_rollout * self.policy.chunk_size >= self.env.max_episode_steps,
                 f"actors.decisions_per_rollout * policy.chunk_size ({self.actors.decisions_per_rollout * self.policy.chunk_size}) "
-                f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with learner.algo=grpo, or no failed "
+                f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with algorithm.algo=grpo, or no failed "
                 "episode ever completes and every group that holds one is masked",
             )
 

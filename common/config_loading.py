@@ -17,7 +17,10 @@ from typing import Any
 
 import yaml
 
-from common.config import ConfigError, RunConfig
+from common.config import AlgorithmConfig, ConfigError, RunConfig
+
+# Fields that moved to another section: an old YAML or --set gets the new place in one line.
+MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)}
 
 
 def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
@@ -33,6 +36,9 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
+    for name in unknown:
+        if _join(path, name) in MOVED_FIELDS:
+            raise ConfigError(f"{_join(path, name)} is now {MOVED_FIELDS[_join(path, name)]}")
     if unknown:
         raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
     base = cls() if base is None else base
@@ -133,7 +139,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"learner": {"clip_eps": 0.02}} -> {"learner.clip_eps": 0.02}."""
+    """{"algorithm": {"clip_eps": 0.02}} -> {"algorithm.clip_eps": 0.02}."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict) and not key.endswith("resources"):

@@ -2,7 +2,7 @@
 
 A checkpoint directory holds the policy (FlowPolicy.save_pretrained: what actors, replay and a new run load),
 trainer_state.pt (TrainerState: the optimiser, the counters, the weight versions still in flight) and, when
-learner.kl_beta > 0, reference/ (the frozen KL reference, so that a resumed run keeps its starting weights as reference).
+algorithm.kl_beta > 0, reference/ (the frozen KL reference, so that a resumed run keeps its starting weights as reference).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class LearnerCheckpoint:
         reference_dir = self.directory / REFERENCE_DIR
         if not reference_dir.is_dir():
             raise CheckpointError(
-                f"{self.directory} holds no KL reference ({REFERENCE_DIR}/): it was written with learner.kl_beta=0, and the "
+                f"{self.directory} holds no KL reference ({REFERENCE_DIR}/): it was written with algorithm.kl_beta=0, and the "
                 "reference must be the run's starting policy; resume with kl_beta=0, or start a new run from this checkpoint"
             )
         saved = FlowPolicy.from_pretrained(reference_dir, **sampling_overrides)

@@ -10,14 +10,14 @@ off dropout and batch-norm updates (gradients still flow), and it is what makes 
 log-probs and the first minibatch's new log-probs bit-identical. The first minibatch of every
 iteration checks ratio == 1 and raises NonDeterministicPolicyError otherwise.
 
-learner.algo "grpo" replaces GAE with group-relative episode advantages (common.rl.grpo_advantages): the
+algorithm.algo "grpo" replaces GAE with group-relative episode advantages (common.rl.grpo_advantages): the
 critic is frozen (neither trained nor broadcast) and decisions of incomplete groups are dropped from the
-batch. With learner.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
+batch. With algorithm.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
 eval mode: never broadcast, saved with every checkpoint so a resumed run keeps the same reference.
 
 With actors.policy_lag > 0 a rollout may come from an older weight version than the learner's. The learner
 keeps the trainable tensors of every version still in flight, scores the chains with them (the behaviour
-log-probs, compared with the actors' own as in the synchronous loop). learner.stale_rollouts chooses what
+log-probs, compared with the actors' own as in the synchronous loop). algorithm.stale_rollouts chooses what
 the ratio is clipped to: the behaviour policy (default), or, as decoupled PPO does, the proximal policy (the
 weights before this iteration's first step) with pi_prox / pi_behaviour as a per-sample weight. Either way
 the first minibatch's recomputed log-probs pass the same ratio == 1 check against the proximal weights.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.config import PPOConfig, RunConfig
+from common.config import AlgorithmConfig, RunConfig
 from common.diagnostics import (
     BehaviourGapWarning,
     NonFiniteError,
@@ -56,7 +56,7 @@ from learner.checkpoints import LearnerCheckpoint, TrainerState
 from learner.weight_versions import WeightVersions
 
 
-def lr_scale(iteration: int, total_iterations: int, cfg: PPOConfig) -> float:
+def lr_scale(iteration: int, total_iterations: int, cfg: AlgorithmConfig) -> float:
     """Multiplier of the base learning rates at `iteration` (0-based): linear warm-up, then cosine or constant."""
     if iteration < cfg.lr_warmup_iters:
         return (iteration + 1) / cfg.lr_warmup_iters
@@ -99,7 +99,7 @@ def check_groups_share_initial_states(obs: Tensor, ends: Tensor, group_size: int
         group, episode = (int(i) for i in differ.nonzero()[0])
         raise ValueError(
             f"GRPO group {group} (envs {group * group_size}..{(group + 1) * group_size - 1} of the batch) started episode {episode} "
-            "from different states: a group's members must reset to the same layouts (RolloutActor does with learner.algo=grpo)"
+            "from different states: a group's members must reset to the same layouts (RolloutActor does with algorithm.algo=grpo)"
         )
 
 
@@ -184,11 +184,11 @@ class Advantages:
 
 
 class PPO:
-    """GAE on the critic's values; the critic trains beside the actor, and alone for learner.critic_warmup_iters."""
+    """GAE on the critic's values; the critic trains beside the actor, and alone for algorithm.critic_warmup_iters."""
 
     critic = True
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
 
     def trains_actor(self, iteration: int) -> bool:
@@ -221,7 +221,7 @@ class GRPO:
 
     critic = False
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
 
     def trains_actor(self, iteration: int) -> bool:
@@ -241,17 +241,17 @@ class GRPO:
         return Advantages(advantages.flatten(), None, None, keep.flatten(), metrics)
 
 
-ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # learner.algo -> its strategy
+ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # algorithm.algo -> its strategy
 
 
-def micro_batch_rows(cfg: PPOConfig, decisions: int) -> int:
+def micro_batch_rows(cfg: AlgorithmConfig, decisions: int) -> int:
     """The most decisions one forward pass of the update over `decisions` holds: the largest minibatch's largest micro-batch."""
     return -(-cfg.minibatch_sizes(decisions)[0] // cfg.grad_accum)
 
 
 def update_shape(config: RunConfig) -> str:
     """One line for the banner: what the update of a full rollout does per iteration."""
-    cfg = config.learner
+    cfg = config.algorithm
     decisions = config.actors.num_actors * config.actors.envs_per_actor * config.actors.decisions_per_rollout
     sizes = cfg.minibatch_sizes(decisions)
     size = str(sizes[0]) if sizes[0] == sizes[-1] else f"{sizes[-1]}-{sizes[0]}"
@@ -269,7 +269,7 @@ def minibatch_loss(
     new: ChainLogProb,
     data: PreparedBatch,
     mb_inds: Tensor,
-    cfg: PPOConfig,
+    cfg: AlgorithmConfig,
     critic: bool,
     train_actor: bool,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -310,7 +310,7 @@ class Learner:
     def __init__(self, config: RunConfig, policy: FlowPolicy):
         require_pretrained(policy, config.allow_random_init)
         self.config = config
-        self.cfg = config.learner
+        self.cfg = config.algorithm
         self.policy = policy.eval()
         self.algorithm = ALGORITHMS[self.cfg.algo](self.cfg)
         critic = set(policy.critic_parameter_names())
@@ -421,7 +421,7 @@ class Learner:
     def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
         """Warn when actors and learner score the same weights differently (the learner scores a lagged rollout
         with the weights that sampled it, so the gap means the same at any lag)."""
-        threshold = self.cfg.behaviour_gap_warn
+        threshold = self.config.learner.behaviour_gap_warn
         if threshold is None or gap <= threshold:
             return
         actors, learner = batch.actor_precision or "not reported", self.policy.precision
@@ -462,10 +462,10 @@ class Learner:
         self.skipped_updates += 1
         self.nonfinite_streak += 1
         backoff = ""
-        if self.nonfinite_streak >= self.cfg.nonfinite_backoff_after:
-            self.lr_backoff *= self.cfg.nonfinite_lr_backoff
+        if self.nonfinite_streak >= self.config.learner.nonfinite_backoff_after:
+            self.lr_backoff *= self.config.learner.nonfinite_lr_backoff
             self.nonfinite_streak = 0
-            backoff = f"; {self.cfg.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
+            backoff = f"; {self.config.learner.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
         warnings.warn(
             f"iteration {self.iteration}: update skipped, weights and optimiser rolled back to their state before it ({error}){backoff}",
             NonFiniteUpdateWarning,

@@ -227,7 +227,7 @@ class RunSummary:
 
     def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
         """The learning curve (its path under "curve", not written to summary.json), and the summary printed."""
-        title = f"{config.env.task}: {config.learner.algo.upper()} fine-tuning"
+        title = f"{config.env.task}: {config.algorithm.algo.upper()} fine-tuning"
         self.data["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", title, self.data.get("initial_eval")))
         print_summary(self.data)
 
@@ -241,8 +241,8 @@ def applicable_config(config: RunConfig) -> dict[str, Any]:
     data = config.to_dict()
     for name in config.policy.unused_sections():
         del data["policy"][name]
-    for name in config.learner.unused_fields():
-        del data["learner"][name]
+    for name in config.algorithm.unused_fields():
+        del data["algorithm"][name]
     return data
 
 
@@ -267,7 +267,7 @@ def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, 
     p = config.policy
     lines.append(
         f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
-        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
+        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.algorithm.clip_eps}"
     )
     lines.append(f"update             : {update_shape(config)}")
     lines.append("=" * 78)

@@ -97,7 +97,7 @@ def warn_if_ratio_insensitive(config: RunConfig) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
-                                config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
+                                config.policy.log_prob_normalization, config.algorithm.clip_eps)  # fmt: skip
 
 
 def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:

@@ -443,7 +443,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
 SMOLVLA_CHUNK = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
 
 
-SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").learner
+SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").algorithm
 
 
 def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[str, float]:
