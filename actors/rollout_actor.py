@@ -66,10 +66,10 @@ class RolloutActor:
         train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
         envs = make_envs(config.env, config.actors.envs_per_actor, camera_configs(self.policy.config))
-        if config.learner.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
-            self.vec_env = GroupVectorEnv(envs, train_layouts, config.learner.gamma, config.learner.group_size)
+        if config.algorithm.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
+            self.vec_env = GroupVectorEnv(envs, train_layouts, config.algorithm.gamma, config.algorithm.group_size)
         else:
-            self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.learner.gamma)
+            self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.algorithm.gamma)
         self.eval_envs = self.vec_env.envs
 
     def load_weights(self, weights: WeightsPayload | None) -> None:

@@ -55,7 +55,7 @@ from torch import nn  # noqa: E402
 
 from actors.rollout_actor import RolloutActor  # noqa: E402
 from common.trajectory import WeightsPayload  # noqa: E402
-from learner.cluster import start_local_ray  # noqa: E402
+from learner.ray_runtime import start_local_ray  # noqa: E402
 
 PATHS = ("floor", "project", "state_dict")
 MAX_TENSOR_ELEMENTS = 4_000_000  # 16 MB of float32 per tensor
@@ -125,7 +125,7 @@ def synthetic_shapes(num_bytes: int) -> dict[str, tuple[int, ...]]:
 
 def smolvla_trainable_shapes() -> dict[str, tuple[int, ...]]:
     """The shapes SmolVLAFlowPolicy broadcasts under configs/smolvla_pick.yaml's trainable flags (module docstring)."""
-    from common.config import load_config
+    from common.config_loading import load_config
     from common.policy.smolvla import SmolVLAFlowPolicy
     from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 

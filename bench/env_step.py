@@ -45,7 +45,7 @@ class Case:
         first = Layout(config.env.train_benchmark_seeds[0], 0)
         envs = [MetaworldTaskEnv(config.env.task, config.env.max_episode_steps, config.env.stop_on_success, layout=first,
                                  metaworld_shortcuts=shortcuts) for _ in range(num_envs)]  # fmt: skip
-        self.vec_env = ChunkedVectorEnv(envs, layouts(config.env.task, config.env.train_benchmark_seeds), config.learner.gamma)
+        self.vec_env = ChunkedVectorEnv(envs, layouts(config.env.task, config.env.train_benchmark_seeds), config.algorithm.gamma)
         self.expert = ScriptedExpert(config.env.task)
         self.rng = np.random.default_rng(seed)
         self.state = self.vec_env.reset(seed).state

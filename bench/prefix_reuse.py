@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import PolicyConfig, PPOConfig, RunConfig, SmolVLAConfig  # noqa: E402
+from common.config import AlgorithmConfig, PolicyConfig, RunConfig, SmolVLAConfig  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.policy import FlowPolicy, build_policy, policy_class  # noqa: E402
 from common.rollout import decide  # noqa: E402
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    ppo = PPOConfig(update_epochs=args.epochs, minibatch_size=args.minibatch, critic_warmup_iters=0, target_kl=None)
-    config = RunConfig(policy=policy_config(args.backend, args.image_size), learner=ppo, allow_random_init=True)
+    ppo = AlgorithmConfig(update_epochs=args.epochs, minibatch_size=args.minibatch, critic_warmup_iters=0, target_kl=None)
+    config = RunConfig(policy=policy_config(args.backend, args.image_size), algorithm=ppo, allow_random_init=True)
     cached = build_policy(config.policy).eval()
     initial = {k: v.clone() for k, v in cached.state_dict().items()}
     cls = policy_class(config.policy.type)

@@ -14,7 +14,7 @@ Runs in its own virtual environment (`ray[rllib]==2.60.0` pins gymnasium 1.2.2, 
   (actors.num_actors x actors.envs_per_actor) in one synchronous vector env, like a rollout actor steps its envs.
 - PPO (new API stack, torch, one local learner in this process): train_batch_size = the main job's env steps per
   iteration (actors x envs x decisions_per_rollout x chunk_size), rollout_fragment_length "auto" (each env steps
-  batch / envs), minibatches of the main job's minibatch size (in env steps) for learner.update_epochs epochs (the
+  batch / envs), minibatches of the main job's minibatch size (in env steps) for algorithm.update_epochs epochs (the
   main job's optimiser steps per iteration), an MLP of --hidden units for the policy and another for the value.
 - rllib_env_steps_per_second: env steps of the timed iterations (the ones after --warmup-iterations) over the sum of
   their time_this_iter_s (sampling, update, weight sync). rllib_sample_env_steps_per_second: the same steps over the
@@ -113,8 +113,8 @@ def main_job_shape() -> dict[str, int]:
     return {
         "envs": envs,
         "iteration_env_steps": envs * config.actors.decisions_per_rollout * config.policy.chunk_size,
-        "minibatch_env_steps": config.learner.minibatch_sizes(envs * config.actors.decisions_per_rollout)[0] * config.policy.chunk_size,
-        "update_epochs": config.learner.update_epochs,
+        "minibatch_env_steps": config.algorithm.minibatch_sizes(envs * config.actors.decisions_per_rollout)[0] * config.policy.chunk_size,
+        "update_epochs": config.algorithm.update_epochs,
     }
 
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
-    from learner.cluster import start_local_ray
+    from learner.ray_runtime import start_local_ray
 
     envs_per_runner = math.ceil(args.envs / args.env_runners)
     hidden = [int(units) for units in args.hidden.split(",")]
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
             train_batch_size_per_learner=args.train_batch_size,
             minibatch_size=args.minibatch_size,
             num_epochs=args.num_epochs,
-            gamma=RunConfig().learner.gamma,
+            gamma=RunConfig().algorithm.gamma,
             lambda_=0.95,
             clip_param=0.2,
             lr=1e-4,

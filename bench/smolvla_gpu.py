@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import statistics
@@ -42,7 +43,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import REPO_ROOT, emit  # noqa: E402
-from common.config import RunConfig, load_config  # noqa: E402
+from common.config import RunConfig  # noqa: E402
+from common.config_loading import load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.policy import FlowPolicy, build_policy  # noqa: E402
@@ -54,7 +56,7 @@ RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 TINY_SETS = (
     "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "policy.smolvla.num_vlm_layers=2",
     "actors.envs_per_actor=1", "actors.decisions_per_rollout=2",
-    "learner.minibatch_size=4", "learner.grad_accum=2", "learner.update_epochs=1", "env.max_episode_steps=20",
+    "algorithm.minibatch_size=4", "algorithm.grad_accum=2", "algorithm.update_epochs=1", "env.max_episode_steps=20",
 )  # fmt: skip
 
 
@@ -303,15 +305,17 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     **{f"rollout_{k}": v for k, v in rollout_figures(batch, sampled - start_sample).items()}}  # fmt: skip
 
         def update_variant(overrides: str) -> Callable[[], dict[str, Any]]:
-            """A fresh learner from the same checkpoint with learner fields overridden (e.g. "grad_accum=1,precision=bfloat16"),
-            its update on the same version-0 rollouts."""
+            """A fresh learner from the same checkpoint with config fields overridden (e.g.
+            "algorithm.grad_accum=1,learner.precision=bfloat16"), its update on the same version-0 rollouts."""
 
             def stage() -> dict[str, Any]:
-                fields = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in overrides.split(","))}
-                learner_config = dataclasses.replace(config.learner, **fields)
-                learner_config.validate()
+                variant = copy.deepcopy(config)
+                for item in overrides.split(","):
+                    (section, name), value = item.split("=", 1)[0].split("."), yaml.safe_load(item.split("=", 1)[1])
+                    setattr(getattr(variant, section), name, value)
+                variant.validate()
                 policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
-                state["learner"] = Learner(dataclasses.replace(config, learner=learner_config), policy.to(device))
+                state["learner"] = Learner(variant, policy.to(device))
                 state["learner"].broadcast()
                 return update()
 

@@ -2,7 +2,7 @@
 
     nice -n 5 python bench/startup.py                             # 10 actors, the default job
     python bench/startup.py --actors 2 --main-arg=--allow-random-init --main-arg=--set=actors.decisions_per_rollout=2 \\
-        --main-arg=--set=learner.minibatch_size=4                 # a smoke run
+        --main-arg=--set=algorithm.minibatch_size=4                 # a smoke run
 
 - main command: `python -m learner.main --single-batch --num-actors N --no-dashboard` in a temporary run dir
   (WANDB_MODE=disabled): the real start-up (config, Ray, learner and N rollout actors building their envs and
@@ -86,7 +86,7 @@ def floor_stages(actors: int) -> tuple[dict[str, float], dict[str, float]]:
     seconds this process and Ray's spent until then, by kind."""
     import ray
 
-    from learner.cluster import start_local_ray
+    from learner.ray_runtime import start_local_ray
 
     try:
         with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:  # its last reading comes before Ray's shutdown

@@ -4,7 +4,7 @@ one after the other in one run.
     nice -n 5 python bench/throughput.py                        # 12 iterations of the default job, 30 s of bare envs
     python bench/throughput.py --iterations 2 --warmup-iterations 1 --env-seconds 2 \\
         --main-arg=--allow-random-init --main-arg=--num-actors=2 --main-arg=--set=actors.decisions_per_rollout=5 \\
-        --main-arg=--set=learner.minibatch_size=10 --main-arg=--set=learner.critic_warmup_iters=0  # a smoke run
+        --main-arg=--set=algorithm.minibatch_size=10 --main-arg=--set=algorithm.critic_warmup_iters=0  # a smoke run
 
 - main job: `python -m learner.main` (the default config unless --main-arg says otherwise), once per
   actors.policy_lag of --policy-lags (0: synchronous; 1: sampling overlaps the update), for --iterations
@@ -71,7 +71,7 @@ def step_bare_envs(config: RunConfig, seconds: float, seed: int, start: multipro
 
     num_envs = config.actors.envs_per_actor
     vec_env = ChunkedVectorEnv(make_envs(config.env, num_envs), layouts(config.env.task, config.env.train_benchmark_seeds),
-                               config.learner.gamma)  # fmt: skip
+                               config.algorithm.gamma)  # fmt: skip
     rng = np.random.default_rng(seed)
     low, high = vec_env.single_action_space.low, vec_env.single_action_space.high
     chunk_shape = (num_envs, config.policy.chunk_size, vec_env.single_action_space.shape[0])

@@ -32,7 +32,7 @@ TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars"]  # fmt: skip
 TINY_RUN = ["--allow-random-init", "--iterations", "1000", "--set", "actors.decisions_per_rollout=8", "--set", "env.max_episode_steps=40",
-            "--set", "learner.minibatch_size=16", "--set", "learner.update_epochs=2", "--set", "eval_every=0",
+            "--set", "algorithm.minibatch_size=16", "--set", "algorithm.update_epochs=2", "--set", "eval_every=0",
             "--set", "eval_episodes=4", "--set", "checkpoint_every=1000"]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""Typed run configuration: nested dataclasses, loaded from YAML, overridden from the command line.
+"""The run configuration's schema: nested dataclasses, one per section, each field documented where it is declared.
 
-Every field is documented where it is declared; `validate()` names the bad field and says how to fix
-it. Unknown keys are errors (a typo such as `clip_epsilon` must not silently fall back to a default).
+`validate()` names the bad field and says how to fix it. Reading YAML files and `--set` overrides into these
+dataclasses (unknown keys are errors) lives in common.config_loading.
 """
 
 from __future__ import annotations
@@ -11,13 +11,9 @@ import hashlib
 import json
 import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 
 def cache_dir(kind: str) -> Path:
@@ -141,6 +137,10 @@ class PolicyConfig:
     def sampling_overrides(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.SAMPLING_FIELDS}
 
+    def unused_sections(self) -> list[str]:
+        """The backend subsections (policy.<backend>) that policy.type does not read."""
+        return [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name)) and f.name != self.type]
+
     @property
     def action_elements(self) -> int:
         """D = H * A, the number of action elements in one chunk."""
@@ -164,7 +164,7 @@ class EnvConfig:
     # Layouts are fixed by Metaworld's benchmark seed (50 per seed). Keep the three sets disjoint:
     # demonstrations, RL training and held-out evaluation.
     demo_benchmark_seed: int = 0
-    # 500 training layouts: with 200 ([2, 3, 4, 5]) held-out success oscillated while training success climbed.
+    # Ten seeds (500 layouts) for training: with few layouts the policy can fit them and stop generalising to held-out ones.
     train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
     eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
 
@@ -214,7 +214,7 @@ class ActorsConfig:
     # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
     # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
     # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
-    # kept and clips as learner.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
+    # kept and clips as algorithm.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
     # the two lags across seeds.
     policy_lag: int = 1
     # On a CUDA device, each chunk decision is one CUDA graph replay (common.decision_graph): the same policy, its
@@ -234,8 +234,9 @@ class ActorsConfig:
 
 
 @dataclass
-class PPOConfig:
-    """The learner's optimisation: GAE, clipped PPO, schedules."""
+class AlgorithmConfig:
+    """What the update computes: advantages (GAE or GRPO's groups), the clipped PPO loss, KL to a reference,
+    minibatching and the optimiser's schedules. How the learner runs it (resources, restarts) is LearnerConfig's."""
 
     gamma: float = 0.99  # discount per ENV STEP; a chunk of n executed steps is discounted by gamma**n
     gae_lambda: float = 0.95  # per chunk decision
@@ -281,6 +282,54 @@ class PPOConfig:
     # before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021). docs/performance.md
     # compares the two.
     stale_rollouts: str = "behaviour"
+
+    # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
+    CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages")
+    GRPO_FIELDS = ("group_size", "grpo_std_normalization")
+
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields `algo` does not read."""
+        return self.GRPO_FIELDS if self.algo == "ppo" else self.CRITIC_FIELDS
+
+    def minibatch_sizes(self, decisions: int) -> list[int]:
+        """One epoch's minibatch sizes over `decisions` (>= 1) shuffled decisions: they sum to `decisions` (each decision
+        enters once) and differ by at most one, the larger first."""
+        count = self.num_minibatches if self.minibatch_size is None else math.ceil(decisions / self.minibatch_size)
+        count = min(count, decisions)
+        size, larger = divmod(decisions, count)
+        return [size + 1] * larger + [size] * (count - larger)
+
+    def validate(self, path: str = "algorithm") -> None:
+        _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
+        _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
+        _positive(self, path, "update_epochs", "num_minibatches", "grad_accum", "max_grad_norm")
+        _require(self.minibatch_size is None or self.minibatch_size > 0, f"{path}.minibatch_size must be > 0 or null")
+        _require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
+        _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
+        _choice(self, path, "lr_schedule", ("cosine", "constant"))
+        _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
+        _require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
+        _choice(self, path, "algo", ("ppo", "grpo"))
+        _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
+        _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
+        _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
+        _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
+        _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+
+
+@dataclass
+class LearnerConfig:
+    """How the learner actor runs the update: its Ray resources, restarts and call deadlines, and what it does when
+    the numbers go wrong (behaviour gap, non-finite updates)."""
+
+    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
+    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
+    # custom resource such as {learner_slot: 1} that only the intended node type declares.
+    num_cpus: float | None = None
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
     # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
@@ -299,41 +348,10 @@ class PPOConfig:
     # restarted as a dead one is. The learner's start-up is not counted. Factor 0: a fixed call_timeout_s.
     call_timeout_s: float = 900.0
     call_timeout_update_factor: float = 10.0
-    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
-    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
-    # custom resource such as {learner_slot: 1} that only the intended node type declares.
-    num_cpus: float | None = None
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
-
-    def minibatch_sizes(self, decisions: int) -> list[int]:
-        """One epoch's minibatch sizes over `decisions` (>= 1) shuffled decisions: they sum to `decisions` (each decision
-        enters once) and differ by at most one, the larger first."""
-        count = self.num_minibatches if self.minibatch_size is None else math.ceil(decisions / self.minibatch_size)
-        count = min(count, decisions)
-        size, larger = divmod(decisions, count)
-        return [size + 1] * larger + [size] * (count - larger)
 
     def validate(self, path: str = "learner") -> None:
         _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
-        _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
-        _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
-        _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
-        _require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
-        _positive(self, path, "update_epochs", "num_minibatches", "grad_accum", "max_grad_norm")
-        _require(self.minibatch_size is None or self.minibatch_size > 0, f"{path}.minibatch_size must be > 0 or null")
-        _require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
-        _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
-        _choice(self, path, "lr_schedule", ("cosine", "constant"))
-        _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
-        _require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
-        _choice(self, path, "algo", ("ppo", "grpo"))
-        _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
-        _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
-        _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
-        _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
-        _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
         _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         _choice(self, path, "precision", ("float32", "bfloat16"))
         _positive(self, path, "nonfinite_backoff_after")
@@ -389,7 +407,8 @@ class RunConfig:
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(init_noise_std=0.0))
     env: EnvConfig = field(default_factory=EnvConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
-    learner: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     seed: int = 0
     iterations: int = 150  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 0.6M env steps
@@ -414,32 +433,33 @@ class RunConfig:
         _require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         _require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
-        for name in ("lr_warmup_iters", "critic_warmup_iters") if self.learner.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
-            warmup = getattr(self.learner, name)
-            _require(warmup < self.iterations, f"learner.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
+        algorithm = self.algorithm
+        for name in ("lr_warmup_iters", "critic_warmup_iters") if algorithm.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
+            warmup = getattr(algorithm, name)
+            _require(warmup < self.iterations, f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
                                                "only warm up")  # fmt: skip
         decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
         _require(
-            self.learner.minibatch_size is None or self.learner.minibatch_size <= decisions,
-            f"learner.minibatch_size ({self.learner.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
+            algorithm.minibatch_size is None or algorithm.minibatch_size <= decisions,
+            f"algorithm.minibatch_size ({algorithm.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
             "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
         )
-        smallest = min(self.learner.minibatch_sizes(decisions))
+        smallest = min(algorithm.minibatch_sizes(decisions))
         _require(
-            self.learner.grad_accum <= smallest,
-            f"learner.grad_accum ({self.learner.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
-            "learner.num_minibatches / learner.minibatch_size): lower it, or make the minibatches larger",
+            algorithm.grad_accum <= smallest,
+            f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
+            "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
         )
-        if self.learner.algo == "grpo":
+        if algorithm.algo == "grpo":
             _require(
-                self.actors.envs_per_actor % self.learner.group_size == 0,
-                f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of learner.group_size "
-                f"({self.learner.group_size}) with learner.algo=grpo: a group's rollouts live in one actor's envs",
+                self.actors.envs_per_actor % algorithm.group_size == 0,
+                f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of algorithm.group_size "
+                f"({algorithm.group_size}) with algorithm.algo=grpo: a group's rollouts live in one actor's envs",
             )
             _require(
                 self.actors.decisions_per_rollout * self.policy.chunk_size >= self.env.max_episode_steps,
                 f"actors.decisions_per_rollout * policy.chunk_size ({self.actors.decisions_per_rollout * self.policy.chunk_size}) "
-                f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with learner.algo=grpo, or no failed "
+                f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with algorithm.algo=grpo, or no failed "
                 "episode ever completes and every group that holds one is masked",
             )
 
@@ -475,131 +495,3 @@ def _ray_resources(path: str, num_gpus: float, resources: dict[str, float]) -> N
 def _choice(obj: Any, path: str, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     _require(value in allowed, f"{path}.{name} must be one of {allowed}, got {value!r}")
-
-
-def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name.
-
-    Fields absent from `data` keep their values in `base` (default: `cls()`), and nested sections start
-    from the enclosing default's section, not from the section class's own defaults: RunConfig's policy
-    samples from a_0 = 0 while PolicyConfig() keeps the N(0, I) prior, and `--set policy.sigma_max=0.2`
-    must change sigma_max alone, never silently reset init_noise_std.
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
-    base = cls() if base is None else base
-    kwargs = {name: _coerce(hints[name], value, _join(path, name), getattr(base, name)) for name, value in data.items()}
-    return dataclasses.replace(base, **kwargs)
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _coerce(hint: Any, value: Any, path: str, default: Any = None) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, path, default if isinstance(default, hint) else None)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        key_hint, value_hint = typing.get_args(hint)
-        return {_coerce(key_hint, k, f"{path}.{k}"): _coerce(value_hint, v, f"{path}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path} must be a list, got {value!r}")
-        (item,) = typing.get_args(hint)
-        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{path} must be float, got {value!r}") from None
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path} must be a finite number, got {value!r}")
-    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
-        raise ConfigError(f"{path} must be {hint.__name__}, got {value!r}")
-    return value
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """A YAML parse error in one line: what is wrong, and where."""
-    mark = getattr(error, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{getattr(error, 'problem', None) or error}{where}".split())  # an undecodable byte's message spans lines
-
-
-def read_yaml_file(path: Path, what: str) -> Any:
-    """The YAML document in the file at `path` (None when it is empty); ConfigError naming `what` and the file, and
-    the line of a syntax error, when it is missing or not YAML."""
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} does not exist")
-    try:
-        return yaml.safe_load(path.read_bytes())  # bytes: PyYAML reports a bad encoding as a YAMLError too
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path} is not valid YAML: {_yaml_problem(exc)}") from None
-
-
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict in place."""
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like section.field=value")
-    key, raw = override.split("=", 1)
-    parts = key.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file at `path` (if any), then `overrides`; validated."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        loaded = read_yaml_file(path, "config file")
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at top level")
-        data = loaded or {}
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        config = from_dict(RunConfig, data)
-    except TypeError as exc:  # a section given a scalar, for instance
-        raise ConfigError(f"{path}: {exc}") from exc
-    config.validate()
-    return config
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"learner": {"clip_eps": 0.02}} -> {"learner.clip_eps": 0.02}."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and not key.endswith("resources"):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def fields_of(config: RunConfig) -> set[str]:
-    """Every dotted field name of a RunConfig (for validating --allow-config-change)."""
-    return set(flatten(dataclasses.asdict(config)))

@@ -174,7 +174,7 @@ def episode_returns(rewards: Tensor, discounts: Tensor, terminated: Tensor, trun
       complete       bool: that episode ended (terminated or truncated) within the rollout. An episode cut
                      off by the rollout's end has no return: mask it out.
       returns        the episode's discounted return from its first state, sum_s gamma^s r_s over its env
-                     steps (exactly what PPO maximises; learner.gamma = 1 gives the plain sum). Chunk rewards
+                     steps (exactly what PPO maximises; algorithm.gamma = 1 gives the plain sum). Chunk rewards
                      are already discounted within the chunk, and `discounts` (gamma^steps) chain them.
                      For an incomplete episode it is the partial sum, meaningless: use `complete`.
     """

@@ -1,4 +1,5 @@
-"""The learner: PPO on recorded denoising chains, versioned weights, atomic checkpoints.
+"""The learner: PPO/GRPO on recorded denoising chains. Its weight versions live in learner.weight_versions, its
+checkpoints in learner.checkpoints.
 
 `Learner` is plain Python (testable without Ray); the run wraps it in a Ray actor (learner.learner_actor.LearnerActor).
 It owns the trainable policy (velocity field + noise head + critic) and one Adam optimiser with two
@@ -9,14 +10,14 @@ off dropout and batch-norm updates (gradients still flow), and it is what makes 
 log-probs and the first minibatch's new log-probs bit-identical. The first minibatch of every
 iteration checks ratio == 1 and raises NonDeterministicPolicyError otherwise.
 
-learner.algo "grpo" replaces GAE with group-relative episode advantages (common.rl.grpo_advantages): the
+algorithm.algo "grpo" replaces GAE with group-relative episode advantages (common.rl.grpo_advantages): the
 critic is frozen (neither trained nor broadcast) and decisions of incomplete groups are dropped from the
-batch. With learner.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
+batch. With algorithm.kl_beta > 0 the learner also holds a frozen reference policy, the starting weights, in
 eval mode: never broadcast, saved with every checkpoint so a resumed run keeps the same reference.
 
 With actors.policy_lag > 0 a rollout may come from an older weight version than the learner's. The learner
 keeps the trainable tensors of every version still in flight, scores the chains with them (the behaviour
-log-probs, compared with the actors' own as in the synchronous loop). learner.stale_rollouts chooses what
+log-probs, compared with the actors' own as in the synchronous loop). algorithm.stale_rollouts chooses what
 the ratio is clipped to: the behaviour policy (default), or, as decoupled PPO does, the proximal policy (the
 weights before this iteration's first step) with pi_prox / pi_behaviour as a per-sample weight. Either way
 the first minibatch's recomputed log-probs pass the same ratio == 1 check against the proximal weights.
@@ -24,7 +25,6 @@ the first minibatch's recomputed log-probs pass the same ratio == 1 check agains
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.config import PPOConfig, RunConfig
+from common.config import AlgorithmConfig, RunConfig
 from common.diagnostics import (
     BehaviourGapWarning,
     NonFiniteError,
@@ -49,15 +49,14 @@ from common.diagnostics import (
 )
 from common.flow import ChainLogProb, chain_log_prob, num_log_prob_elements, transition_kl
 from common.observation import Observation
-from common.policy import CheckpointError, FlowPolicy, concat_features, index_features, write_directory_atomically
+from common.policy import FlowPolicy, concat_features, index_features
 from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
+from learner.checkpoints import LearnerCheckpoint, TrainerState
+from learner.weight_versions import WeightVersions
 
-TRAINER_STATE_FILE = "trainer_state.pt"
-REFERENCE_DIR = "reference"  # inside a checkpoint: the KL reference policy (save_pretrained), when kl_beta > 0
 
-
-def lr_scale(iteration: int, total_iterations: int, cfg: PPOConfig) -> float:
+def lr_scale(iteration: int, total_iterations: int, cfg: AlgorithmConfig) -> float:
     """Multiplier of the base learning rates at `iteration` (0-based): linear warm-up, then cosine or constant."""
     if iteration < cfg.lr_warmup_iters:
         return (iteration + 1) / cfg.lr_warmup_iters
@@ -100,7 +99,7 @@ def check_groups_share_initial_states(obs: Tensor, ends: Tensor, group_size: int
         group, episode = (int(i) for i in differ.nonzero()[0])
         raise ValueError(
             f"GRPO group {group} (envs {group * group_size}..{(group + 1) * group_size - 1} of the batch) started episode {episode} "
-            "from different states: a group's members must reset to the same layouts (RolloutActor does with learner.algo=grpo)"
+            "from different states: a group's members must reset to the same layouts (RolloutActor does with algorithm.algo=grpo)"
         )
 
 
@@ -185,11 +184,11 @@ class Advantages:
 
 
 class PPO:
-    """GAE on the critic's values; the critic trains beside the actor, and alone for learner.critic_warmup_iters."""
+    """GAE on the critic's values; the critic trains beside the actor, and alone for algorithm.critic_warmup_iters."""
 
     critic = True
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
 
     def trains_actor(self, iteration: int) -> bool:
@@ -222,7 +221,7 @@ class GRPO:
 
     critic = False
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
 
     def trains_actor(self, iteration: int) -> bool:
@@ -242,17 +241,17 @@ class GRPO:
         return Advantages(advantages.flatten(), None, None, keep.flatten(), metrics)
 
 
-ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # learner.algo -> its strategy
+ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # algorithm.algo -> its strategy
 
 
-def micro_batch_rows(cfg: PPOConfig, decisions: int) -> int:
+def micro_batch_rows(cfg: AlgorithmConfig, decisions: int) -> int:
     """The most decisions one forward pass of the update over `decisions` holds: the largest minibatch's largest micro-batch."""
     return -(-cfg.minibatch_sizes(decisions)[0] // cfg.grad_accum)
 
 
 def update_shape(config: RunConfig) -> str:
     """One line for the banner: what the update of a full rollout does per iteration."""
-    cfg = config.learner
+    cfg = config.algorithm
     decisions = config.actors.num_actors * config.actors.envs_per_actor * config.actors.decisions_per_rollout
     sizes = cfg.minibatch_sizes(decisions)
     size = str(sizes[0]) if sizes[0] == sizes[-1] else f"{sizes[-1]}-{sizes[0]}"
@@ -270,7 +269,7 @@ def minibatch_loss(
     new: ChainLogProb,
     data: PreparedBatch,
     mb_inds: Tensor,
-    cfg: PPOConfig,
+    cfg: AlgorithmConfig,
     critic: bool,
     train_actor: bool,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -311,7 +310,7 @@ class Learner:
     def __init__(self, config: RunConfig, policy: FlowPolicy):
         require_pretrained(policy, config.allow_random_init)
         self.config = config
-        self.cfg = config.learner
+        self.cfg = config.algorithm
         self.policy = policy.eval()
         self.algorithm = ALGORITHMS[self.cfg.algo](self.cfg)
         critic = set(policy.critic_parameter_names())
@@ -336,14 +335,7 @@ class Learner:
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
-        # What the rollouts in flight were sampled with (policy_lag = L > 0): iteration m with the version published after
-        # m - L completed iterations (the first L + 1 iterations with the starting weights). sampling_versions maps a
-        # completed-iteration count to the version published then, for the last L + 1 counts; published holds those
-        # versions' trainable tensors. Both are saved with checkpoints, so a resumed or restarted learner hands the
-        # actors the versions the uninterrupted run sampled with (in_flight_versions) and scores their chains with them.
-        self.policy_lag = config.actors.policy_lag
-        self.sampling_versions: dict[int, int] = {}
-        self.published: dict[int, dict[str, Tensor]] = {}
+        self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -351,46 +343,12 @@ class Learner:
         """The current version's trainable tensors; copy=False for a payload serialised at once (WeightsPayload.from_state)."""
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
-        if self.policy_lag > 0:
-            self.sampling_versions[self.iteration] = self.version
-            self.sampling_versions = {n: v for n, v in self.sampling_versions.items() if n >= self.iteration - self.policy_lag}
-            if self.version not in self.published:  # a skipped update publishes its version again, unchanged
-                self.published[self.version] = {name: tensor.detach().clone() for name, tensor in state.items()}
-            self.published = {v: tensors for v, tensors in self.published.items() if v in self.sampling_versions.values()}
+        self.weight_versions.record(self.iteration, self.version, state)
         return WeightsPayload.from_state(self.version, state, copy=copy)
 
     def in_flight_versions(self) -> list[int]:
-        """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations), as the
-        uninterrupted run sampled them: at the start of a run the current version for all of them; after a resume or
-        a learner restart the older ones too, restored from the checkpoint. Call after broadcast()."""
-        if self.policy_lag == 0:
-            return [self.version]
-        first = min(self.sampling_versions)  # counts before the first one (the run's start) used its version
-        return [self.sampling_versions[max(first, self.iteration + ahead - self.policy_lag)] for ahead in range(self.policy_lag + 1)]
-
-    def payload_of(self, version: int) -> WeightsPayload:
-        """A kept version's payload, for ray.put at once (its arrays view the kept tensors)."""
-        return WeightsPayload.from_state(version, self.published[version], copy=False)
-
-    @contextlib.contextmanager
-    def weights_of(self, version: int):
-        """The policy with the trainable tensors of published `version` in place of the current ones, restored after."""
-        if version not in self.published:
-            raise ValueError(
-                f"a rollout of weight version {version} reached the learner at version {self.version}, which keeps versions "
-                f"{sorted(self.published)} (actors.policy_lag={self.policy_lag}): the actors ran further behind than the config allows"
-            )
-        params = dict(self.policy.named_parameters())
-        current = {name: params[name].detach().clone() for name in self.published[version]}
-        with torch.no_grad():
-            for name, tensor in self.published[version].items():
-                params[name].copy_(tensor)
-        try:
-            yield self.policy
-        finally:
-            with torch.no_grad():
-                for name, tensor in current.items():
-                    params[name].copy_(tensor)
+        """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations). Call after broadcast()."""
+        return self.weight_versions.in_flight(self.iteration, self.version)
 
     def trainable_state(self) -> dict[str, Tensor]:
         return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
@@ -400,7 +358,7 @@ class Learner:
     def precision(self) -> torch.autocast:
         """learner.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32)."""
         device = self.policy.obs_device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.precision == "bfloat16")
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.learner.precision == "bfloat16")
 
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
         """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
@@ -422,7 +380,7 @@ class Learner:
         lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
         behaviour = old
         if lag:
-            with self.weights_of(batch.weight_version):
+            with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
                 behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
                 behaviour = chain_log_prob(policy, behaviour_features, b_chains)
         behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
@@ -471,7 +429,7 @@ class Learner:
     def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
         """Warn when actors and learner score the same weights differently (the learner scores a lagged rollout
         with the weights that sampled it, so the gap means the same at any lag)."""
-        threshold = self.cfg.behaviour_gap_warn
+        threshold = self.config.learner.behaviour_gap_warn
         if threshold is None or gap <= threshold:
             return
         actors, learner = batch.actor_precision or "not reported", self.policy.precision
@@ -513,10 +471,10 @@ class Learner:
         self.skipped_updates += 1
         self.nonfinite_streak += 1
         backoff = ""
-        if self.nonfinite_streak >= self.cfg.nonfinite_backoff_after:
-            self.lr_backoff *= self.cfg.nonfinite_lr_backoff
+        if self.nonfinite_streak >= self.config.learner.nonfinite_backoff_after:
+            self.lr_backoff *= self.config.learner.nonfinite_lr_backoff
             self.nonfinite_streak = 0
-            backoff = f"; {self.cfg.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
+            backoff = f"; {self.config.learner.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
         warnings.warn(
             f"iteration {self.iteration}: update skipped, weights and optimiser rolled back to their state before it ({error}){backoff}",
             NonFiniteUpdateWarning,
@@ -627,40 +585,21 @@ class Learner:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Policy (save_pretrained) + optimiser/iteration state, written to a temp dir then renamed."""
+        """Policy, optimiser and counters, the weight versions in flight and the KL reference, written atomically."""
         check_finite_tensors(self.trainable_state(), f"weights version {self.version} before saving")
-        state = {"optimizer": self.optimizer.state_dict(), "iteration": self.iteration, "version": self.version,
-                 "env_steps": self.env_steps, "config_fingerprint": self.config.fingerprint(),
-                 "skipped_updates": self.skipped_updates, "lr_backoff": self.lr_backoff,
-                 "sampling_versions": self.sampling_versions, "published": self.published}  # fmt: skip
-
-        def write(tmp: Path) -> None:
-            self.policy.save_pretrained(tmp)
-            torch.save(state, tmp / TRAINER_STATE_FILE)
-            if self.reference is not None:  # a resumed run must keep the starting weights as its reference
-                self.reference.save_pretrained(tmp / REFERENCE_DIR)
-
-        return write_directory_atomically(directory, write)
+        versions = self.weight_versions
+        state = TrainerState(self.optimizer.state_dict(), self.iteration, self.version, self.env_steps, self.config.fingerprint(),
+                             self.skipped_updates, self.lr_backoff, versions.sampling_versions, versions.published)  # fmt: skip
+        return LearnerCheckpoint(directory).save(self.policy, state, self.reference)
 
     def load_trainer_state(self, directory: str | Path) -> None:
-        """Restore optimiser, iteration, version and env steps (the policy itself is loaded with from_pretrained)."""
-        path = Path(directory) / TRAINER_STATE_FILE
-        state = torch.load(path, weights_only=True)  # never plain pickle for files from disk
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.iteration = int(state["iteration"])
-        self.version = int(state["version"])
-        self.env_steps = int(state["env_steps"])
-        self.skipped_updates = int(state.get("skipped_updates", 0))  # absent from checkpoints older than the rollback
-        self.lr_backoff = float(state.get("lr_backoff", 1.0))
-        if self.policy_lag > 0:  # absent from checkpoints older than exact lagged resume: the current version samples
-            self.sampling_versions = {int(n): int(v) for n, v in state.get("sampling_versions", {}).items()}
-            self.published = {int(v): tensors for v, tensors in state.get("published", {}).items()}
+        """Restore optimiser, counters, weight versions in flight and KL reference (the policy itself is loaded with
+        from_pretrained)."""
+        checkpoint = LearnerCheckpoint(directory)
+        state = checkpoint.trainer_state()
+        self.optimizer.load_state_dict(state.optimizer)
+        self.iteration, self.version, self.env_steps = state.iteration, state.version, state.env_steps
+        self.skipped_updates, self.lr_backoff = state.skipped_updates, state.lr_backoff
+        self.weight_versions.restore(state.sampling_versions, state.published)
         if self.reference is not None:
-            reference_dir = Path(directory) / REFERENCE_DIR
-            if not reference_dir.is_dir():
-                raise CheckpointError(
-                    f"{directory} holds no KL reference ({REFERENCE_DIR}/): it was written with learner.kl_beta=0, and the reference "
-                    "must be the run's starting policy; resume with kl_beta=0, or start a new run from this checkpoint"
-                )
-            reference = FlowPolicy.from_pretrained(reference_dir, **self.config.policy.sampling_overrides())
-            self.reference.load_state_dict(reference.state_dict())  # into the frozen copy, keeping what it shares
+            checkpoint.load_reference(self.reference, self.config.policy.sampling_overrides())

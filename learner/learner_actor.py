@@ -81,7 +81,7 @@ class LearnerActor:
         versions = self.learner.in_flight_versions()
         for version in versions:
             if version not in refs:
-                refs[version] = ray.put(self.learner.payload_of(version))
+                refs[version] = ray.put(self.learner.weight_versions.payload(version))
         return [refs[version] for version in versions]
 
     def save(self, directory: str) -> str:

@@ -19,8 +19,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from common.config import RunConfig
-from learner.cluster import ResourceRequest
 from learner.failures import LearnerDiedError, LearnerWedgedError
+from learner.ray_runtime import ResourceRequest
 from learner.run_dir import RunDirectory
 from learner.startup import start_learner
 

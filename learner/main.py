@@ -18,8 +18,10 @@ from typing import Any
 
 import ray
 
-from common.config import ConfigError, RunConfig, fields_of, load_config
-from learner.cluster import check_cluster, cluster_to_join, connect_ray
+from common.config import ConfigError, RunConfig
+from common.config_loading import fields_of, load_config
+from learner.cluster_yaml import check_cluster
+from learner.ray_runtime import cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
 
@@ -30,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override any config field (repeatable)")
     parser.add_argument("--num-actors", type=int, help="rollout actors (actors.num_actors)")
     parser.add_argument("--iterations", type=int, help="PPO iterations (iterations)")
-    parser.add_argument("--algo", choices=("ppo", "grpo"), help="ppo (critic, GAE) or grpo (critic-free, group-relative) (learner.algo)")
+    parser.add_argument("--algo", choices=("ppo", "grpo"), help="ppo (critic, GAE) or grpo (critic-free, group-relative) (algorithm.algo)")
     parser.add_argument("--seed", type=int, help="run seed")
     parser.add_argument("--run-dir", help="where checkpoints, metrics and the curve go (run_dir)")
     parser.add_argument("--checkpoint", help="policy directory to fine-tune (default: the cached BC checkpoint)")
@@ -51,14 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("num_actors", "actors.num_actors"), ("iterations", "iterations"), ("seed", "seed"), ("run_dir", "run_dir"),
-                      ("checkpoint", "init_checkpoint"), ("algo", "learner.algo")):  # fmt: skip
+                      ("checkpoint", "init_checkpoint"), ("algo", "algorithm.algo")):  # fmt: skip
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
     if args.allow_random_init:
         overrides.append("allow_random_init=true")
     if args.single_batch:
-        overrides += ["iterations=1", "learner.update_epochs=1", "learner.critic_warmup_iters=0"]
+        overrides += ["iterations=1", "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0"]
     return load_config(args.config, overrides)
 
 

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.config import ConfigError, RunConfig, cache_dir, load_config
+from common.config import ConfigError, RunConfig, cache_dir
+from common.config_loading import load_config
 from common.envs import TASKS, Episode, collect_demonstrations, layouts
 from common.metrics import success_interval
 from common.observation import Observation

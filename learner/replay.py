@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import RunConfig, from_dict, load_config
+from common.config import RunConfig
+from common.config_loading import from_dict, load_config
 from common.envs import TASKS, Layout, layouts
 from common.policy import CheckpointError, read_policy_config
 from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, layout_id

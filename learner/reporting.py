@@ -21,11 +21,11 @@ from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning
 from common.policy import WEIGHTS_FILE, file_sha256
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
-from learner.cluster import ResourceRequest
 from learner.learner import update_shape
 from learner.learner_handle import LearnerHandle
 from learner.manifest import reproducibility_manifest
 from learner.pretrain import REPORT_FILE
+from learner.ray_runtime import ResourceRequest
 from learner.run_dir import RunDirectory
 from learner.startup import StartupClock, in_time_order
 
@@ -227,7 +227,7 @@ class RunSummary:
 
     def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
         """The learning curve (its path under "curve", not written to summary.json), and the summary printed."""
-        title = f"{config.env.task}: {config.learner.algo.upper()} fine-tuning"
+        title = f"{config.env.task}: {config.algorithm.algo.upper()} fine-tuning"
         self.data["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", title, self.data.get("initial_eval")))
         print_summary(self.data)
 
@@ -235,9 +235,20 @@ class RunSummary:
 # ---------------------------------------------------------------------------------------------- output
 
 
+def applicable_config(config: RunConfig) -> dict[str, Any]:
+    """The config as the banner shows it: without the subsections of the policy backends the run does not use
+    (policy.smolvla on an MLP run) and the fields its algorithm does not read. The recorded config keeps everything."""
+    data = config.to_dict()
+    for name in config.policy.unused_sections():
+        del data["policy"][name]
+    for name in config.algorithm.unused_fields():
+        del data["algorithm"][name]
+    return data
+
+
 def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
     lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
-    lines.append(yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    lines.append(yaml.safe_dump(applicable_config(config), sort_keys=False).rstrip())
     lines.append("-" * 78)
     lines.append(f"config fingerprint : {config.fingerprint()}")
     lines.append(f"ray resources      : {resources}")
@@ -256,7 +267,7 @@ def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, 
     p = config.policy
     lines.append(
         f"log-prob           : {p.log_prob_normalization} over {p.num_steps} steps x {p.chunk_size}x{p.action_dim} elements;"
-        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.learner.clip_eps}"
+        f" sigma in [{p.sigma_min}, {p.sigma_max}]; clip {config.algorithm.clip_eps}"
     )
     lines.append(f"update             : {update_shape(config)}")
     lines.append("=" * 78)

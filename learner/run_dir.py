@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, flatten
+from common.config import ConfigError, RunConfig
+from common.config_loading import flatten
 from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, verify_checksums
-from learner.learner import TRAINER_STATE_FILE
+from learner.checkpoints import TRAINER_STATE_FILE
 
 LATEST_FILE = "latest"
 LOCK_FILE = "run.lock"

@@ -19,7 +19,9 @@ from common.envs import adopt_benchmark_tasks, benchmark_task_tables, held_bench
 from common.flow import num_log_prob_elements
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
 from learner.actor_pool import ActorPool
-from learner.cluster import (
+from learner.learner_actor import LearnerActor
+from learner.pretrain import ensure_bc_checkpoint
+from learner.ray_runtime import (
     FIRST_ACTOR_BUNDLE,
     LEARNER_BUNDLE,
     ResourceRequest,
@@ -27,8 +29,6 @@ from learner.cluster import (
     learner_request,
     node_cluster_address,
 )
-from learner.learner_actor import LearnerActor
-from learner.pretrain import ensure_bc_checkpoint
 
 MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
 # The rollout actors' scheduling niceness. At policy_lag 1 the learner's update (one thread) runs while the actors
@@ -97,7 +97,7 @@ def warn_if_ratio_insensitive(config: RunConfig) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
-                                config.policy.log_prob_normalization, config.learner.clip_eps)  # fmt: skip
+                                config.policy.log_prob_normalization, config.algorithm.clip_eps)  # fmt: skip
 
 
 def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:

@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import load_config
 from common.metrics import MetricsLog, plot_seed_curves
-from learner.cluster import actor_request, learner_request, start_local_ray
 from learner.main import run
+from learner.ray_runtime import actor_request, learner_request, start_local_ray
 from learner.startup import resolve_init_checkpoint
 
 TRIAL_CPUS = 0.01  # the trial's own process: it only orchestrates, its learner and actors hold the real reservation

@@ -20,8 +20,8 @@ from common.config import RunConfig
 
 # learner.main with a random policy and a few decisions: the start-up is the cost, not the work.
 TINY_MAIN_ARGS = ["--allow-random-init", "--set=actors.envs_per_actor=2", "--set=actors.decisions_per_rollout=3",
-                  "--set=env.max_episode_steps=20", "--set=learner.minibatch_size=6", "--set=learner.update_epochs=1",
-                  "--set=learner.critic_warmup_iters=0", "--set=policy.hidden_dim=32", "--set=policy.num_layers=1",
+                  "--set=env.max_episode_steps=20", "--set=algorithm.minibatch_size=6", "--set=algorithm.update_epochs=1",
+                  "--set=algorithm.critic_warmup_iters=0", "--set=policy.hidden_dim=32", "--set=policy.num_layers=1",
                   "--set=checkpoint_every=100"]  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def test_overheads_fingerprint_repeats_for_the_same_job_and_changes_with_any_bit
             *(f"--main-arg={arg}" for arg in TINY_MAIN_ARGS)]  # fmt: skip
     fingerprints = [
         overhead.main([*tiny, *extra])["in_process_fingerprint"]
-        for extra in ([], [], ["--main-arg=--seed=1"], ["--main-arg=--set=learner.actor_lr=0.0002"])
+        for extra in ([], [], ["--main-arg=--seed=1"], ["--main-arg=--set=algorithm.actor_lr=0.0002"])
     ]
     capsys.readouterr()
     assert fingerprints[0] == fingerprints[1]

@@ -33,7 +33,7 @@ CHAOS_SEED = 20240611
 # Half the decisions of tests.test_faults' runs (4 optimiser steps an iteration), checkpoints every 5 iterations (a
 # learner death redoes up to 4), restarts enough for every fault of the schedule, and a call deadline that lets a
 # restarted actor start on two busy cores.
-SETTINGS = ["--iterations", str(ITERATIONS), "--set", "actors.decisions_per_rollout=16", "--set", "learner.minibatch_size=32",
+SETTINGS = ["--iterations", str(ITERATIONS), "--set", "actors.decisions_per_rollout=16", "--set", "algorithm.minibatch_size=32",
             "--set", "checkpoint_every=5", "--set", "actors.max_restarts=30", "--set", "actors.call_timeout_s=20",
             "--set", "learner.max_restarts=3"]  # fmt: skip
 FULL_DISK_AT = 20  # the checkpoint whose write finds the disk full: the first launch ends there, --resume goes on from 15

@@ -12,9 +12,11 @@ import pytest
 import ray
 import yaml
 
-from common.config import ConfigError, RunConfig, load_config
-from learner.cluster import NodeType, ResourceRequest, actor_request, check_cluster, plan_placement
+from common.config import ConfigError, RunConfig
+from common.config_loading import load_config
+from learner.cluster_yaml import NodeType, check_cluster, plan_placement
 from learner.main import main, run
+from learner.ray_runtime import ResourceRequest, actor_request
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,7 +280,7 @@ def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_
     lowers its own priority to ACTOR_NICENESS."""
     import os
 
-    from learner.cluster import start_local_ray
+    from learner.ray_runtime import start_local_ray
     from learner.startup import ACTOR_NICENESS, plan_resources, start_actors, start_learner
 
     def niceness(_actor) -> int:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from learner.cluster import start_local_ray
 from learner.main import run
 from learner.monitoring import gauge_name
+from learner.ray_runtime import start_local_ray
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.slow

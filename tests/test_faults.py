@@ -101,9 +101,9 @@ def test_a_call_whose_weights_owner_died_reports_the_learner_dead(tmp_path, loca
 
 
 def run_args(run_dir: Path, bc_checkpoint: Path, *extra: str) -> list[str]:
-    sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=30", "env.max_episode_steps=60", "learner.minibatch_size=40",
-            "learner.update_epochs=2", "eval_every=0", "eval_episodes=4", "checkpoint_every=1",
-            "learner.critic_warmup_iters=0"]  # fmt: skip
+    sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=30", "env.max_episode_steps=60", "algorithm.minibatch_size=40",
+            "algorithm.update_epochs=2", "eval_every=0", "eval_episodes=4", "checkpoint_every=1",
+            "algorithm.critic_warmup_iters=0"]  # fmt: skip
     argv = ["--num-actors", "2", "--iterations", "5", "--run-dir", str(run_dir), "--checkpoint", str(bc_checkpoint)]
     return argv + [a for item in sets for a in ("--set", item)] + list(extra)
 
@@ -296,8 +296,8 @@ def flip_last_byte(directory: Path) -> None:
 # (argv after --run-dir/--checkpoint, message regex, optional setup(tmp_path, bc_checkpoint) -> extra argv)
 BAD_INPUTS = [
     (["--set", "learner.clip_epsilon=0.1"], r"unknown field.*learner\.clip_epsilon", None),
-    (["--set", "learner.clip_eps=2"], r"learner\.clip_eps must be in \(0, 1\)", None),
-    (["--set", "learner.clip_eps=[1"], r"override 'learner\.clip_eps=\[1': the value is not valid YAML", None),
+    (["--set", "algorithm.clip_eps=2"], r"algorithm\.clip_eps must be in \(0, 1\)", None),
+    (["--set", "algorithm.clip_eps=[1"], r"override 'algorithm\.clip_eps=\[1': the value is not valid YAML", None),
     ([], r"config file .*bad\.yaml is not valid YAML", lambda p, c: ["--config", _write(p / "bad.yaml", "learner: [\n")]),
     ([], r"config file .*list\.yaml must hold a mapping", lambda p, c: ["--config", _write(p / "list.yaml", "- 1\n")]),
     (["--config", "/nonexistent/run.yaml"], r"config file /nonexistent/run\.yaml does not exist", None),
@@ -306,12 +306,12 @@ BAD_INPUTS = [
     (["--set", "env.train_benchmark_seeds=[2, 2]"], r"env\.train_benchmark_seeds must be distinct seeds >= 0", None),
     (["--set", "env.eval_benchmark_seeds=[2]"], r"env\.eval_benchmark_seeds \[2\] also used for training", None),
     (["--seed", "-1"], r"seed must be >= 0, got -1", None),
-    (["--set", "learner.actor_lr=.nan"], r"learner\.actor_lr must be a finite number", None),
-    (["--set", "learner.actor_lr=inf"], r"learner\.actor_lr must be a finite number", None),
-    (["--set", "learner.minibatch_size=5000"], r"learner\.minibatch_size \(5000\) exceeds the decisions of one rollout \(1000", None),
-    (["--set", "learner.lr_warmup_iters=300"], r"learner\.lr_warmup_iters \(300\) must be < iterations \(150\)", None),
-    (["--set", "learner.lr_warmup_iters=-1"], r"learner\.lr_warmup_iters/critic_warmup_iters must be >= 0", None),
-    (["--iterations", "2"], r"learner\.critic_warmup_iters \(3\) must be < iterations \(2\)", None),
+    (["--set", "algorithm.actor_lr=.nan"], r"algorithm\.actor_lr must be a finite number", None),
+    (["--set", "algorithm.actor_lr=inf"], r"algorithm\.actor_lr must be a finite number", None),
+    (["--set", "algorithm.minibatch_size=5000"], r"algorithm\.minibatch_size \(5000\) exceeds the decisions of one rollout \(1000", None),
+    (["--set", "algorithm.lr_warmup_iters=300"], r"algorithm\.lr_warmup_iters \(300\) must be < iterations \(150\)", None),
+    (["--set", "algorithm.lr_warmup_iters=-1"], r"algorithm\.lr_warmup_iters/critic_warmup_iters must be >= 0", None),
+    (["--iterations", "2"], r"algorithm\.critic_warmup_iters \(3\) must be < iterations \(2\)", None),
     (["--set", "env.max_episode_steps=501"], r"env\.max_episode_steps \(501\) exceeds Metaworld's episode limit \(500\)", None),
     (["--set", "policy.type=transformer"], r"policy\.type must be one of \['mlp_flow', 'smolvla'\]", None),
     (["--set", "actors.num_gpus=0.5"], r"actors\.num_gpus=0\.5 .* ask for GPUs but this machine has none", None),
@@ -330,10 +330,10 @@ BAD_INPUTS = [
     (["--num-actors", "0"], r"actors\.num_actors must be > 0", None),
     (["--algo", "grpo", "--set", "actors.envs_per_actor=3"], r"actors\.envs_per_actor \(3\) must be a multiple of", None),
     (["--set", "policy.sigma_min=0.5"], r"policy\.sigma_min/sigma_max must satisfy", None),
-    (["--set", "learner.kl_estimator=k4"], r"learner\.kl_estimator must be one of", None),
+    (["--set", "algorithm.kl_estimator=k4"], r"algorithm\.kl_estimator must be one of", None),
     (["--set", "actors.min_alive=20"], r"actors\.min_alive \(20\) must be <= actors\.num_actors \(10\)", None),
     (["--set", "actors.call_timeout_s=0"], r"actors\.call_timeout_s must be > 0", None),
-    (["--set", "learner.gamma=1.5"], r"learner\.gamma must be in \(0, 1\]", None),
+    (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
     (["--set", "actors.precision=fp8"], r"actors\.precision must be one of", None),
     (["--resume"], r"--resume: no checkpoint under", None),
     (["--resume", "--allow-config-change", "learner.nonsense"], r"--allow-config-change names no config field", None),
@@ -365,4 +365,4 @@ def test_bad_input_is_refused_with_a_clear_message_and_nothing_written(tmp_path,
 
 def test_the_bad_input_table_covers_thirty_cases_on_the_defaults_it_assumes() -> None:
     assert len(BAD_INPUTS) >= 30
-    assert RunConfig().learner.critic_warmup_iters == 3 and RunConfig().iterations == 150
+    assert RunConfig().algorithm.critic_warmup_iters == 3 and RunConfig().iterations == 150

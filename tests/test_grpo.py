@@ -17,11 +17,12 @@ from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, build_policy
 from common.rl import group_advantages, grpo_advantages, k3, kl_to_reference
-from learner.learner import REFERENCE_DIR, Learner, frozen_reference
+from learner.checkpoints import REFERENCE_DIR
+from learner.learner import Learner, frozen_reference
 from tests.conftest import tiny_config
 
 # Group rollouts need whole episodes: 10 decisions x 4 steps cover tiny_config's 40-step episodes.
-GRPO = {"learner.algo": "grpo", "learner.group_size": 2, "actors.decisions_per_rollout": 10, "env.reward": "dense"}
+GRPO = {"algorithm.algo": "grpo", "algorithm.group_size": 2, "actors.decisions_per_rollout": 10, "env.reward": "dense"}
 
 
 # -- group-relative advantages ---------------------------------------------------------------------
@@ -239,7 +240,7 @@ def grpo_learner(tmp_path, bc_checkpoint, **overrides):
 
 
 def test_grpo_update_trains_no_critic_and_the_reference_never_changes(tmp_path, bc_checkpoint) -> None:
-    _, actor, learner = grpo_learner(tmp_path, bc_checkpoint, **{"learner.kl_beta": 0.1})
+    _, actor, learner = grpo_learner(tmp_path, bc_checkpoint, **{"algorithm.kl_beta": 0.1})
     initial = load_file(str(bc_checkpoint / "model.safetensors"))
     critic = set(learner.policy.critic_parameter_names())
     assert not critic & set(learner.broadcast().params)  # no critic is broadcast
@@ -279,7 +280,7 @@ def test_group_members_share_initial_states_and_mixed_groups_are_refused(tmp_pat
 
 
 def test_checkpoint_keeps_the_reference_for_resume(tmp_path, bc_checkpoint) -> None:
-    config, actor, learner = grpo_learner(tmp_path, bc_checkpoint, **{"learner.kl_beta": 0.1})
+    config, actor, learner = grpo_learner(tmp_path, bc_checkpoint, **{"algorithm.kl_beta": 0.1})
     learner.update(actor.sample(learner.broadcast(), 0))
     learner.save_checkpoint(tmp_path / "k1")
     assert (tmp_path / "k1" / REFERENCE_DIR / "model.safetensors").is_file()
@@ -305,12 +306,12 @@ def test_a_grpo_rollout_where_every_group_broke_is_a_skipped_update(tmp_path, bc
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"actors.envs_per_actor": 3}, r"actors\.envs_per_actor \(3\) must be a multiple of learner\.group_size"),
+        ({"actors.envs_per_actor": 3}, r"actors\.envs_per_actor \(3\) must be a multiple of algorithm\.group_size"),
         ({"actors.decisions_per_rollout": 8}, r"decisions_per_rollout \* policy\.chunk_size \(32\) must be >= env\.max_episode_steps"),
-        ({"learner.group_size": 1}, r"learner\.group_size must be >= 2"),
-        ({"learner.kl_estimator": "k4"}, r"learner\.kl_estimator must be one of"),
-        ({"learner.kl_beta": -1}, r"learner\.kl_beta must be >= 0"),
-        ({"learner.algo": "dpo"}, r"learner\.algo must be one of"),
+        ({"algorithm.group_size": 1}, r"algorithm\.group_size must be >= 2"),
+        ({"algorithm.kl_estimator": "k4"}, r"algorithm\.kl_estimator must be one of"),
+        ({"algorithm.kl_beta": -1}, r"algorithm\.kl_beta must be >= 0"),
+        ({"algorithm.algo": "dpo"}, r"algorithm\.algo must be one of"),
     ],
 )
 def test_bad_grpo_and_kl_settings_name_the_field(tmp_path, overrides, message) -> None:
@@ -336,7 +337,7 @@ def test_grpo_with_kl_on_local_ray_with_two_actors(tmp_path, bc_checkpoint, loca
 
     run_dir = tmp_path / "run"
     sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=10", "env.max_episode_steps=40", "env.reward=dense",
-            "learner.group_size=2", "learner.kl_beta=0.1", "learner.minibatch_size=16", "learner.update_epochs=2",
+            "algorithm.group_size=2", "algorithm.kl_beta=0.1", "algorithm.minibatch_size=16", "algorithm.update_epochs=2",
             "eval_every=0", "eval_episodes=4", "checkpoint_every=1"]  # fmt: skip
     argv = ["--algo", "grpo", "--num-actors", "2", "--iterations", "2", "--run-dir", str(run_dir), "--checkpoint", str(bc_checkpoint)]
     assert main(argv + [arg for item in sets for arg in ("--set", item)]) == 0

@@ -138,7 +138,7 @@ def test_nan_gradient_rolls_back_and_repeated_skips_back_the_learning_rate_off(s
         next(learner.policy.velocity_net.parameters()).grad.fill_(float("nan"))
 
     monkeypatch.setattr(torch.Tensor, "backward", poisoned_backward)
-    limit = learner.cfg.nonfinite_backoff_after
+    limit = learner.config.learner.nonfinite_backoff_after
     for skipped in range(1, limit + 1):
         with pytest.warns(NonFiniteUpdateWarning, match=r"non-finite gradients in \['velocity_net.0.weight'") as caught:
             learner.update(batch)
@@ -185,7 +185,7 @@ def test_checkpoint_resume_reproduces_weights(setup, tmp_path, bc_checkpoint) ->
 
 def test_lr_schedule(setup) -> None:
     config, _, _ = setup
-    cfg = config.learner
+    cfg = config.algorithm
     cfg.lr_warmup_iters, cfg.lr_final_frac = 2, 0.1
     assert lr_scale(0, 10, cfg) == 0.5 and lr_scale(1, 10, cfg) == 1.0
     assert lr_scale(2, 10, cfg) == pytest.approx(1.0) and lr_scale(10, 10, cfg) == pytest.approx(0.1)
@@ -203,7 +203,7 @@ def test_concat_keeps_actor_order(setup) -> None:
 
 
 def test_critic_warmup_leaves_the_actor_untouched(tmp_path, bc_checkpoint) -> None:
-    config = tiny_config(tmp_path, **{"learner.critic_warmup_iters": 1})
+    config = tiny_config(tmp_path, **{"algorithm.critic_warmup_iters": 1})
     actor = RolloutActor(config, 0, bc_checkpoint)
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     before = params(learner.policy)
@@ -220,14 +220,14 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     """actors.policy_lag=1: the learner keeps the published version the chains came from, recomputes their
     behaviour log-probs with it (equal to the actor's), leaves its current weights untouched doing so, and
     passes the ratio == 1 check against its own (proximal) weights, whichever policy the loss clips to."""
-    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "learner.stale_rollouts": stale_rollouts})
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "algorithm.stale_rollouts": stale_rollouts})
     actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     v0 = learner.broadcast()
     first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)  # iteration 1 sampled while iteration 0 trains
     assert "ppo/behaviour_weight_min" not in learner.update(first)  # same version: the synchronous loss
     learner.broadcast()
     current = params(learner.policy)
-    with learner.weights_of(0) as behaviour_policy:
+    with learner.weight_versions.weights_of(learner.policy, 0, learner.version) as behaviour_policy:
         assert any(not torch.equal(v, current[k]) for k, v in behaviour_policy.state_dict().items())
     assert all(torch.equal(v, current[k]) for k, v in learner.policy.state_dict().items())  # restored exactly
     calls = []
@@ -250,7 +250,7 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     else:
         assert (first_new - first_anchor).abs().max() > 1e-4 and first_weight is None
     learner.broadcast()
-    assert sorted(learner.published) == [1, 2]  # only what a rollout in flight can still come from
+    assert sorted(learner.weight_versions.published) == [1, 2]  # only what a rollout in flight can still come from
 
 
 def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> None:
@@ -287,7 +287,7 @@ def test_resume_at_policy_lag_one_samples_with_the_versions_the_uninterrupted_ru
     current = resumed.broadcast()
     assert resumed.in_flight_versions() == [1, 2]  # iterations 2 and 3, as the uninterrupted run sampled them
     fresh_actor = RolloutActor(config, 0, tmp_path / "k2")  # holds v2 (the checkpoint's own weights)
-    again = [fresh_actor.sample(resumed.payload_of(1), 2), fresh_actor.sample(current, 3)]
+    again = [fresh_actor.sample(resumed.weight_versions.payload(1), 2), fresh_actor.sample(current, 3)]
     for batch, original in zip(again, batches[2:]):
         assert batch.weight_version == original.weight_version
         np.testing.assert_array_equal(batch.chains, original.chains)
@@ -317,7 +317,8 @@ def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
     initialisation differs (random, allowed explicitly; BC would cost minutes here)."""
     import dataclasses
 
-    from common.config import RunConfig, load_config
+    from common.config import RunConfig
+    from common.config_loading import load_config
     from common.policy import build_policy
 
     config = load_config(None, ["allow_random_init=true", f"run_dir={tmp_path / 'run'}"])
@@ -333,7 +334,7 @@ def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
     metrics = learner.update(batch)
     assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
     assert metrics["ppo/actor_lr"] == 0.0  # critic warm-up: the default's first iteration trains the critic only
-    assert metrics["ppo/epochs_run"] == config.learner.update_epochs
+    assert metrics["ppo/epochs_run"] == config.algorithm.update_epochs
     assert any(not torch.equal(learner.policy.state_dict()[k], v) for k, v in critic_before.items())
 
 
@@ -348,13 +349,13 @@ def test_the_learners_process_imports_no_envs() -> None:
 
 def plan_config(tmp_path, **sections):
     """tiny_config with the update's minibatches counted, not sized: one actor's 16 decisions split by num_minibatches."""
-    return tiny_config(tmp_path, **{"learner.minibatch_size": "null", "learner.target_kl": "null", **sections})
+    return tiny_config(tmp_path, **{"algorithm.minibatch_size": "null", "algorithm.target_kl": "null", **sections})
 
 
 def test_every_decision_enters_each_epochs_loss_once(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """16 decisions in 3 minibatches (6, 5, 5), each in 2 micro-batches: the indices the loss sees over an epoch are
     all 16, once each, and the metrics say how the batch was split."""
-    config = plan_config(tmp_path, **{"learner.num_minibatches": 3, "learner.grad_accum": 2, "learner.update_epochs": 3})
+    config = plan_config(tmp_path, **{"algorithm.num_minibatches": 3, "algorithm.grad_accum": 2, "algorithm.update_epochs": 3})
     actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     seen: list[torch.Tensor] = []
     original = learner_module.minibatch_loss
@@ -394,7 +395,7 @@ def approx_kl_per_minibatch(learner: Learner, batch: RolloutBatch, monkeypatch) 
 def test_kl_early_stopping_stops_after_the_minibatch_that_exceeds_target_kl(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """The approx-KL of every minibatch of an unstopped update, then the same update with target_kl between the
     largest approx-KL before a chosen minibatch and that minibatch's own: it stops right after that minibatch's step."""
-    sections = {"learner.num_minibatches": 4, "learner.update_epochs": 3}
+    sections = {"algorithm.num_minibatches": 4, "algorithm.update_epochs": 3}
     config = plan_config(tmp_path, **sections)
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
     kls, metrics = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
@@ -404,7 +405,7 @@ def test_kl_early_stopping_stops_after_the_minibatch_that_exceeds_target_kl(tmp_
     # epoch still to come: the latest such one.
     stop_at = max(k for k in range(1, 8) if k % 4 != 3 and kls[k] > max(kls[:k]))
     target = (max(kls[:stop_at]) + kls[stop_at]) / 2
-    config = plan_config(tmp_path, **sections, **{"learner.target_kl": target})
+    config = plan_config(tmp_path, **sections, **{"algorithm.target_kl": target})
     stopped_kls, stopped = approx_kl_per_minibatch(Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)), batch, monkeypatch)
     assert stopped_kls == kls[: stop_at + 1]  # the same update up to there
     assert stopped["ppo/optimizer_steps"] == stop_at + 1  # that minibatch's step is taken, then no more
@@ -413,7 +414,7 @@ def test_kl_early_stopping_stops_after_the_minibatch_that_exceeds_target_kl(tmp_
 
 
 def gradients_of_one_step(tmp_path, bc_checkpoint, batch: RolloutBatch, grad_accum: int) -> tuple[dict[str, torch.Tensor], Learner]:
-    config = plan_config(tmp_path, **{"learner.num_minibatches": 1, "learner.update_epochs": 1, "learner.grad_accum": grad_accum})
+    config = plan_config(tmp_path, **{"algorithm.num_minibatches": 1, "algorithm.update_epochs": 1, "algorithm.grad_accum": grad_accum})
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     grads: dict[str, torch.Tensor] = {}
     step = learner.optimizer.step
@@ -457,20 +458,20 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
                 scored[idx] = learner_module.chain_log_prob(policy, policy.encode(obs.index(idx)), chains[idx]).log_prob
             torch.testing.assert_close(scored, whole, rtol=1e-6, atol=1e-6)
     for sections in (
-        {"learner.num_minibatches": 1},
-        {"learner.num_minibatches": 5},
-        {"learner.minibatch_size": 4, "learner.grad_accum": 2},
+        {"algorithm.num_minibatches": 1},
+        {"algorithm.num_minibatches": 5},
+        {"algorithm.minibatch_size": 4, "algorithm.grad_accum": 2},
     ):
         learner = Learner(plan_config(tmp_path, **sections), FlowPolicy.from_pretrained(bc_checkpoint))
         torch.testing.assert_close(learner.prepare(batch).old_log_probs, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_the_banner_states_the_updates_shape_in_one_line() -> None:
-    from common.config import load_config
+    from common.config_loading import load_config
     from learner.reporting import banner
 
     assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
-    sixteen = load_config(None, ["actors.num_actors=16", "learner.num_minibatches=3", "learner.grad_accum=2"])
+    sixteen = load_config(None, ["actors.num_actors=16", "algorithm.num_minibatches=3", "algorithm.grad_accum=2"])
     assert (
         learner_module.update_shape(sixteen) == "1600 decisions per iteration, 3 minibatches x 533-534, 8 epochs, micro-batches of <= 267"
     )
@@ -478,3 +479,38 @@ def test_the_banner_states_the_updates_shape_in_one_line() -> None:
     assert [line for line in lines if "decisions per iteration" in line] == [
         f"update             : {learner_module.update_shape(RunConfig())}"
     ]
+
+
+def banner_config(config: RunConfig) -> dict:
+    """The YAML block of the run banner, read back."""
+    import yaml
+
+    from learner.reporting import banner
+
+    lines = banner(config, None, None, {}, 1.0).splitlines()
+    return yaml.safe_load("\n".join(lines[3 : lines.index("-" * 78)]))
+
+
+@pytest.mark.parametrize("setting", ["mlp_ppo", "mlp_grpo", "smolvla"])
+def test_the_banner_shows_only_the_policy_subsection_and_algorithm_fields_that_apply(setting: str) -> None:
+    from common.config_loading import load_config
+
+    if setting == "smolvla":
+        config = load_config("configs/smolvla_tiny_pick.yaml")
+    else:
+        config = load_config(None, ["algorithm.algo=grpo", "algorithm.group_size=2"] if setting == "mlp_grpo" else [])
+    shown, everything = banner_config(config), config.to_dict()
+    if setting == "smolvla":
+        assert config.policy.type == "smolvla" and shown["policy"]["smolvla"] == everything["policy"]["smolvla"]
+    else:
+        assert config.policy.type == "mlp_flow" and "smolvla" not in shown["policy"]
+    grpo_only, ppo_only = {"group_size", "grpo_std_normalization"}, {"gae_lambda", "vf_coef", "critic_lr", "critic_warmup_iters"}
+    hidden = set(everything["algorithm"]) - set(shown["algorithm"])
+    assert hidden >= (ppo_only if setting == "mlp_grpo" else grpo_only) and not hidden & (grpo_only if setting == "mlp_grpo" else ppo_only)
+    # Nothing else is left out, and what is shown is the config's own values.
+    for section, values in everything.items():
+        if isinstance(values, dict):
+            assert {k: v for k, v in values.items() if k in shown[section]} == shown[section], section
+            assert set(values) - set(shown[section]) <= (hidden if section == "algorithm" else {"smolvla"}), section
+        else:
+            assert shown[section] == values, section

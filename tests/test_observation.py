@@ -171,7 +171,7 @@ def test_rollout_record_carries_compact_frames_and_tokens() -> None:
 def test_cached_features_update_exactly_like_re_encoding(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """The MLP's encoder is frozen, so the learner encodes once per iteration (obs and next_obs, each by micro-batch);
     forcing the per-micro-batch path gives bit-identical weights, with one more encode() per micro-batch of the update."""
-    config = tiny_config(tmp_path, **{"learner.grad_accum": 2})
+    config = tiny_config(tmp_path, **{"algorithm.grad_accum": 2})
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
     results = {}
     for trainable in (False, True):
@@ -185,7 +185,7 @@ def test_cached_features_update_exactly_like_re_encoding(tmp_path, bc_checkpoint
         results[trainable] = (policy.state_dict(), len(calls), metrics["ppo/optimizer_steps"])
     cached_state, cached_calls, steps = results[False]
     fresh_state, fresh_calls, _ = results[True]
-    micro = config.learner.minibatch_size // config.learner.grad_accum
+    micro = config.algorithm.minibatch_size // config.algorithm.grad_accum
     chunks = math.ceil(batch.num_decisions * batch.num_envs / micro)  # prepare's encodes of obs, and of next_obs
     assert chunks > 1 and max(calls) <= micro
     assert cached_calls == 2 * chunks and fresh_calls == 2 * chunks + steps * 2  # two micro-batches per minibatch

@@ -48,11 +48,11 @@ def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path, bc_check
         directory.write_latest("iter_000001")
         with pytest.raises(FileExistsError, match="already holds a run"):
             directory.start_new(config)
-    changed = tiny_config(tmp_path, seed=3, **{"learner.clip_eps": 0.1, "eval_every": 7})
-    assert directory.config_changes(changed) == {"seed": (0, 3), "learner.clip_eps": (0.05, 0.1), "eval_every": (0, 7)}
-    with pytest.raises(ConfigError, match=r"learner\.clip_eps: 0\.05 -> 0\.1; seed: 0 -> 3\. Resume"):
+    changed = tiny_config(tmp_path, seed=3, **{"algorithm.clip_eps": 0.1, "eval_every": 7})
+    assert directory.config_changes(changed) == {"seed": (0, 3), "algorithm.clip_eps": (0.05, 0.1), "eval_every": (0, 7)}
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_eps: 0\.05 -> 0\.1; seed: 0 -> 3\. Resume"):
         directory.resume(changed)  # eval_every is safe to change and is not listed
-    assert directory.resume(changed, {"seed", "learner.clip_eps"}).name == "iter_000001"
+    assert directory.resume(changed, {"seed", "algorithm.clip_eps"}).name == "iter_000001"
     assert directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"  # extending the run is fine
     with pytest.raises(ConfigError, match="iterations=1 but .* has completed 1"):
         directory.resume(tiny_config(tmp_path, iterations=1))

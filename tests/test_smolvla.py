@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, PolicyConfig, SmolVLAConfig, load_config
+from common.config import ConfigError, PolicyConfig, SmolVLAConfig
+from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
 from common.observation import Observation
@@ -442,7 +443,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
 SMOLVLA_CHUNK = dict(chunk_size=50, num_steps=1, sigma_min=0.08, sigma_max=0.16)
 
 
-SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").learner
+SMOLVLA_PPO = load_config(Path(__file__).parents[1] / "configs" / "smolvla_pick.yaml").algorithm
 
 
 def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[str, float]:

@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 
 from actors.rollout_actor import RolloutActor
-from common.config import load_config
+from common.config_loading import load_config
 from common.diagnostics import BehaviourGapWarning
 from common.envs import TASKS
 from common.flow import chain_log_prob
@@ -28,7 +28,7 @@ def tiny_run_config(run_dir: Path, *extra: str):
     """configs/smolvla_tiny_pick.yaml with test-sized budgets."""
     sets = ["pretrain.num_demos=1", "pretrain.train_steps=8", "pretrain.batch_size=16", "pretrain.eval_episodes=0",
             "actors.num_actors=2", "actors.envs_per_actor=1", "actors.decisions_per_rollout=4", "env.max_episode_steps=20",
-            "learner.minibatch_size=4", "learner.update_epochs=1", "learner.critic_warmup_iters=0", "iterations=1",
+            "algorithm.minibatch_size=4", "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0", "iterations=1",
             "eval_every=0", "eval_episodes=2", "checkpoint_every=1", f"run_dir={run_dir}", *extra]  # fmt: skip
     return load_config(TINY_CONFIG, sets)
 
@@ -115,7 +115,7 @@ def test_the_learner_encodes_one_micro_batch_of_frames_at_a_time(smolvla_bc, tmp
     """prepare() encodes at most minibatch_size / grad_accum rows at a time, observations and next observations alike,
     so a VLM's activations do not grow with the iteration (smolvla_base's shapes on an H100: 32 GiB peak for 512
     decisions at once, 17 GiB by 16; bench/smolvla_gpu.py); its scores equal one whole-batch encode's."""
-    config = tiny_run_config(tmp_path / "run", "learner.minibatch_size=4", "learner.grad_accum=2")
+    config = tiny_run_config(tmp_path / "run", "algorithm.minibatch_size=4", "algorithm.grad_accum=2")
     batch = RolloutActor(config, 0, smolvla_bc).sample(None, 0)
     learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
     policy, rows = learner.policy, []
@@ -136,8 +136,8 @@ def test_two_actor_iteration_on_local_ray_with_frames_and_instruction(smolvla_bc
     from learner.main import main
 
     run_dir = tmp_path / "run"
-    sets = ["actors.envs_per_actor=1", "actors.decisions_per_rollout=4", "env.max_episode_steps=20", "learner.minibatch_size=4",
-            "learner.update_epochs=1", "learner.critic_warmup_iters=0", "eval_every=0", "eval_episodes=2",
+    sets = ["actors.envs_per_actor=1", "actors.decisions_per_rollout=4", "env.max_episode_steps=20", "algorithm.minibatch_size=4",
+            "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0", "eval_every=0", "eval_episodes=2",
             "checkpoint_every=1"]  # fmt: skip
     argv = ["--config", str(TINY_CONFIG), "--num-actors", "2", "--iterations", "1", "--run-dir", str(run_dir),
             "--checkpoint", str(smolvla_bc)]  # fmt: skip

@@ -24,8 +24,8 @@ def local_ray():
 
 def tiny_args(run_dir, bc_checkpoint, iterations: int, *extra: str) -> list[str]:
     sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=8", "env.max_episode_steps=40",
-            "learner.minibatch_size=16", "learner.update_epochs=2", "eval_every=1", "eval_episodes=4",
-            "checkpoint_every=1", "learner.lr_schedule=constant", "learner.critic_warmup_iters=0", "eval_videos=0"]  # fmt: skip
+            "algorithm.minibatch_size=16", "algorithm.update_epochs=2", "eval_every=1", "eval_episodes=4",
+            "checkpoint_every=1", "algorithm.lr_schedule=constant", "algorithm.critic_warmup_iters=0", "eval_videos=0"]  # fmt: skip
     argv = ["--num-actors", "2", "--iterations", str(iterations), "--run-dir", str(run_dir), "--checkpoint", str(bc_checkpoint)]
     for item in sets:
         argv += ["--set", item]
@@ -138,8 +138,8 @@ def test_bad_flags_fail_with_a_named_field(tmp_path, capsys) -> None:
 
 def test_random_init_runs_only_when_explicitly_allowed(tmp_path, capsys) -> None:
     argv = ["--num-actors", "1", "--iterations", "1", "--set", "eval_every=0", "--set", "eval_episodes=2",
-            "--set", "learner.critic_warmup_iters=0",
-            "--set", "actors.decisions_per_rollout=4", "--set", "learner.minibatch_size=8", "--set", "policy.hidden_dim=32"]  # fmt: skip
+            "--set", "algorithm.critic_warmup_iters=0",
+            "--set", "actors.decisions_per_rollout=4", "--set", "algorithm.minibatch_size=8", "--set", "policy.hidden_dim=32"]  # fmt: skip
     assert main([*argv, "--run-dir", str(tmp_path / "a"), "--allow-random-init"]) == 0
     assert (tmp_path / "a" / "checkpoints" / "random_init" / "model.safetensors").is_file()
     assert (tmp_path / "a" / "checkpoints" / "iter_000001" / "model.safetensors").is_file()

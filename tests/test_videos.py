@@ -22,7 +22,7 @@ from common.recording import EpisodeRecording, FilmedTaskEnv, record_layouts, re
 from common.rollout import evaluate_layouts
 from common.video import caption, side_by_side, write_mp4
 from learner import replay
-from learner.learner import TRAINER_STATE_FILE
+from learner.checkpoints import TRAINER_STATE_FILE
 from learner.run_dir import LATEST_FILE, RUN_CONFIG_FILE
 from tests.conftest import tiny_config
 

@@ -38,7 +38,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from common.config import POLICY_TYPES, ConfigError, PolicyConfig, from_dict
+from common.config import POLICY_TYPES, ConfigError, PolicyConfig
+from common.config_loading import from_dict
 from common.observation import Observation
 
 WEIGHTS_FILE = "model.safetensors"

@@ -1,0 +1,154 @@
+"""Reading a run configuration: YAML files, `--set section.field=value` overrides, and the typed build of the
+schema's dataclasses (common.config) from nested dicts.
+
+`load_config` is the one entry point for a run: defaults, then the YAML file, then the overrides, then
+`RunConfig.validate()`. `from_dict` rejects unknown keys and wrong types by their dotted name, so a typo such as
+`clip_epsilon` never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.config import AlgorithmConfig, ConfigError, RunConfig
+
+# Fields that moved to another section: an old YAML or --set gets the new place in one line.
+MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)}
+
+
+def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name.
+
+    Fields absent from `data` keep their values in `base` (default: `cls()`), and nested sections start
+    from the enclosing default's section, not from the section class's own defaults: RunConfig's policy
+    samples from a_0 = 0 while PolicyConfig() keeps the N(0, I) prior, and `--set policy.sigma_max=0.2`
+    must change sigma_max alone, never silently reset init_noise_std.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    for name in unknown:
+        if _join(path, name) in MOVED_FIELDS:
+            raise ConfigError(f"{_join(path, name)} is now {MOVED_FIELDS[_join(path, name)]}")
+    if unknown:
+        raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
+    base = cls() if base is None else base
+    kwargs = {name: _coerce(hints[name], value, _join(path, name), getattr(base, name)) for name, value in data.items()}
+    return dataclasses.replace(base, **kwargs)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _coerce(hint: Any, value: Any, path: str, default: Any = None) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, path, default if isinstance(default, hint) else None)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_coerce(key_hint, k, f"{path}.{k}"): _coerce(value_hint, v, f"{path}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{path} must be float, got {value!r}") from None
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value!r}")
+    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{path} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what is wrong, and where."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{getattr(error, 'problem', None) or error}{where}".split())  # an undecodable byte's message spans lines
+
+
+def read_yaml_file(path: Path, what: str) -> Any:
+    """The YAML document in the file at `path` (None when it is empty); ConfigError naming `what` and the file, and
+    the line of a syntax error, when it is missing or not YAML."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_bytes())  # bytes: PyYAML reports a bad encoding as a YAMLError too
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {_yaml_problem(exc)}") from None
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file at `path` (if any), then `overrides`; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        loaded = read_yaml_file(path, "config file")
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at top level")
+        data = loaded or {}
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        config = from_dict(RunConfig, data)
+    except TypeError as exc:  # a section given a scalar, for instance
+        raise ConfigError(f"{path}: {exc}") from exc
+    config.validate()
+    return config
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"algorithm": {"clip_eps": 0.02}} -> {"algorithm.clip_eps": 0.02}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and not key.endswith("resources"):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def fields_of(config: RunConfig) -> set[str]:
+    """Every dotted field name of a RunConfig (for validating --allow-config-change)."""
+    return set(flatten(dataclasses.asdict(config)))
