@@ -39,7 +39,6 @@ def tiny_run_config(policy_type: str, run_dir: Path, *extra: str):
     return load_config(None, sets)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("policy_type", ["pi0", "pi05"])
 def test_bc_rollout_and_one_ppo_iteration(policy_type, tmp_path) -> None:
     config = tiny_run_config(policy_type, tmp_path / "run")
