@@ -4,6 +4,7 @@ strict loading of the project's and lerobot's checkpoints, the eval-mode guard, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -21,23 +22,11 @@ if LEROBOT_LINE < (0, 6):
         allow_module_level=True,
     )
 
-from common.observation import Observation  # noqa: E402
 from common.policy import OBS_CLIP, CheckpointError, build_policy  # noqa: E402
-from common.policy.pi0 import PiFlowPolicy, resolve_tokenizer_path, tiny_gemma_sizes  # noqa: E402
-from tests.vla_checks import (  # noqa: E402
-    bf16_actor_gap,
-    check_learner_log_probs_equal_actor_log_probs,
-    check_noise_off_chain_reproduces_lerobot,
-    check_prefix_cache_kept,
-    check_reinit_state_proj,
-    check_round_trip_and_strict_refusal,
-    check_sampling_reads_frames_instruction_and_state,
-    check_train_keeps_the_lerobot_model_in_eval_mode,
-    ppo_step_changes,
-)
+from common.policy.pi0 import PiFlowPolicy, resolve_tokenizer_path, tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
+from tests import vla_checks  # noqa: E402
 
 IMAGE_SIZE = 32
-INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
 TYPES = ["pi0", "pi05"]
 
 
@@ -64,17 +53,6 @@ def tiny_policy(policy_type: str = "pi0", seed: int = 0, **overrides) -> PiFlowP
         torch.linspace(-0.5, 0.5, 39), torch.full((39,), 0.3), torch.tensor([0.1, -0.2, 0.0, 0.3]), torch.full((4,), 0.5)
     )
     return policy
-
-
-def observations(policy: PiFlowPolicy, batch: int, seed: int = 0) -> Observation:
-    generator = torch.Generator().manual_seed(seed)
-    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
-    return Observation(
-        state=torch.randn(batch, 39, generator=generator),
-        images=torch.randint(0, 256, (batch, 1, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, generator=generator),
-        tokens=torch.from_numpy(tokens),
-        token_mask=torch.from_numpy(mask),
-    )
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -121,22 +99,22 @@ def test_pi05_prompt_spells_out_the_discretised_state() -> None:
     """lerobot's pi0.5 prompt: "Task: <instruction>, State: <256-bin indices>;\\nAction: ", tokenized at every encode
     from the instruction's tokens and the state normalised into [-1, 1] (clipped std units / OBS_CLIP)."""
     policy = tiny_policy("pi05")
-    obs = observations(policy, 2, seed=3)
+    obs = vla_checks.tiny_observations(policy, 2, seed=3)
     ids, mask = policy.pi05_prompt(obs)
     scaled = (policy.normalized_state(obs) / OBS_CLIP).numpy()
     bins = np.minimum(np.floor((scaled + 1.0) * 128).astype(int), 255)  # bin i covers [-1 + i/128, -1 + (i+1)/128)
     assert 0 <= bins.min() and bins.max() <= 255 and len(set(bins[0].tolist())) > 5
     for row in range(2):
-        expected = f"<bos>Task: {INSTRUCTIONS[row]}, State: {' '.join(map(str, bins[row]))};\nAction: "
+        expected = f"<bos>Task: {vla_checks.INSTRUCTIONS[row]}, State: {' '.join(map(str, bins[row]))};\nAction: "
         assert policy.tokenizer.decode(ids[row][mask[row]]) == expected
     short = tiny_policy("pi05", pi0={"tokenizer_max_length": 100})
     with pytest.raises(ValueError, match=r"policy\.pi0\.tokenizer_max_length=100"):
-        short.encode(observations(short, 1))
+        short.encode(vla_checks.tiny_observations(short, 1))
 
 
 def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
-    obs = observations(policy, 4)
-    check_sampling_reads_frames_instruction_and_state(policy, obs)
+    obs = vla_checks.tiny_observations(policy, 4)
+    vla_checks.check_sampling_reads_frames_instruction_and_state(policy, obs)
     with torch.no_grad():
         assert (policy.encode(obs).suffix_state is None) == (policy.config.type == "pi05")  # pi0's state feeds the expert
 
@@ -145,18 +123,18 @@ def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
 def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
     """The project's Euler chain with the noise off == lerobot's own sample_actions (its prefix pass, its Euler loop
     from t=1), same weights, same x_0, float32: within 1e-5."""
-    obs = observations(policy, 3, seed=2)
+    obs = vla_checks.tiny_observations(policy, 3, seed=2)
     assert policy.vla.model.config.num_inference_steps == policy.num_steps
     sample_actions = functools.partial(policy.vla.model.sample_actions, *policy.lerobot_inputs(obs))
-    check_noise_off_chain_reproduces_lerobot(policy, obs, start, sample_actions)
+    vla_checks.check_noise_off_chain_reproduces_lerobot(policy, obs, start, sample_actions)
 
 
 def test_denoising_leaves_the_kept_prefix_cache_untouched(policy) -> None:
-    check_prefix_cache_kept(policy, observations(policy, 3, seed=15))
+    vla_checks.check_prefix_cache_kept(policy, vla_checks.tiny_observations(policy, 3, seed=15))
 
 
 def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:
-    check_learner_log_probs_equal_actor_log_probs(policy, observations(policy, 6, seed=4), tmp_path / "ckpt")
+    vla_checks.check_learner_log_probs_equal_actor_log_probs(policy, vla_checks.tiny_observations(policy, 6, seed=4), tmp_path / "ckpt")
 
 
 def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path) -> None:
@@ -166,13 +144,13 @@ def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path
     actor = PiFlowPolicy.from_pretrained(tmp_path / "ckpt").set_backbone_dtype(torch.bfloat16)
     assert actor.vla.model.paligemma_with_expert.gemma_expert.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert actor.vla.model.action_out_proj.weight.dtype == torch.float32
-    assert 1e-5 < bf16_actor_gap(policy, actor, observations(policy, 4, seed=12)) < 0.05
+    assert 1e-5 < vla_checks.bf16_actor_gap(policy, actor, vla_checks.tiny_observations(policy, 4, seed=12)) < 0.05
 
 
 @pytest.mark.parametrize("policy_type", TYPES)
 def test_train_keeps_the_lerobot_model_in_eval_mode(policy_type) -> None:
     policy = tiny_policy(policy_type, pi0={"train_vlm": True})
-    check_train_keeps_the_lerobot_model_in_eval_mode(policy, observations(policy, 2))
+    vla_checks.check_train_keeps_the_lerobot_model_in_eval_mode(policy, vla_checks.tiny_observations(policy, 2))
 
 
 @pytest.mark.parametrize(
@@ -189,7 +167,7 @@ def test_a_ppo_step_changes_exactly_the_selected_tensors(policy_type, flags) -> 
     trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
     if policy_type == "pi05" and policy.config.pi0.train_time_mlp:
         assert any(".input_layernorm.dense." in name for name in trainable)  # the adaRMS time conditioning trains
-    changed, trainable = ppo_step_changes(policy, observations(policy, 8, seed=6))
+    changed, trainable = vla_checks.ppo_step_changes(policy, vla_checks.tiny_observations(policy, 8, seed=6))
     unused = "vla.model.paligemma_with_expert.gemma_expert.lm_head.weight"  # lerobot's expert never decodes tokens
     assert policy.get_parameter(unused).grad is None
     assert changed == trainable - {unused}
@@ -199,7 +177,9 @@ def test_a_ppo_step_changes_exactly_the_selected_tensors(policy_type, flags) -> 
 
 def test_round_trip_and_strict_load_refusing_a_missing_tensor(policy, tmp_path) -> None:
     dropped = "vla.model.paligemma_with_expert.gemma_expert.model.layers.1.self_attn.k_proj.weight"
-    check_round_trip_and_strict_refusal(policy, tmp_path / "ckpt", dropped, tokenizer_path=str(resolve_tokenizer_path(policy.config)))
+    vla_checks.check_round_trip_and_strict_refusal(
+        policy, tmp_path / "ckpt", dropped, tokenizer_path=str(resolve_tokenizer_path(policy.config))
+    )
 
 
 def test_lerobot_checkpoint_round_trip_and_strict_refusal(policy, tmp_path) -> None:
@@ -241,4 +221,17 @@ def test_a_32_wide_pi0_state_projection_loads_only_with_reinit_state_proj(tmp_pa
         tiny_policy(pi0=pi0)
     torch.manual_seed(3)
     widened = build_policy(tiny_config(pi0={**pi0, "reinit_state_proj": True}))
-    assert check_reinit_state_proj(widened, file_state) and widened.vla.model.state_proj.weight.shape[1] == 39
+    assert vla_checks.check_reinit_state_proj(widened, file_state) and widened.vla.model.state_proj.weight.shape[1] == 39
+
+
+def test_a_lerobot_stand_in_is_written_by_lerobot_and_loads_strictly(tmp_path) -> None:
+    """write_lerobot_stand_in (the GPU benchmark's hook) writes a checkpoint with lerobot's own save_pretrained, of
+    the model the config describes; the config naming it as lerobot_checkpoint loads every tensor of it."""
+    config = tiny_config("pi05")
+    directory = write_lerobot_stand_in(tmp_path / "stand_in", config)
+    saved = json.loads((directory / "config.json").read_text())
+    assert saved["type"] == "pi05" and saved["paligemma_variant"] == "tiny" and (directory / "model.safetensors").is_file()
+    loaded = build_policy(dataclasses.replace(config, pi0=dataclasses.replace(config.pi0, lerobot_checkpoint=str(directory))))
+    file_state = load_file(str(directory / "model.safetensors"))
+    assert set(file_state) == set(loaded.vla.state_dict())
+    assert all(torch.equal(tensor, file_state[name]) for name, tensor in loaded.vla.state_dict().items())

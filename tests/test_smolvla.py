@@ -24,7 +24,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.config import ConfigError, PolicyConfig, SmolVLAConfig, load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
-from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
 from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
@@ -42,10 +41,10 @@ from tests.vla_checks import (
     check_sampling_reads_frames_instruction_and_state,
     check_train_keeps_the_lerobot_model_in_eval_mode,
     ppo_step_changes,
+    tiny_observations,
 )
 
 IMAGE_SIZE = 32
-INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
 
 
 def tiny_config(**overrides) -> PolicyConfig:
@@ -63,19 +62,6 @@ def tiny_policy(seed: int = 0, **overrides) -> SmolVLAFlowPolicy:
         torch.linspace(-0.5, 0.5, 39), torch.full((39,), 0.3), torch.tensor([0.1, -0.2, 0.0, 0.3]), torch.full((4,), 0.5)
     )
     return policy
-
-
-def observations(policy: SmolVLAFlowPolicy, batch: int, seed: int = 0) -> Observation:
-    generator = torch.Generator().manual_seed(seed)
-    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
-    return Observation(
-        state=torch.randn(batch, 39, generator=generator),
-        images=torch.randint(
-            0, 256, (batch, len(policy.config.cameras), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, generator=generator
-        ),
-        tokens=torch.from_numpy(tokens),
-        token_mask=torch.from_numpy(mask),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +94,7 @@ def test_tokenize_pads_to_a_fixed_length_with_a_trailing_newline(policy) -> None
 
 
 def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
-    obs = observations(policy, 4)
+    obs = tiny_observations(policy, 4)
     check_sampling_reads_frames_instruction_and_state(policy, obs)
     with torch.no_grad():
         assert index_features(policy.encode(obs), torch.tensor([2])).key_states[0].shape[0] == 1
@@ -123,7 +109,7 @@ def test_time_convention_map() -> None:
 @pytest.mark.parametrize("start", ["zero", "gaussian"])
 def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
     """The project's Euler chain with the noise off == the installed lerobot's own sampler, same weights, same x_0."""
-    obs = observations(policy, 3, seed=2)
+    obs = tiny_observations(policy, 3, seed=2)
     assert policy.vla.model.config.num_steps == policy.num_steps
     check_noise_off_chain_reproduces_lerobot(
         policy, obs, start, functools.partial(policy.vla.model.sample_actions, *policy.lerobot_inputs(obs))
@@ -131,7 +117,7 @@ def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> Non
 
 
 def test_denoising_leaves_the_kept_prefix_cache_untouched(policy) -> None:
-    obs = observations(policy, 3, seed=15)
+    obs = tiny_observations(policy, 3, seed=15)
     check_prefix_cache_kept(policy, obs)
     with torch.no_grad():
         features = policy.encode(obs)
@@ -168,7 +154,7 @@ def test_the_lerobot_line_is_checked_and_the_torchvision_shim_only_acts_beside_a
 
 
 def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:
-    check_learner_log_probs_equal_actor_log_probs(policy, observations(policy, 6, seed=4), tmp_path / "ckpt")
+    check_learner_log_probs_equal_actor_log_probs(policy, tiny_observations(policy, 6, seed=4), tmp_path / "ckpt")
 
 
 def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path) -> None:
@@ -177,7 +163,7 @@ def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path
     policy.save_pretrained(tmp_path / "ckpt")
     actor = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt").set_backbone_dtype(torch.bfloat16)
     assert actor.precision == "bfloat16+float32 on cpu"
-    assert 1e-5 < bf16_actor_gap(policy, actor, observations(policy, 4, seed=12)) < 0.05
+    assert 1e-5 < bf16_actor_gap(policy, actor, tiny_observations(policy, 4, seed=12)) < 0.05
 
 
 class WeightCasts(TorchDispatchMode):
@@ -202,7 +188,7 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
     backbone = [p for p in model.parameters() if p.dim() == 2]  # matmul weights: what autocast casts
     vlm_elements = sum(p.numel() for p in model.vlm.parameters() if p.dim() == 2)
     expert_elements = sum(p.numel() for p in model.lm_expert.parameters() if p.dim() == 2)
-    obs = observations(policy, 2)
+    obs = tiny_observations(policy, 2)
 
     def backbone_elements_cast_per_chunk() -> int:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WeightCasts(backbone) as casts:
@@ -222,7 +208,7 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
     """A reported failure: .train() on a wrapper put SmolVLA's dropout on and log-probs became random."""
     policy = tiny_policy(smolvla={"train_vlm": True})
-    check_train_keeps_the_lerobot_model_in_eval_mode(policy, observations(policy, 2))
+    check_train_keeps_the_lerobot_model_in_eval_mode(policy, tiny_observations(policy, 2))
 
 
 @pytest.mark.parametrize(
@@ -234,7 +220,7 @@ def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
 )
 def test_a_ppo_step_changes_exactly_the_selected_tensors(flags) -> None:
     policy = tiny_policy(smolvla=flags)
-    changed, trainable = ppo_step_changes(policy, observations(policy, 8, seed=6))
+    changed, trainable = ppo_step_changes(policy, tiny_observations(policy, 8, seed=6))
     assert changed == trainable
     vlm_names = [n for n, _ in policy.named_parameters() if n.startswith("vla.model.vlm_with_expert.vlm.")]
     assert vlm_names and not changed.intersection(vlm_names)  # the VLM is bit-identical
@@ -306,7 +292,7 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
     assert check_reinit_state_proj(widened, file_state)
     assert widened.vla.model.state_proj.weight.shape[1] == 39
     # All 39 state elements reach the velocity, the 7 beyond smolvla_base's width included.
-    obs = observations(widened, 2, seed=14)
+    obs = tiny_observations(widened, 2, seed=14)
     a_t, t = torch.randn(2, 4, 4), torch.full((2,), 0.5)
     with torch.no_grad():
         base_velocity = widened.velocity(a_t, t, widened.encode(obs))
@@ -337,7 +323,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
     tiny SmolVLA with a 50-action chunk, then the next minibatch's clip fraction on the same chains."""
     ppo = SMOLVLA_PPO
     policy = tiny_policy(log_prob_normalization=normalization, **SMOLVLA_CHUNK)
-    obs = observations(policy, batch, seed=9)
+    obs = tiny_observations(policy, batch, seed=9)
     with torch.no_grad():
         features = policy.encode(obs)
         sample = sample_chain(policy, features, batch, generator=torch.Generator().manual_seed(10))

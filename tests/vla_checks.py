@@ -18,6 +18,22 @@ from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy
 from common.rl import normalize, ppo_policy_loss, value_loss
 
+INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
+
+
+def tiny_observations(policy: FlowPolicy, batch: int, seed: int = 0) -> Observation:
+    """`batch` random observations for a tiny VLA: 39-d states, uint8 frames of every camera at policy.image_size, and
+    the INSTRUCTIONS in turn, tokenized by the policy."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
+    size, cameras = policy.config.image_size, len(policy.config.cameras)
+    return Observation(
+        state=torch.randn(batch, 39, generator=generator),
+        images=torch.randint(0, 256, (batch, cameras, size, size, 3), dtype=torch.uint8, generator=generator),
+        tokens=torch.from_numpy(tokens),
+        token_mask=torch.from_numpy(mask),
+    )
+
 
 def check_sampling_reads_frames_instruction_and_state(policy: FlowPolicy, obs: Observation) -> None:
     """A chain of 4 decisions samples with bounded, non-constant noise, and the velocity moves when the frames, the
