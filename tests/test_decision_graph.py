@@ -16,7 +16,8 @@ from common.decision_graph import reused_uploads
 from common.flow import sample_chain
 from common.policy.lerobot_compat import embed_whole_frames
 from common.rollout import decide, decision_tensors
-from tests.test_smolvla import observations, tiny_policy
+from tests.test_smolvla import tiny_policy
+from tests.vla_checks import tiny_observations as observations
 
 # ATen ops that read a device tensor on the host (or index by a mask's contents, which does): each one stalls the
 # CPU until the GPU catches up, and none may run inside a CUDA graph capture.

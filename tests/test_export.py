@@ -35,7 +35,9 @@ from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from learner.export import main
 from learner.learner import TRAINER_STATE_FILE
 from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
-from tests.test_smolvla import IMAGE_SIZE, INSTRUCTIONS, observations, tiny_config, tiny_policy
+from tests.test_smolvla import IMAGE_SIZE, tiny_config, tiny_policy
+from tests.vla_checks import INSTRUCTIONS
+from tests.vla_checks import tiny_observations as observations
 
 install_cpu_torchvision_shim()  # before lerobot's processors import torchvision (a no-op where it is not needed)
 from lerobot.envs.utils import preprocess_observation  # noqa: E402

@@ -212,7 +212,8 @@ def test_reference_shares_frozen_parts_and_copies_trainable_ones() -> None:
 
 def test_smolvla_reference_copies_only_what_trains() -> None:
     """With the VLM frozen, the reference holds a copy of the trained heads only and scores like the policy."""
-    from tests.test_smolvla import observations, tiny_policy
+    from tests.test_smolvla import tiny_policy
+    from tests.vla_checks import tiny_observations as observations
 
     policy = tiny_policy().eval()
     reference = frozen_reference(policy)

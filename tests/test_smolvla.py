@@ -9,6 +9,7 @@ guard, and the ratio sensitivity of summed log-probs on SmolVLA's 50-action chun
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -22,18 +23,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import ConfigError, PolicyConfig, SmolVLAConfig
 from common.config_loading import load_config
-from common.diagnostics import RatioSensitivityWarning, check_ratio_is_one, check_ratio_sensitivity
-from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, transition
-from common.observation import Observation
+from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
+from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
-from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy, lerobot_flow_time
+from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
-from common.rl import normalize, ppo_policy_loss, value_loss
+from common.policy.vla_common import lerobot_flow_time
+from common.rl import normalize, ppo_policy_loss
+from tests.vla_checks import (
+    bf16_actor_gap,
+    check_learner_log_probs_equal_actor_log_probs,
+    check_noise_off_chain_reproduces_lerobot,
+    check_prefix_cache_kept,
+    check_reinit_state_proj,
+    check_round_trip_and_strict_refusal,
+    check_sampling_reads_frames_instruction_and_state,
+    check_train_keeps_the_lerobot_model_in_eval_mode,
+    ppo_step_changes,
+    tiny_observations,
+)
 
 IMAGE_SIZE = 32
-INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
 
 
 def tiny_config(**overrides) -> PolicyConfig:
@@ -51,19 +63,6 @@ def tiny_policy(seed: int = 0, **overrides) -> SmolVLAFlowPolicy:
         torch.linspace(-0.5, 0.5, 39), torch.full((39,), 0.3), torch.tensor([0.1, -0.2, 0.0, 0.3]), torch.full((4,), 0.5)
     )
     return policy
-
-
-def observations(policy: SmolVLAFlowPolicy, batch: int, seed: int = 0) -> Observation:
-    generator = torch.Generator().manual_seed(seed)
-    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
-    return Observation(
-        state=torch.randn(batch, 39, generator=generator),
-        images=torch.randint(
-            0, 256, (batch, len(policy.config.cameras), IMAGE_SIZE, IMAGE_SIZE, 3), dtype=torch.uint8, generator=generator
-        ),
-        tokens=torch.from_numpy(tokens),
-        token_mask=torch.from_numpy(mask),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -96,32 +95,10 @@ def test_tokenize_pads_to_a_fixed_length_with_a_trailing_newline(policy) -> None
 
 
 def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
-    obs = observations(policy, 4)
+    obs = tiny_observations(policy, 4)
+    check_sampling_reads_frames_instruction_and_state(policy, obs)
     with torch.no_grad():
-        features = policy.encode(obs)
-        sample = sample_chain(policy, features, 4, generator=torch.Generator().manual_seed(1))
-    assert sample.chain.shape == (4, 4, 4, 4) and torch.isfinite(sample.chain).all()
-    std = sample.scores.std
-    assert std.min() >= 0.05 - 1e-6 and std.max() <= 0.15 + 1e-6 and std.std() > 0  # bounded, and not constant
-    assert index_features(features, torch.tensor([2])).key_states[0].shape[0] == 1
-
-    a_t, t = torch.randn(4, 4, 4), torch.full((4,), 0.25)
-
-    def velocity_for(changed: Observation) -> torch.Tensor:
-        with torch.no_grad():
-            return policy.velocity(a_t, t, policy.encode(changed))
-
-    base = velocity_for(obs)
-    other_frames = dataclasses.replace(obs, images=255 - obs.images)
-    other_words = dataclasses.replace(obs, tokens=obs.tokens.roll(1, dims=0), token_mask=obs.token_mask.roll(1, dims=0))
-    other_state = dataclasses.replace(obs, state=obs.state + 1.0)
-    for changed in (other_frames, other_words, other_state):
-        assert (velocity_for(changed) - base).abs().max() > 1e-4
-    with pytest.raises(ValueError, match="images"):
-        policy.encode(Observation(state=obs.state))
-    features = policy.encode(obs)
-    with pytest.raises(RuntimeError, match="call velocity first"):
-        policy.sigma(t, features)  # the noise head reads the hidden state of the velocity call before it
+        assert index_features(policy.encode(obs), torch.tensor([2])).key_states[0].shape[0] == 1
 
 
 def test_time_convention_map() -> None:
@@ -133,39 +110,18 @@ def test_time_convention_map() -> None:
 @pytest.mark.parametrize("start", ["zero", "gaussian"])
 def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
     """The project's Euler chain with the noise off == the installed lerobot's own sampler, same weights, same x_0."""
-    obs = observations(policy, 3, seed=2)
-    shape = (3, policy.chunk_size, policy.action_dim)
-    x0 = torch.zeros(shape) if start == "zero" else torch.randn(shape, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        features = policy.encode(obs)
-        if start == "zero":  # sample_chain's deterministic mode starts at a_0 = 0
-            ours = sample_chain(policy, features, 3, deterministic=True).chain[:, -1]
-        else:
-            ours = x0
-            for k in range(policy.num_steps):
-                ours, _ = transition(policy, features, ours, k)
-        theirs = policy.vla.model.sample_actions(*policy.lerobot_inputs(obs), noise=x0)
+    obs = tiny_observations(policy, 3, seed=2)
     assert policy.vla.model.config.num_steps == policy.num_steps
-    assert theirs.abs().max() > 0.1  # a real trajectory, not zeros on both sides
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    check_noise_off_chain_reproduces_lerobot(
+        policy, obs, start, functools.partial(policy.vla.model.sample_actions, *policy.lerobot_inputs(obs))
+    )
 
 
 def test_denoising_leaves_the_kept_prefix_cache_untouched(policy) -> None:
-    """lerobot 0.6's denoise_step appends the action tokens to its DynamicCache and crops them off in place; every
-    velocity call gets a cache of its own, so the kept keys and values stay the prefix's, bit for bit, and the
-    same call after a whole chain gives the same velocity."""
-    obs = observations(policy, 3, seed=15)
-    a_t, t = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(16)), torch.full((3,), 0.5)
+    obs = tiny_observations(policy, 3, seed=15)
+    check_prefix_cache_kept(policy, obs)
     with torch.no_grad():
         features = policy.encode(obs)
-        kept = [tensor.clone() for tensor in features.key_states + features.value_states]
-        first = policy.velocity(a_t, t, features)
-        sample_chain(policy, features, 3, generator=torch.Generator().manual_seed(17))
-        again = policy.velocity(a_t, t, features)
-    assert torch.equal(first, again)
-    prefix_length = features.prefix_pad_mask.shape[1]
-    assert all(keys.shape[1] == prefix_length for keys in features.key_states)
-    assert all(torch.equal(before, after) for before, after in zip(kept, features.key_states + features.value_states))
     model = policy.vla.model.vlm_with_expert
     assert denoise_cache(model, features.kv()) is not denoise_cache(model, features.kv())
     # The DynamicCache form (0.6's SmolVLA; pi0 on both lines) holds the same tensors in its own layout.
@@ -199,19 +155,7 @@ def test_the_lerobot_line_is_checked_and_the_torchvision_shim_only_acts_beside_a
 
 
 def test_learner_log_probs_equal_actor_log_probs(policy, tmp_path) -> None:
-    """Actor: a checkpoint loaded in eval mode samples. Learner: another copy in train mode re-encodes
-    and rescores. Same weights, so the ratio is 1 within 1e-5 (the learner's check passes)."""
-    policy.save_pretrained(tmp_path / "ckpt")
-    actor = FlowPolicy.from_pretrained(tmp_path / "ckpt").eval()
-    learner = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt").train()
-    obs = observations(policy, 6, seed=4)
-    with torch.no_grad():
-        sample = sample_chain(actor, actor.encode(obs), 6, generator=torch.Generator().manual_seed(5))
-    rescored = chain_log_prob(learner, learner.encode(obs), sample.chain)
-    logratio = rescored.log_prob - sample.scores.log_prob
-    assert check_ratio_is_one(logratio, learner, tolerance=1e-5) <= 1e-5
-    rescored.log_prob.sum().backward()  # the learner's graph reaches the trainable heads
-    assert learner.noise_head[0].weight.grad is not None and learner.vla.model.action_out_proj.weight.grad is not None
+    check_learner_log_probs_equal_actor_log_probs(policy, tiny_observations(policy, 6, seed=4), tmp_path / "ckpt")
 
 
 def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path) -> None:
@@ -220,12 +164,7 @@ def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path
     policy.save_pretrained(tmp_path / "ckpt")
     actor = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt").set_backbone_dtype(torch.bfloat16)
     assert actor.precision == "bfloat16+float32 on cpu"
-    obs = observations(policy, 4, seed=12)
-    with torch.no_grad():
-        sample = sample_chain(actor, actor.encode(obs), 4, generator=torch.Generator().manual_seed(13))
-        rescored = chain_log_prob(policy, policy.encode(obs), sample.chain)
-    gap = (rescored.log_prob - sample.scores.log_prob).abs().max()
-    assert 1e-5 < gap < 0.05
+    assert 1e-5 < bf16_actor_gap(policy, actor, tiny_observations(policy, 4, seed=12)) < 0.05
 
 
 class WeightCasts(TorchDispatchMode):
@@ -250,7 +189,7 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
     backbone = [p for p in model.parameters() if p.dim() == 2]  # matmul weights: what autocast casts
     vlm_elements = sum(p.numel() for p in model.vlm.parameters() if p.dim() == 2)
     expert_elements = sum(p.numel() for p in model.lm_expert.parameters() if p.dim() == 2)
-    obs = observations(policy, 2)
+    obs = tiny_observations(policy, 2)
 
     def backbone_elements_cast_per_chunk() -> int:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WeightCasts(backbone) as casts:
@@ -268,24 +207,9 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
-    """A reported failure: .train() on a wrapper put SmolVLA's dropout on and log-probs became random. The tiny
-    VLM has attention dropout 0.1 in its vision tower; with the VLM trainable, lerobot's own train() no
-    longer keeps it in eval mode, so an unguarded train() makes the features random."""
+    """A reported failure: .train() on a wrapper put SmolVLA's dropout on and log-probs became random."""
     policy = tiny_policy(smolvla={"train_vlm": True})
-    assert policy.encoder_is_trainable
-    obs = observations(policy, 2)
-    policy.train()
-    assert policy.training and policy.noise_head.training and policy.critic_head.training
-    assert not any(module.training for module in policy.vla.modules())
-    with torch.no_grad():
-        first, second = policy.encode(obs), policy.encode(obs)
-    assert torch.equal(first.critic_input, second.critic_input)
-
-    nn.Module.train(policy, True)  # what the plain nn.Module.train would do: the bug, for contrast
-    torch.manual_seed(0)
-    with torch.no_grad():
-        first, second = policy.encode(obs), policy.encode(obs)
-    assert not torch.equal(first.critic_input, second.critic_input)
+    check_train_keeps_the_lerobot_model_in_eval_mode(policy, tiny_observations(policy, 2))
 
 
 @pytest.mark.parametrize(
@@ -297,41 +221,9 @@ def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:
 )
 def test_a_ppo_step_changes_exactly_the_selected_tensors(flags) -> None:
     policy = tiny_policy(smolvla=flags)
-    groups = policy.parameter_groups()
-    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
-    selected = {
-        name
-        for group, modules in groups.items()
-        if getattr(policy.config.smolvla, f"train_{group}")
-        for module in modules
-        for name, _ in module.named_parameters(prefix=module_name(policy, module))
-    }
-    assert trainable == selected and set(policy.broadcast_state()) == trainable
-    assert policy.broadcast_bytes() == sum(policy.state_dict()[n].numel() * 4 for n in trainable)
-    assert not policy.encoder_is_trainable
-    # Every parameter belongs to exactly one flag group.
-    owned = [id(p) for modules in groups.values() for m in modules for p in m.parameters()]
-    assert len(owned) == len(set(owned)) == len(list(policy.parameters()))
-
-    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
-    obs = observations(policy, 8, seed=6)
-    with torch.no_grad():
-        features = policy.encode(obs)
-        sample = sample_chain(policy, features, 8, generator=torch.Generator().manual_seed(7))
-        old_values = policy.value(features)
-    policy.train()
-    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    scores = chain_log_prob(policy, features, sample.chain)
-    advantages = normalize(torch.randn(8, generator=torch.Generator().manual_seed(8)))
-    pg_loss, metrics = ppo_policy_loss(scores.log_prob, sample.scores.log_prob, advantages, clip_eps=0.2)
-    v_loss, _ = value_loss(policy.value(features), old_values + advantages, old_values, None)
-    assert metrics["clipfrac"] == 0.0  # ratio 1 before the step
-    optimizer.zero_grad()
-    (pg_loss + v_loss).backward()
-    optimizer.step()
-    changed = {name for name, p in policy.named_parameters() if not torch.equal(p.detach(), before[name])}
+    changed, trainable = ppo_step_changes(policy, tiny_observations(policy, 8, seed=6))
     assert changed == trainable
-    vlm_names = [n for n in before if n.startswith("vla.model.vlm_with_expert.vlm.")]
+    vlm_names = [n for n, _ in policy.named_parameters() if n.startswith("vla.model.vlm_with_expert.vlm.")]
     assert vlm_names and not changed.intersection(vlm_names)  # the VLM is bit-identical
 
 
@@ -345,23 +237,10 @@ def test_set_trainable_switches_groups_for_a_loaded_policy() -> None:
         policy.set_trainable(train_vlms=True)
 
 
-def module_name(policy: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in policy.named_modules() if m is module)
-
-
 def test_round_trip_and_strict_load_refusing_a_missing_tensor(policy, tmp_path) -> None:
-    policy.save_pretrained(tmp_path / "ckpt")
-    loaded = SmolVLAFlowPolicy.from_pretrained(tmp_path / "ckpt", vlm_path=str(tiny_vlm_dir(TinyVLMSpec(image_size=IMAGE_SIZE))))
-    assert loaded.loaded_from and not loaded.training
-    for name, tensor in policy.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[name]), name
-
-    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    vlm_path = str(tiny_vlm_dir(TinyVLMSpec(image_size=IMAGE_SIZE)))
     dropped = "vla.model.vlm_with_expert.lm_expert.layers.1.self_attn.k_proj.weight"
-    del weights[dropped]
-    save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=dropped.replace(".", r"\.")):
-        FlowPolicy.from_pretrained(tmp_path / "ckpt")
+    check_round_trip_and_strict_refusal(policy, tmp_path / "ckpt", dropped, vlm_path=vlm_path)
 
 
 def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, tmp_path) -> None:
@@ -411,16 +290,10 @@ def test_a_32_wide_state_projection_loads_into_a_39_d_policy_only_with_reinit_st
 
     torch.manual_seed(3)
     widened = build_policy(tiny_config(smolvla={**smolvla, "reinit_state_proj": True}))
-    loaded = widened.vla.state_dict()
-    reinitialised = {k for k in loaded if k.startswith("model.state_proj.")}
-    assert reinitialised == {"model.state_proj.weight", "model.state_proj.bias"}
-    assert loaded["model.state_proj.weight"].shape[1] == 39
-    assert not torch.equal(loaded["model.state_proj.bias"], file_state["model.state_proj.bias"])
-    assert set(loaded) - reinitialised <= set(file_state)
-    for name in set(loaded) - reinitialised:
-        assert torch.equal(loaded[name], file_state[name]), name
+    assert check_reinit_state_proj(widened, file_state)
+    assert widened.vla.model.state_proj.weight.shape[1] == 39
     # All 39 state elements reach the velocity, the 7 beyond smolvla_base's width included.
-    obs = observations(widened, 2, seed=14)
+    obs = tiny_observations(widened, 2, seed=14)
     a_t, t = torch.randn(2, 4, 4), torch.full((2,), 0.5)
     with torch.no_grad():
         base_velocity = widened.velocity(a_t, t, widened.encode(obs))
@@ -451,7 +324,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
     tiny SmolVLA with a 50-action chunk, then the next minibatch's clip fraction on the same chains."""
     ppo = SMOLVLA_PPO
     policy = tiny_policy(log_prob_normalization=normalization, **SMOLVLA_CHUNK)
-    obs = observations(policy, batch, seed=9)
+    obs = tiny_observations(policy, batch, seed=9)
     with torch.no_grad():
         features = policy.encode(obs)
         sample = sample_chain(policy, features, batch, generator=torch.Generator().manual_seed(10))

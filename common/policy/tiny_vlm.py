@@ -93,22 +93,38 @@ SMOLVLM2_500M_SHAPES = TinyVLMSpec(
 )  # fmt: skip
 
 
-def vocabulary() -> dict[str, int]:
-    """Special tokens first, then every printable ASCII character (one token per character)."""
-    specials = list(dict.fromkeys([*SPECIAL_TOKENS.values(), *EXTRA_SPECIAL_TOKENS.values()]))
+def vocabulary(special_tokens: list[str] | None = None, size: int | None = None) -> dict[str, int]:
+    """`special_tokens` (default: SmolVLM's) first, then every printable ASCII character (one token per character),
+    then placeholder tokens up to `size` when given (a backbone's full vocabulary, so every id it embeds exists)."""
+    specials = special_tokens or list(dict.fromkeys([*SPECIAL_TOKENS.values(), *EXTRA_SPECIAL_TOKENS.values()]))
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    return {token: i for i, token in enumerate([*specials, *chars])}
+    tokens = [*specials, *chars]
+    if size is not None:
+        if size < len(tokens):
+            raise ValueError(f"a character vocabulary needs at least {len(tokens)} tokens, got size={size}")
+        tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+    return {token: i for i, token in enumerate(tokens)}
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer with SmolVLM's special tokens (transformers' PreTrainedTokenizerFast)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(
+    special_tokens: dict[str, str] = SPECIAL_TOKENS,
+    extra_special_tokens: dict[str, str] = EXTRA_SPECIAL_TOKENS,
+    size: int | None = None,
+    add_bos: bool = False,
+):
+    """A character-level fast tokenizer (transformers' PreTrainedTokenizerFast) with the given special tokens
+    (default: SmolVLM's), `size` tokens in all when given, and the BOS token prepended to every text with `add_bos`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token=SPECIAL_TOKENS["unk_token"]))
+    vocab = vocabulary(list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens.values()])), size)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=special_tokens["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join without separators when decoding
-    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=512, extra_special_tokens=EXTRA_SPECIAL_TOKENS, **SPECIAL_TOKENS)
+    if add_bos:
+        bos = special_tokens["bos_token"]
+        core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=512, extra_special_tokens=extra_special_tokens, **special_tokens)
 
 
 def write_tiny_vlm(directory: str | Path, spec: TinyVLMSpec) -> Path:

@@ -1,0 +1,355 @@
+"""What the lerobot VLA backends share (SmolVLA: common.policy.smolvla; pi0 / pi0.5: common.policy.pi0).
+
+Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an action expert, and an
+`action_out_proj` that maps the expert's hidden state to a velocity. The pieces below are the same for all of them:
+  VLAFeatures        encode()'s output: the prefix KV cache as plain tensors, batch first, and the critic's input
+  prefix_features    one prefix pass (common.policy.lerobot_compat.fill_prefix_cache) -> VLAFeatures
+  lerobot_flow_time  the ONE map between the project's flow time and lerobot's
+  VLAFlowPolicy      velocity (the model's denoise_step on a fresh cache per call), the ReinFlow noise head on
+                     the expert hidden state, the critic, trainable-flag groups, eval-mode guard, persistence
+  load_lerobot_checkpoint  a lerobot checkpoint directory loaded strictly (every tensor from the file)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from common.config import PolicyConfig
+from common.observation import Observation
+from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, read_policy_config, read_safetensors
+from common.policy.lerobot_compat import KVLayers, fill_prefix_cache, pad_vector
+from common.policy.mlp import mlp
+
+STATE_PROJ_PREFIX = "model.state_proj."  # lerobot's state projection, (width, max_state_dim) + bias, in a lerobot state dict
+
+
+def lerobot_flow_time(t: Tensor) -> tuple[Tensor, float]:
+    """The ONE map between the project's flow time and lerobot's: t (B,) -> (lerobot time (B,), velocity sign).
+
+    The project (common.flow.time_grid) runs t from 0 (noise) to 1 (action): a_t = (1 - t) noise + t action,
+    a_{k+1} = a_k + v dt with dt = +1/K. lerobot's SmolVLA, pi0 and pi0.5 run tau from 1 (noise) to 0 (action):
+    x_tau = tau noise + (1 - tau) action, the network predicts u = noise - action, and the sampler steps
+    x <- x + u * (-1/K). So a_t = x_{1-t}, and the project's velocity da/dt = -dx/dtau = -u. With the
+    noise off, K Euler steps of the project's chain are then exactly lerobot's `sample_actions`.
+    """
+    return 1.0 - t, -1.0
+
+
+def bounded_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
+    """ReinFlow's noise bound: raw head output -> std with log std^2 = tanh-interpolated in [log min^2, log max^2]."""
+    log_var_min, log_var_max = 2.0 * math.log(sigma_min), 2.0 * math.log(sigma_max)
+    log_var = log_var_min + 0.5 * (torch.tanh(raw) + 1.0) * (log_var_max - log_var_min)
+    return torch.exp(0.5 * log_var)
+
+
+@contextlib.contextmanager
+def capture_input(module: nn.Module) -> Iterator[list[Tensor]]:
+    """Record the input of every forward of `module` while the context is open (lerobot's denoise_step
+    returns only the velocity; the noise head needs the expert hidden state it was computed from)."""
+    captured: list[Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+@dataclass
+class VLAFeatures:
+    """encode()'s output: everything the K denoising steps and the critic need, batch first."""
+
+    key_states: tuple[Tensor, ...]  # per VLM layer (B, L, kv_heads, head_dim): the prefix KV cache
+    value_states: tuple[Tensor, ...]  # per VLM layer (B, L, kv_heads, head_dim)
+    prefix_pad_mask: Tensor  # (B, L) bool, True on real prefix tokens
+    critic_input: Tensor  # (B, text_hidden + obs_dim): pooled prefix hidden state and normalised state
+    # What the expert reads beside the cache at every step: pi0's padded normalised state (B, max_state_dim); None
+    # for the backends that put the state into the prefix (SmolVLA's state token, pi0.5's prompt).
+    suffix_state: Tensor | None = None
+    # (t, expert hidden state (B, H, expert_width)) of the last velocity() call on these features, read by
+    # the sigma() call that follows it. Not an init field: index_features' copies start without it.
+    last_expert_hidden: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def kv(self) -> KVLayers:
+        """The kept prefix cache as common.policy.lerobot_compat takes it."""
+        return self.key_states, self.value_states
+
+
+def prefix_features(
+    vlm_with_expert: nn.Module,
+    embeddings: Tensor,
+    pad_mask: Tensor,
+    attention_mask: Tensor,
+    state: Tensor,
+    suffix_state: Tensor | None = None,
+) -> VLAFeatures:
+    """One VLM pass over the prefix embeddings (B, L, text_hidden) with the attention mask the model's own sampler
+    builds, positions as its sampler counts them -> the kept cache, and the critic input: the masked mean of the final
+    prefix hidden states concatenated with the normalised state (B, obs_dim)."""
+    positions = torch.cumsum(pad_mask, dim=1) - 1  # as lerobot's sample_actions
+    prefix_out, (key_states, value_states) = fill_prefix_cache(vlm_with_expert, embeddings, attention_mask, positions)
+    weights = pad_mask.unsqueeze(-1).to(prefix_out.dtype)
+    pooled = (prefix_out * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+    return VLAFeatures(
+        key_states=key_states,
+        value_states=value_states,
+        prefix_pad_mask=pad_mask,
+        critic_input=torch.cat([pooled.float(), state.float()], dim=-1),
+        suffix_state=suffix_state,
+    )
+
+
+def local_directory(config: PolicyConfig, section: str, field: str, marker: str, what: str, offline: Callable[[], Path]) -> Path:
+    """policy.<section>.<field>: a local directory holding `marker` (a CheckpointError saying it must hold `what`
+    otherwise), or `offline()` (a stand-in built without network) when the field is empty."""
+    value = getattr(getattr(config, section), field)
+    if not value:
+        return offline()
+    path = Path(value).expanduser()
+    if not (path / marker).is_file():
+        raise CheckpointError(f"policy.{section}.{field}={value!r} holds no {marker}: it must be a local directory with {what}")
+    return path
+
+
+def lerobot_config_fields(config: PolicyConfig) -> dict[str, Any]:
+    """The fields every lerobot VLA config (SmolVLAConfig, PI0Config, PI05Config) takes from policy config and its
+    section alike: the chunk, the padded widths, the prompt length, lerobot's own freezing (requires_grad is set again
+    by apply_trainable_flags; with the VLM trained lerobot's train() no longer keeps it in eval mode, and
+    VLAFlowPolicy.train() does), and the features (policy.cameras' frames, the state, the action)."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    section = getattr(config, {"pi05": "pi0"}.get(config.type, config.type))
+    frame = (3, config.image_size, config.image_size)
+    images = {f"observation.images.{camera}": PolicyFeature(FeatureType.VISUAL, frame) for camera in config.cameras}
+    return {
+        "chunk_size": config.chunk_size,
+        "n_action_steps": config.chunk_size,
+        "max_state_dim": section.max_state_dim,
+        "max_action_dim": section.max_action_dim,
+        "tokenizer_max_length": section.tokenizer_max_length,
+        "freeze_vision_encoder": not section.train_vlm,
+        "train_expert_only": not section.train_vlm,
+        "input_features": {"observation.state": PolicyFeature(FeatureType.STATE, (config.obs_dim,)), **images},
+        "output_features": {"action": PolicyFeature(FeatureType.ACTION, (config.action_dim,))},
+        "device": "cpu",  # lerobot moves the model there once (and uses it for its processors); it moves with .to() afterwards
+    }
+
+
+def tokenize_texts(tokenizer: Any, texts: list[str], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Texts -> (ids (B, length) int64, mask (B, length) bool), right-padded to a fixed length as lerobot's
+    tokenizer step does, so every env's tokens stack into one record."""
+    encoded = tokenizer(texts, padding="max_length", max_length=length, truncation=True, padding_side="right", return_tensors="np")
+    return encoded["input_ids"].astype(np.int64), encoded["attention_mask"].astype(bool)
+
+
+def require_frames_and_instruction(obs: Observation, config: PolicyConfig) -> None:
+    """A one-line error unless the observation carries the frames and instruction tokens a VLA reads."""
+    missing = [name for name in ("images", "tokens") if getattr(obs, name) is None]
+    if missing:
+        raise ValueError(
+            f"policy.type {config.type} reads camera frames and the instruction, but Observation.{'/'.join(missing)} is None: render "
+            f"policy.image_size={config.image_size} frames from {config.cameras}; tokenize instructions with policy.tokenize"
+        )
+    if obs.images.shape[1] != len(config.cameras):
+        raise ValueError(f"Observation.images has {obs.images.shape[1]} cameras, policy.cameras lists {len(config.cameras)}")
+
+
+class VLAFlowPolicy(FlowPolicy):
+    """A lerobot VLA (attribute `vla`) plus a ReinFlow noise head and a critic head; a backend supplies the model,
+    its encode() and one denoising call (`denoise`), and names its parameter groups."""
+
+    section: str  # the policy config section holding this backend's settings and train_* flags ("smolvla", "pi0")
+    prefix_groups: tuple[str, ...]  # the parameter groups that feed encode()
+    vla: nn.Module
+
+    def add_heads(self, expert_width: int, text_width: int) -> None:
+        """The noise head (on the expert hidden state of each action token (B, H, expert_width)), the critic head (on
+        the pooled prefix and the state), normalisation buffers, trainable flags, eval mode: the end of __init__."""
+        config = self.config
+        self.noise_head = mlp(expert_width, config.hidden_dim, config.action_dim, 2)
+        self.critic_head = mlp(text_width + config.obs_dim, config.hidden_dim, 1, 2)
+        self.register_normalization()  # as the MLP backend: buffers saved with the weights
+        self.apply_trainable_flags()
+        self.eval()
+
+    @property
+    def settings(self) -> Any:
+        """This backend's policy config section (policy.smolvla, policy.pi0)."""
+        return getattr(self.config, self.section)
+
+    # -- what trains -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def parameter_groups(self) -> dict[str, tuple[nn.Module, ...]]:
+        """Every trainable-flag group (policy.<section>.train_<group>) -> its modules; they partition the parameters."""
+
+    def apply_trainable_flags(self) -> None:
+        """requires_grad from policy.<section>.train_* (lerobot's own freezing choices are overridden)."""
+        for group, modules in self.parameter_groups().items():
+            for module in modules:
+                module.requires_grad_(getattr(self.settings, f"train_{group}"))
+
+    def set_trainable(self, **flags: bool) -> None:
+        """Change what trains, e.g. set_trainable(train_expert=True, train_vlm=True) for behaviour cloning.
+        The flags are a run setting, not architecture: a checkpoint stores the ones it was saved with, so a
+        run that loads one applies its own policy.<section>.train_* through this method."""
+        known = {f"train_{group}" for group in self.parameter_groups()}
+        unknown = sorted(set(flags) - known)
+        if unknown:
+            raise ValueError(f"unknown trainable flag(s) {unknown}; known: policy.{self.section}.{sorted(known)}")
+        setattr(self.config, self.section, dataclasses.replace(self.settings, **flags))
+        self.apply_trainable_flags()
+
+    @property
+    def encoder_is_trainable(self) -> bool:
+        """encode() runs the prefix groups only; with them frozen its features are fixed per observation."""
+        groups = self.parameter_groups()
+        return any(p.requires_grad for group in self.prefix_groups for m in groups[group] for p in m.parameters())
+
+    def broadcast_bytes(self) -> int:
+        """Bytes sent to actors per weight version (the trainable tensors only)."""
+        return sum(t.numel() * t.element_size() for t in self.broadcast_state().values())
+
+    def train(self, mode: bool = True) -> VLAFlowPolicy:
+        """Heads follow `mode`; the lerobot model stays in eval mode whatever is asked. A known failure: a wrapper's
+        .train() switched SmolVLA's dropout on, so recomputed log-probs differed from the behaviour ones by
+        hundreds of nats before any update (KL ~3e8). Eval mode only turns dropout off: gradients still flow."""
+        super().train(mode)
+        self.vla.eval()
+        return self
+
+    # -- the FlowPolicy pieces ---------------------------------------------------------------------
+
+    @abstractmethod
+    def denoise(self, features: VLAFeatures, action: Tensor, lerobot_t: Tensor) -> Tensor:
+        """The model's denoise_step: padded action (B, H, max_action_dim) at lerobot time (B,) -> its velocity, in
+        lerobot's convention, computed through `vla.model.action_out_proj`."""
+
+    def velocity(self, action: Tensor, t: Tensor, features: VLAFeatures) -> Tensor:
+        """lerobot's denoise_step at (a_t, t), mapped to the project's convention; (B, H, A)."""
+        lerobot_t, sign = lerobot_flow_time(t)
+        padded = pad_vector(action, self.settings.max_action_dim)
+        with capture_input(self.vla.model.action_out_proj) as hidden:
+            v = self.denoise(features, padded, lerobot_t)
+        features.last_expert_hidden = (t, hidden[-1])
+        return sign * v[..., : self.config.action_dim]
+
+    def sigma(self, t: Tensor, features: VLAFeatures) -> Tensor:
+        """Injected-noise std (B, H, A) from the expert hidden state of the velocity() call just before,
+        at the same t and features (common.flow.transition calls them in that order). The head sees the
+        noisy action through that hidden state, which the interface's sigma(t, features) does not pass."""
+        stash, features.last_expert_hidden = features.last_expert_hidden, None
+        if stash is None or stash[0] is not t:
+            raise RuntimeError(
+                f"{type(self).__name__}.sigma(t, features) reads the expert hidden state of the velocity(action, t, features) call "
+                "made just before it with the same t and features objects (as common.flow.transition does); call velocity first"
+            )
+        return bounded_sigma(self.noise_head(stash[1]), self.config.sigma_min, self.config.sigma_max)
+
+    def value(self, features: VLAFeatures) -> Tensor:
+        """Critic (B,) on the masked mean of the VLM's final prefix hidden states concatenated with the normalised
+        state. Both come out of encode's single prefix pass, so the critic costs one small MLP; with the VLM frozen
+        they are a fixed feature of the observation, which the learner computes once per iteration and reuses. The
+        raw state is added because a pooled VLM vector need not keep exact positions, which a value of a
+        pick-and-place state depends on."""
+        return self.critic_head(features.critic_input).squeeze(-1)
+
+    def critic_parameter_names(self) -> list[str]:
+        return [f"critic_head.{name}" for name, _ in self.critic_head.named_parameters()]
+
+    # -- persistence ---------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """As FlowPolicy, with policy.<section>.lerobot_checkpoint cleared in config.json: the saved weights
+        hold every tensor, so loading never reads the original lerobot checkpoint again."""
+        directory = super().save_pretrained(directory)
+        data = json.loads((directory / CONFIG_FILE).read_text())
+        data[self.section]["lerobot_checkpoint"] = ""
+        data[self.section]["reinit_state_proj"] = False  # applied at that load; the saved state_proj is the one to keep
+        (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
+        return directory
+
+    @classmethod
+    def load_with_local_path(cls, directory: str | Path, field: str, path: str | None, **overrides: Any) -> VLAFlowPolicy:
+        """from_pretrained with policy.<section>.<field> (a local directory the weights do not hold: a backbone's
+        config and tokenizer) replaced by `path` when given, the rest of the saved section kept."""
+        if path is not None:
+            saved = dataclasses.asdict(getattr(read_policy_config(directory), cls.section))
+            overrides[cls.section] = {**saved, **overrides.get(cls.section, {}), field: path}
+        return super().from_pretrained(directory, **overrides)
+
+
+def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, architecture_fields: tuple[str, ...]) -> None:
+    """Load the lerobot checkpoint directory policy.<section>.lerobot_checkpoint (config.json + model.safetensors,
+    as lerobot's save_pretrained writes it) into `vla`, strictly.
+
+    lerobot's own loader leaves any tensor missing from the file at its random initialisation without a
+    word; here every tensor of the model must come from the file, or CheckpointError lists the missing
+    ones. The checkpoint's type must be policy.type, and its `architecture_fields` (names shared by lerobot's
+    config and policy.<section>) must agree with policy.<section> (the error says which to set). A file that lacks
+    some of the model's keys gets the renames lerobot's policy applies to older files on load (pi0's
+    `_fix_pytorch_state_dict_keys`: e.g. the text embedding from a file's lm_head) before the check; the file's own
+    keys win. Keys the model does not have are ignored.
+
+    policy.<section>.reinit_state_proj: the one explicit exception. A base checkpoint's state projection is 32
+    wide (its max_state_dim) and Metaworld's state has 39 elements; with the flag, `model.state_proj.*` keeps its
+    fresh initialisation at policy.<section>.max_state_dim (the file's copy, of another width or absent, is
+    not read) and max_state_dim may differ from the file's. Every other tensor is still required from the
+    file. The robot state the checkpoint was trained on has other elements than Metaworld's, so its columns
+    are not reused; behaviour cloning (learner/pretrain.py) trains the new projection.
+    """
+    settings = getattr(config, section)
+    directory = Path(settings.lerobot_checkpoint).expanduser()
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise CheckpointError(
+                f"policy.{section}.lerobot_checkpoint: {path} is missing "
+                f"(a lerobot {config.type} checkpoint has config.json and model.safetensors)"
+            )
+    saved = json.loads(config_path.read_text())
+    if saved.get("type") != config.type:
+        raise CheckpointError(f"{config_path} is a lerobot {saved.get('type')!r} checkpoint, not {config.type}")
+    reinit_state_proj = settings.reinit_state_proj
+    mismatched = [
+        f"policy.{section}.{name}={saved[name]!r} (config has {getattr(settings, name)!r})"
+        for name in architecture_fields
+        if name in saved and saved[name] != getattr(settings, name) and not (reinit_state_proj and name == "max_state_dim")
+    ]
+    if mismatched:
+        state_hint = (
+            f"; for a state of another width (policy.obs_dim={config.obs_dim}) keep max_state_dim and set "
+            f"policy.{section}.reinit_state_proj: true to re-initialise state_proj alone"
+            if any(m.startswith(f"policy.{section}.max_state_dim=") for m in mismatched)
+            else ""
+        )
+        raise CheckpointError(f"{config_path}: architecture differs from policy.{section}; set {', '.join(mismatched)}{state_hint}")
+    state = read_safetensors(weights_path)
+    own = vla.state_dict()
+    fresh = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()  # keep their initialisation
+    expected = set(own) - fresh
+    if not expected <= set(state) and hasattr(vla, "_fix_pytorch_state_dict_keys"):
+        # lerobot's renames of older files, then its "model." prefix, as its from_pretrained does
+        renamed = vla._fix_pytorch_state_dict_keys(state, vla.config)
+        state = {**{key if key.startswith("model.") else f"model.{key}": value for key, value in renamed.items()}, **state}
+    missing = sorted(expected - set(state))
+    wrong_shape = sorted(
+        f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in expected & set(state) if own[k].shape != state[k].shape
+    )
+    if missing or wrong_shape:
+        raise CheckpointError(
+            f"{weights_path} lacks {len(missing)} of the model's {len(expected)} expected tensors and has {len(wrong_shape)} of the wrong "
+            f"shape; lerobot would leave these at random init. missing={missing} wrong_shape={wrong_shape}"
+        )
+    vla.load_state_dict({**{k: own[k] for k in fresh}, **{k: state[k] for k in expected}}, strict=True)

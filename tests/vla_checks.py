@@ -1,0 +1,214 @@
+"""Checks every lerobot VLA backend passes (tests/test_smolvla.py, tests/test_pi0.py call them on their tiny models):
+each takes a policy (common.policy.vla_common.VLAFlowPolicy) and observations of it, and asserts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from common.diagnostics import check_ratio_is_one
+from common.flow import chain_log_prob, sample_chain, transition
+from common.observation import Observation
+from common.policy import CheckpointError, FlowPolicy
+from common.rl import normalize, ppo_policy_loss, value_loss
+
+INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
+
+
+def tiny_observations(policy: FlowPolicy, batch: int, seed: int = 0) -> Observation:
+    """`batch` random observations for a tiny VLA: 39-d states, uint8 frames of every camera at policy.image_size, and
+    the INSTRUCTIONS in turn, tokenized by the policy."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, mask = policy.tokenize([INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)])
+    size, cameras = policy.config.image_size, len(policy.config.cameras)
+    return Observation(
+        state=torch.randn(batch, 39, generator=generator),
+        images=torch.randint(0, 256, (batch, cameras, size, size, 3), dtype=torch.uint8, generator=generator),
+        tokens=torch.from_numpy(tokens),
+        token_mask=torch.from_numpy(mask),
+    )
+
+
+def check_sampling_reads_frames_instruction_and_state(policy: FlowPolicy, obs: Observation) -> None:
+    """A chain of 4 decisions samples with bounded, non-constant noise, and the velocity moves when the frames, the
+    instruction or the state change; missing frames and sigma before velocity are one-line errors."""
+    batch = obs.state.shape[0]
+    with torch.no_grad():
+        sample = sample_chain(policy, policy.encode(obs), batch, generator=torch.Generator().manual_seed(1))
+    assert sample.chain.shape == (batch, policy.num_steps + 1, policy.chunk_size, policy.action_dim) and torch.isfinite(sample.chain).all()
+    std = sample.scores.std
+    assert std.min() >= 0.05 - 1e-6 and std.max() <= 0.15 + 1e-6 and std.std() > 0  # bounded, and not constant
+
+    a_t, t = torch.randn(batch, policy.chunk_size, policy.action_dim), torch.full((batch,), 0.25)
+
+    def velocity_for(changed: Observation) -> Tensor:
+        with torch.no_grad():
+            return policy.velocity(a_t, t, policy.encode(changed))
+
+    base = velocity_for(obs)
+    other_frames = dataclasses.replace(obs, images=255 - obs.images)
+    other_words = dataclasses.replace(obs, tokens=obs.tokens.roll(1, dims=0), token_mask=obs.token_mask.roll(1, dims=0))
+    other_state = dataclasses.replace(obs, state=obs.state + 1.0)
+    for changed in (other_frames, other_words, other_state):
+        assert (velocity_for(changed) - base).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="images"):
+        policy.encode(Observation(state=obs.state))
+    with pytest.raises(RuntimeError, match="call velocity first"):
+        policy.sigma(t, policy.encode(obs))  # the noise head reads the hidden state of the velocity call before it
+
+
+def check_noise_off_chain_reproduces_lerobot(policy: FlowPolicy, obs: Observation, start: str, sample_actions: Callable) -> None:
+    """The project's Euler chain with the noise off == lerobot's own sampler (`sample_actions(noise=x0)` on the same
+    observations), same weights, same x_0 (zeros: sample_chain's deterministic mode; or Gaussian), within 1e-5."""
+    batch = obs.state.shape[0]
+    shape = (batch, policy.chunk_size, policy.action_dim)
+    x0 = torch.zeros(shape) if start == "zero" else torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = policy.encode(obs)
+        if start == "zero":
+            ours = sample_chain(policy, features, batch, deterministic=True).chain[:, -1]
+        else:
+            ours = x0
+            for k in range(policy.num_steps):
+                ours, _ = transition(policy, features, ours, k)
+        theirs = sample_actions(noise=x0)
+    assert theirs.abs().max() > 0.1  # a real trajectory, not zeros on both sides
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def check_prefix_cache_kept(policy: FlowPolicy, obs: Observation) -> None:
+    """lerobot 0.6's denoise_step appends the action tokens to its DynamicCache and crops them off in place; every
+    velocity call gets a cache of its own, so the kept keys and values stay the prefix's, bit for bit, and the
+    same call after a whole chain gives the same velocity."""
+    batch = obs.state.shape[0]
+    a_t = torch.randn(batch, policy.chunk_size, policy.action_dim, generator=torch.Generator().manual_seed(16))
+    t = torch.full((batch,), 0.5)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        kept = [tensor.clone() for tensor in features.key_states + features.value_states]
+        first = policy.velocity(a_t, t, features)
+        sample_chain(policy, features, batch, generator=torch.Generator().manual_seed(17))
+        again = policy.velocity(a_t, t, features)
+    assert torch.equal(first, again)
+    assert all(keys.shape[1] == features.prefix_pad_mask.shape[1] for keys in features.key_states)
+    assert all(torch.equal(before, after) for before, after in zip(kept, features.key_states + features.value_states))
+
+
+def check_learner_log_probs_equal_actor_log_probs(policy: FlowPolicy, obs: Observation, directory: Path) -> None:
+    """Actor: a checkpoint loaded in eval mode samples. Learner: another copy in train mode re-encodes and rescores.
+    Same weights, so the ratio is 1 within 1e-5 (the learner's check passes), and the graph reaches the heads."""
+    policy.save_pretrained(directory)
+    actor = FlowPolicy.from_pretrained(directory).eval()
+    learner = type(policy).from_pretrained(directory).train()
+    batch = obs.state.shape[0]
+    with torch.no_grad():
+        sample = sample_chain(actor, actor.encode(obs), batch, generator=torch.Generator().manual_seed(5))
+    rescored = chain_log_prob(learner, learner.encode(obs), sample.chain)
+    logratio = rescored.log_prob - sample.scores.log_prob
+    assert check_ratio_is_one(logratio, learner, tolerance=1e-5) <= 1e-5
+    rescored.log_prob.sum().backward()
+    assert learner.noise_head[0].weight.grad is not None and learner.vla.model.action_out_proj.weight.grad is not None
+
+
+def bf16_actor_gap(policy: FlowPolicy, actor: FlowPolicy, obs: Observation) -> float:
+    """The largest log-prob gap between chains a reduced-precision `actor` samples and the float32 `policy` scores."""
+    with torch.no_grad():
+        sample = sample_chain(actor, actor.encode(obs), obs.state.shape[0], generator=torch.Generator().manual_seed(13))
+        rescored = chain_log_prob(policy, policy.encode(obs), sample.chain)
+    return float((rescored.log_prob - sample.scores.log_prob).abs().max())
+
+
+def check_train_keeps_the_lerobot_model_in_eval_mode(policy: FlowPolicy, obs: Observation) -> None:
+    """With the VLM trainable (its tiny vision tower has attention dropout 0.1), lerobot's own train() no longer keeps
+    it in eval mode, so an unguarded train() makes the features random; the backend's train() does not."""
+    assert policy.encoder_is_trainable
+    policy.train()
+    assert policy.training and policy.noise_head.training and policy.critic_head.training
+    assert not any(module.training for module in policy.vla.modules())
+    with torch.no_grad():
+        first, second = policy.encode(obs), policy.encode(obs)
+    assert torch.equal(first.critic_input, second.critic_input)
+
+    nn.Module.train(policy, True)  # what the plain nn.Module.train would do: the bug, for contrast
+    torch.manual_seed(0)
+    with torch.no_grad():
+        first, second = policy.encode(obs), policy.encode(obs)
+    assert not torch.equal(first.critic_input, second.critic_input)
+
+
+def module_name(policy: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in policy.named_modules() if m is module)
+
+
+def ppo_step_changes(policy: FlowPolicy, obs: Observation) -> tuple[set[str], set[str]]:
+    """One PPO step (policy and value loss, Adam) on chains the policy sampled -> (names of the parameters it changed,
+    names of the trainable ones). Checks on the way: the trainable set is exactly the enabled flag groups', it is what
+    is broadcast, the groups partition the parameters, encode() is frozen, and the ratio is 1 before the step."""
+    groups = policy.parameter_groups()
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    selected = {
+        name
+        for group, modules in groups.items()
+        if getattr(policy.settings, f"train_{group}")
+        for module in modules
+        for name, _ in module.named_parameters(prefix=module_name(policy, module))
+    }
+    assert trainable == selected and set(policy.broadcast_state()) == trainable
+    assert policy.broadcast_bytes() == sum(policy.state_dict()[n].numel() * 4 for n in trainable)
+    assert not policy.encoder_is_trainable
+    owned = [id(p) for modules in groups.values() for m in modules for p in m.parameters()]
+    assert len(owned) == len(set(owned)) == len(list(policy.parameters()))
+
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    batch = obs.state.shape[0]
+    with torch.no_grad():
+        features = policy.encode(obs)
+        sample = sample_chain(policy, features, batch, generator=torch.Generator().manual_seed(7))
+        old_values = policy.value(features)
+    policy.train()
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    scores = chain_log_prob(policy, features, sample.chain)
+    advantages = normalize(torch.randn(batch, generator=torch.Generator().manual_seed(8)))
+    pg_loss, metrics = ppo_policy_loss(scores.log_prob, sample.scores.log_prob, advantages, clip_eps=0.2)
+    v_loss, _ = value_loss(policy.value(features), old_values + advantages, old_values, None)
+    assert metrics["clipfrac"] == 0.0  # ratio 1 before the step
+    optimizer.zero_grad()
+    (pg_loss + v_loss).backward()
+    optimizer.step()
+    return {name for name, p in policy.named_parameters() if not torch.equal(p.detach(), before[name])}, trainable
+
+
+def check_round_trip_and_strict_refusal(policy: FlowPolicy, directory: Path, dropped: str, **load: str) -> None:
+    """save_pretrained then from_pretrained (with `load`'s keyword arguments) gives every tensor back; the same
+    directory without the tensor `dropped` is refused with its name."""
+    policy.save_pretrained(directory)
+    loaded = type(policy).from_pretrained(directory, **load)
+    assert loaded.loaded_from and not loaded.training
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+    weights = load_file(str(directory / "model.safetensors"))
+    del weights[dropped]
+    save_file(weights, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=dropped.replace(".", r"\.")):
+        FlowPolicy.from_pretrained(directory)
+
+
+def check_reinit_state_proj(widened: FlowPolicy, file_state: dict[str, Tensor]) -> set[str]:
+    """A policy loaded from a lerobot checkpoint with reinit_state_proj: state_proj alone is fresh and as wide as
+    its max_state_dim, every other tensor is the file's -> the reinitialised names."""
+    loaded = widened.vla.state_dict()
+    reinitialised = {k for k in loaded if k.startswith("model.state_proj.")}
+    assert reinitialised == {"model.state_proj.weight", "model.state_proj.bias"}
+    assert loaded["model.state_proj.weight"].shape[1] == widened.settings.max_state_dim
+    assert not torch.equal(loaded["model.state_proj.bias"], file_state["model.state_proj.bias"])
+    assert set(loaded) - reinitialised <= set(file_state)
+    for name in set(loaded) - reinitialised:
+        assert torch.equal(loaded[name], file_state[name]), name
+    return reinitialised
