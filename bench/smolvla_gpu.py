@@ -97,24 +97,13 @@ def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, 
         return False
 
 
-def write_inputs(work: Path, size: str, sets: list[str]) -> tuple[RunConfig, Path, dict[str, Any]]:
-    """The backbone directory, the smolvla_base stand-in, and the run config that loads it (strictly)."""
-    spec = SMOLVLM2_500M_SHAPES if size == "full" else TinyVLMSpec(image_size=32)
-    vlm_dir = write_tiny_vlm(work / "vlm", spec)
-    stand_in = work / "smolvla_base_stand_in"
-    base_sets = [
-        f"policy.smolvla.vlm_path={vlm_dir}",
-        "policy.smolvla.lerobot_checkpoint=''",
-        *(TINY_SETS if size == "tiny" else ()),
-        *sets,
-    ]
-    # smolvla_base's own state width: the recipe's reinit_state_proj then re-initialises state_proj at 39.
-    saved_as = load_config(
-        RECIPE, [*base_sets, "policy.obs_dim=32", "policy.smolvla.max_state_dim=32", "policy.smolvla.reinit_state_proj=false"]
-    )
-    torch.manual_seed(0)
-    build_policy(saved_as.policy).vla.save_pretrained(stand_in)
-    config = load_config(RECIPE, [*base_sets, f"policy.smolvla.lerobot_checkpoint={stand_in}"])
+def write_inputs(work: Path, size: str, sets: list[str], recipe: Path) -> tuple[RunConfig, Path, dict[str, Any]]:
+    """The offline backbone/tokenizer directory, a stand-in for the recipe's lerobot checkpoint, the run config that
+    loads it (strictly), and the policy saved as the run's checkpoint."""
+    if load_config(recipe).policy.type == "smolvla":
+        config = write_smolvla_stand_in(work, size, sets, recipe)
+    else:
+        config = write_pi_stand_in(work, size, sets, recipe)
     policy = build_policy(config.policy)  # the strict load of the stand-in
     checkpoint = policy.save_pretrained(work / "checkpoint")
     counts = {
@@ -123,6 +112,38 @@ def write_inputs(work: Path, size: str, sets: list[str]) -> tuple[RunConfig, Pat
         "broadcast_mib": policy.broadcast_bytes() / 2.0**20,
     }
     return config, checkpoint, counts
+
+
+def write_smolvla_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> RunConfig:
+    """A SmolVLM backbone directory at SmolVLM2-500M's shapes (or tiny) and a smolvla_base stand-in."""
+    spec = SMOLVLM2_500M_SHAPES if size == "full" else TinyVLMSpec(image_size=32)
+    vlm_dir = write_tiny_vlm(work / "vlm", spec)
+    stand_in = work / "smolvla_base_stand_in"
+    tiny = TINY_SETS if size == "tiny" else ()
+    base_sets = [f"policy.smolvla.vlm_path={vlm_dir}", "policy.smolvla.lerobot_checkpoint=''", *tiny, *sets]
+    # smolvla_base's own state width: the recipe's reinit_state_proj then re-initialises state_proj at 39.
+    saved_as = load_config(
+        recipe, [*base_sets, "policy.obs_dim=32", "policy.smolvla.max_state_dim=32", "policy.smolvla.reinit_state_proj=false"]
+    )
+    torch.manual_seed(0)
+    build_policy(saved_as.policy).vla.save_pretrained(stand_in)
+    return load_config(recipe, [*base_sets, f"policy.smolvla.lerobot_checkpoint={stand_in}"])
+
+
+def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> RunConfig:
+    """A pi0 / pi0.5 stand-in at the recipe's (full) sizes, built on the GPU when there is one, and the offline
+    tokenizer at PaliGemma's vocabulary size."""
+    from common.policy.pi0 import PALIGEMMA_VOCAB, pi_tokenizer_dir, write_lerobot_stand_in
+
+    if size != "full":
+        raise ValueError("--size tiny is SmolVLA's; the pi0 and pi0.5 tests build their tiny models (tests/test_pi0.py)")
+    base_sets = [f"policy.pi0.tokenizer_path={pi_tokenizer_dir(PALIGEMMA_VOCAB)}", "policy.pi0.lerobot_checkpoint=''", *sets]
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    stand_in = write_lerobot_stand_in(work / "pi_stand_in", load_config(recipe, base_sets).policy, device=device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return load_config(recipe, [*base_sets, f"policy.pi0.lerobot_checkpoint={stand_in}"])
 
 
 def launch_counts(profile: torch.profiler.profile) -> dict[str, int]:
@@ -220,7 +241,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def build() -> dict[str, Any]:
             start = time.perf_counter()
-            config, checkpoint, counts = write_inputs(work, args.size, args.set)
+            config, checkpoint, counts = write_inputs(work, args.size, args.set, args.recipe)
             if not cuda:  # the recipe asks for GPUs; the tiny path runs where it is
                 config.actors.num_gpus = config.learner.num_gpus = 0.0
             built.update(config=config, checkpoint=checkpoint)
@@ -262,7 +283,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             time (None: the update's largest micro-batch, micro_batch_rows)."""
 
             def stage() -> dict[str, Any]:
-                learner, batch = state["learner"], RolloutBatch.concat(state["batches"])
+                learner, batch = state["learner"], RolloutBatch.concat(state["batches"] * args.rollout_repeats)
                 cfg = learner.cfg
                 if rows is not None:
                     learner.cfg = dataclasses.replace(cfg, minibatch_size=rows, grad_accum=1)
@@ -279,7 +300,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             return stage
 
         def update() -> dict[str, Any]:
-            batch = RolloutBatch.concat(state["batches"])
+            batch = RolloutBatch.concat(state["batches"] * args.rollout_repeats)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", BehaviourGapWarning)
                 start = clock.now()
@@ -337,6 +358,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help="the run config measured (or configs/pi0_pick.yaml, pi05_pick.yaml)")
+    parser.add_argument("--rollout-repeats", type=int, default=1,
+                        help="the update trains on the sampled rollouts this many times over (its cost is the same)")  # fmt: skip
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts of version 0 for the update (the recipe has 16 actors)")
     parser.add_argument("--batch-sizes", default="1,4,16", help="decision latency at these numbers of envs per call")
     parser.add_argument("--repeats", type=int, default=3)

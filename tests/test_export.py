@@ -32,8 +32,8 @@ from common.policy import OBS_CLIP, build_policy, write_directory_atomically
 from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
+from learner.checkpoints import TRAINER_STATE_FILE
 from learner.export import main
-from learner.learner import TRAINER_STATE_FILE
 from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
 from tests.test_smolvla import IMAGE_SIZE, tiny_config, tiny_policy
 from tests.vla_checks import INSTRUCTIONS
