@@ -34,7 +34,7 @@ def tiny_run_config(policy_type: str, run_dir: Path, *extra: str):
             f"policy.pi0.tokenizer_max_length={48 if policy_type == 'pi0' else 240}",
             "pretrain.num_demos=1", "pretrain.train_steps=8", "pretrain.batch_size=16", "pretrain.eval_episodes=0",
             "actors.num_actors=1", "actors.envs_per_actor=1", "actors.decisions_per_rollout=4", "env.max_episode_steps=20",
-            "learner.minibatch_size=4", "learner.update_epochs=1", "learner.critic_warmup_iters=0", "iterations=1",
+            "algorithm.minibatch_size=4", "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0", "iterations=1",
             "eval_every=0", "eval_episodes=2", "checkpoint_every=1", f"run_dir={run_dir}", *extra]  # fmt: skip
     return load_config(None, sets)
 
