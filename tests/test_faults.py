@@ -313,7 +313,7 @@ BAD_INPUTS = [
     (["--set", "algorithm.lr_warmup_iters=-1"], r"algorithm\.lr_warmup_iters/critic_warmup_iters must be >= 0", None),
     (["--iterations", "2"], r"algorithm\.critic_warmup_iters \(3\) must be < iterations \(2\)", None),
     (["--set", "env.max_episode_steps=501"], r"env\.max_episode_steps \(501\) exceeds Metaworld's episode limit \(500\)", None),
-    (["--set", "policy.type=transformer"], r"policy\.type must be one of \['mlp_flow', 'smolvla'\]", None),
+    (["--set", "policy.type=transformer"], r"policy\.type must be one of \['mlp_flow', 'pi0', 'pi05', 'smolvla'\]", None),
     (["--set", "actors.num_gpus=0.5"], r"actors\.num_gpus=0\.5 .* ask for GPUs but this machine has none", None),
     (["--num-actors", "100000"], r"actors\.num_actors=100000 leaves each actor .* CPU", None),
     (["--set", "policy.obs_dim=20"], r"disagrees with the checkpoint .*policy\.obs_dim: checkpoint 39, config 20", None),

@@ -503,7 +503,8 @@ def test_the_banner_shows_only_the_policy_subsection_and_algorithm_fields_that_a
     if setting == "smolvla":
         assert config.policy.type == "smolvla" and shown["policy"]["smolvla"] == everything["policy"]["smolvla"]
     else:
-        assert config.policy.type == "mlp_flow" and "smolvla" not in shown["policy"]
+        assert config.policy.type == "mlp_flow" and not {"smolvla", "pi0"} & set(shown["policy"])
+    other_backends = {"smolvla", "pi0"} - {config.policy.type}  # every backend subsection but the run's own
     grpo_only, ppo_only = {"group_size", "grpo_std_normalization"}, {"gae_lambda", "vf_coef", "critic_lr", "critic_warmup_iters"}
     hidden = set(everything["algorithm"]) - set(shown["algorithm"])
     assert hidden >= (ppo_only if setting == "mlp_grpo" else grpo_only) and not hidden & (grpo_only if setting == "mlp_grpo" else ppo_only)
@@ -511,6 +512,6 @@ def test_the_banner_shows_only_the_policy_subsection_and_algorithm_fields_that_a
     for section, values in everything.items():
         if isinstance(values, dict):
             assert {k: v for k, v in values.items() if k in shown[section]} == shown[section], section
-            assert set(values) - set(shown[section]) <= (hidden if section == "algorithm" else {"smolvla"}), section
+            assert set(values) - set(shown[section]) <= (hidden if section == "algorithm" else other_backends), section
         else:
             assert shown[section] == values, section
