@@ -210,31 +210,48 @@ class PolicyConfig:
 # actors.policy_lag: beyond a few versions the behaviour weights drift far from the proximal policy, and the
 # learner keeps one copy of the trainable tensors per version in flight.
 MAX_POLICY_LAG = 2
-METAWORLD_MAX_EPISODE_STEPS = 500  # Metaworld v3's max_path_length: its envs truncate every episode there
+
+SUITES = ("metaworld", "gym")  # common.suites's registry; a test keeps the two in step
+
+
+@dataclass
+class GymSuiteConfig:
+    """env.gym: any registered gymnasium env id as a suite (env.suite "gym"; common.suites.gym_env), with how its
+    observations reach the policy. env.task is the env id, e.g. gym_pusht/PushT-v0."""
+
+    module: str = ""  # imported before gymnasium.make, so that it registers its env ids (e.g. gym_pusht)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # gymnasium.make's keyword arguments (e.g. obs_type)
+    state_key: str = ""  # "": the observation is the state vector (a Box); else the key of a Dict observation's state
+    success_key: str = "is_success"  # the info key that says the task is done
+    instruction: str = ""  # the task in words, for language-conditioned policies
+    camera: str = "render"  # the name the env's own render() goes by in policy.cameras
+
+    def validate(self, path: str = "env.gym") -> None:
+        for name in ("success_key", "camera"):
+            _require(isinstance(getattr(self, name), str) and getattr(self, name), f"{path}.{name} must be a non-empty string")
+        _require(isinstance(self.kwargs, dict), f"{path}.kwargs must be a mapping, got {self.kwargs!r}")
 
 
 @dataclass
 class EnvConfig:
-    """The task, episode rules, and which Metaworld layouts each phase may see."""
+    """The suite and task, the episode rules, and which initial states each phase may see."""
 
+    suite: str = "metaworld"  # the environment suite (common.suites): metaworld, or gym (any gymnasium env id, env.gym)
     task: str = "pick-place-v3"
-    max_episode_steps: int = 200
+    max_episode_steps: int = 200  # at most the suite's own limit (Metaworld: 500)
     stop_on_success: bool = True
-    reward: str = "success"  # "success": 1 when the task first succeeds; "dense": Metaworld's shaped reward
-    # Layouts are fixed by Metaworld's benchmark seed (50 per seed). Keep the three sets disjoint:
-    # demonstrations, RL training and held-out evaluation.
+    reward: str = "success"  # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward
+    # Initial states ("layouts") are fixed by a seed and an index (Metaworld: its benchmark seed, 50 layouts per seed).
+    # Keep the three sets disjoint: demonstrations, RL training and held-out evaluation.
     demo_benchmark_seed: int = 0
     # Ten seeds (500 layouts) for training: with few layouts the policy can fit them and stop generalising to held-out ones.
     train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
     eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
+    gym: GymSuiteConfig = field(default_factory=GymSuiteConfig)
 
     def validate(self, path: str = "env") -> None:
+        _choice(self, path, "suite", SUITES)
         _positive(self, path, "max_episode_steps")
-        _require(
-            self.max_episode_steps <= METAWORLD_MAX_EPISODE_STEPS,
-            f"{path}.max_episode_steps ({self.max_episode_steps}) exceeds Metaworld's episode limit ({METAWORLD_MAX_EPISODE_STEPS}): "
-            "the env would end episodes there anyway",
-        )
         _choice(self, path, "reward", ("success", "dense"))
         _require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
         for name in ("train_benchmark_seeds", "eval_benchmark_seeds"):
@@ -247,6 +264,12 @@ class EnvConfig:
             f"{path}.eval_benchmark_seeds {sorted(overlap)} also used for training or demonstrations: "
             "held-out evaluation needs layouts never trained on",
         )
+        if self.suite == "gym":
+            self.gym.validate(f"{path}.gym")
+
+    def unused_sections(self) -> list[str]:
+        """The subsections of the suites this run does not use (the banner leaves them out)."""
+        return [] if self.suite == "gym" else ["gym"]
 
 
 @dataclass

@@ -1,0 +1,27 @@
+"""The environment suites the loop can train on: one module each, one line each here (env.suite names the line).
+
+Each module is imported only when a run uses its suite, so a machine needs only the simulators it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from common.config import EnvConfig
+from common.suites.base import Expert, ImageConfig, Layout, Suite, SuiteEnv
+
+SUITE_CLASSES = {
+    "metaworld": "common.suites.metaworld:MetaworldSuite",
+    "gym": "common.suites.gym_env:GymSuite",
+}
+
+
+def make_suite(config: EnvConfig) -> Suite:
+    """The suite env.suite names, built from the env section."""
+    if config.suite not in SUITE_CLASSES:
+        raise ValueError(f"env.suite {config.suite!r} is not one of {sorted(SUITE_CLASSES)}")
+    module, name = SUITE_CLASSES[config.suite].split(":")
+    return getattr(importlib.import_module(module), name)(config)
+
+
+__all__ = ["Expert", "ImageConfig", "Layout", "Suite", "SuiteEnv", "SUITE_CLASSES", "make_suite"]
