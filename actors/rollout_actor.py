@@ -23,11 +23,12 @@ import torch
 
 from common.config import RunConfig
 from common.decision_graph import DecisionGraph
-from common.envs import ChunkedVectorEnv, ImageConfig, Layout, adopt_benchmark_tasks, layouts
 from common.policy import FlowPolicy
-from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, FilmedTaskEnv, record_layouts
+from common.recording import VIDEO_SIZE, EpisodeRecording, record_layouts
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, evaluate_layouts, make_envs
+from common.suites import ImageConfig, Layout, make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
+from common.vector_env import ChunkedVectorEnv
 
 
 def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
@@ -38,7 +39,7 @@ def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
 class RolloutActor:
     def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
                  benchmark_tables: dict | list | None = None, niceness: int | None = None):  # fmt: skip
-        """benchmark_tables: the run's layouts, built once outside the actor (common.envs.benchmark_task_tables): a
+        """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a
         dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
         once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
         itself (about 0.7 s each). niceness: the process's scheduling niceness from now on, if higher than it is
@@ -61,11 +62,12 @@ class RolloutActor:
             import ray  # only the Ray-hosted actor is handed refs; the class itself runs without Ray
 
             benchmark_tables = {key: tasks for part in ray.get(benchmark_tables) for key, tasks in part.items()}
+        self.suite = make_suite(config.env)
         if benchmark_tables:
-            adopt_benchmark_tasks(benchmark_tables)
-        train_layouts = layouts(config.env.task, config.env.train_benchmark_seeds)
+            self.suite.adopt_layout_tables(benchmark_tables)
+        train_layouts = self.suite.layouts(config.env.task, config.env.train_benchmark_seeds)
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
-        envs = make_envs(config.env, config.actors.envs_per_actor, camera_configs(self.policy.config))
+        envs = make_envs(self.suite, config.actors.envs_per_actor, camera_configs(self.policy.config))
         if config.algorithm.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
             self.vec_env = GroupVectorEnv(envs, train_layouts, config.algorithm.gamma, config.algorithm.group_size)
         else:
@@ -119,17 +121,17 @@ class RolloutActor:
             return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
 
     def record_episodes(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], size: int = VIDEO_SIZE,
-                        positions: Sequence[int] | None = None, camera: str = VIDEO_CAMERA) -> list[EpisodeRecording]:  # fmt: skip
+                        positions: Sequence[int] | None = None, camera: str | None = None) -> list[EpisodeRecording]:  # fmt: skip
         """Film the episodes at `positions` (default: all) of evaluate(weights, eval_layouts): size x size frames from
-        `camera`, and each outcome as evaluate() gives it (common.recording.record_layouts: the batches evaluate() ran
-        are run again). To film episodes of a run's evaluation, pass the layouts of one evaluate() call as it was given
-        them (common.recording.recording_calls)."""
+        `camera` (default: the suite's film_camera), and each outcome as evaluate() gives it (common.recording.
+        record_layouts: the batches evaluate() ran are run again). To film episodes of a run's evaluation, pass the
+        layouts of one evaluate() call as it was given them (common.recording.recording_calls)."""
         self.load_weights(weights)
         if not eval_layouts or (positions is not None and not len(positions)):
             return []
-        film = ImageConfig(size, size, camera)
+        film = ImageConfig(size, size, camera or self.suite.film_camera)
         cameras = camera_configs(self.policy.config)
-        filmed = [FilmedTaskEnv(self.config.env, cameras, film, eval_layouts[0]) for _ in self.eval_envs]
+        filmed = [self.suite.make_env(self.config.env.task, cameras, eval_layouts[0], film) for _ in self.eval_envs]
         try:
             with self.precision():
                 return record_layouts(self.policy, self.eval_envs, filmed, eval_layouts, positions)

@@ -3,7 +3,7 @@
     python bench/env_step.py                      # pick-place, 10 envs, 5 CPU-seconds per case
     python bench/env_step.py --seconds 0.5 --envs 2   # a smoke run
 
-Two kinds of actions, each stepped through `common.envs.ChunkedVectorEnv` (chunks of the default policy's size,
+Two kinds of actions, each stepped through `common.vector_env.ChunkedVectorEnv` (chunks of the default policy's size,
 episodes reset as in training, training layouts) by one process, in one thread:
   - random: uniform chunks, what bench/throughput.py's env limit steps. The arm flails and rarely touches the block,
     and every episode runs to its 200-step limit;
@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 
 from bench.report import emit, load_average  # noqa: E402
 from common.config import RunConfig  # noqa: E402
-from common.envs import ChunkedVectorEnv, Layout, MetaworldTaskEnv, ScriptedExpert, layouts  # noqa: E402
+from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv, ScriptedExpert  # noqa: E402
+from common.vector_env import ChunkedVectorEnv  # noqa: E402
 
 VARIANTS = {"metaworld": False, "project": True}
 
@@ -45,7 +46,9 @@ class Case:
         first = Layout(config.env.train_benchmark_seeds[0], 0)
         envs = [MetaworldTaskEnv(config.env.task, config.env.max_episode_steps, config.env.stop_on_success, layout=first,
                                  metaworld_shortcuts=shortcuts) for _ in range(num_envs)]  # fmt: skip
-        self.vec_env = ChunkedVectorEnv(envs, layouts(config.env.task, config.env.train_benchmark_seeds), config.algorithm.gamma)
+        self.vec_env = ChunkedVectorEnv(
+            envs, MetaworldSuite(config.env).layouts(config.env.task, config.env.train_benchmark_seeds), config.algorithm.gamma
+        )
         self.expert = ScriptedExpert(config.env.task)
         self.rng = np.random.default_rng(seed)
         self.state = self.vec_env.reset(seed).state

@@ -5,10 +5,10 @@ Runs in its own virtual environment (`ray[rllib]==2.60.0` pins gymnasium 1.2.2, 
     python -m venv /work/rllib-venv
     /work/rllib-venv/bin/pip install torch==2.13.0                 # first, so that pip keeps the CPU build
     /work/rllib-venv/bin/pip install "ray[rllib]==2.60.0" metaworld==3.1.1
-    /work/rllib-venv/bin/pip install --no-deps -e .               # this repo, for common.envs
+    /work/rllib-venv/bin/pip install --no-deps -e .               # this repo, for common.suites
     /work/rllib-venv/bin/python bench/rllib_ppo.py                 # or: python bench/throughput.py --rllib-python ...
 
-- env: common.envs.MetaworldTaskEnv on RunConfig().env's task, episode length, reward and stop-on-success, one action
+- env: common.suites.metaworld.MetaworldTaskEnv on RunConfig().env's task, episode length, reward and stop-on-success, one action
   per env step; every reset draws one of the training layouts (env.train_benchmark_seeds) from a seeded generator.
 - workers: --env-runners EnvRunner actors (default: one per core), each stepping its share of the main job's envs
   (actors.num_actors x actors.envs_per_actor) in one synchronous vector env, like a rollout actor steps its envs.
@@ -45,7 +45,7 @@ import gymnasium  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common.config import RunConfig  # noqa: E402
-from common.envs import Layout, MetaworldTaskEnv, layouts  # noqa: E402
+from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv  # noqa: E402
 
 ENV_NAME = "flowrl-metaworld-training-layouts"
 
@@ -63,7 +63,7 @@ class TrainingLayoutEnv(gymnasium.Env):
 
     def __init__(self, seed: int = 0, stream: int = 0, max_episode_steps: int | None = None) -> None:
         env_config = RunConfig().env
-        self._layouts = layouts(env_config.task, env_config.train_benchmark_seeds)
+        self._layouts = MetaworldSuite(env_config).layouts(env_config.task, env_config.train_benchmark_seeds)
         self._stream = stream
         self._rng = np.random.default_rng([seed, stream])
         self._env = MetaworldTaskEnv(

@@ -13,7 +13,7 @@ one after the other in one run.
   metrics.jsonl gives each iteration's env steps and wall time (sampling + update + weight publication); the first
   --warmup-iterations are left out. lag<L>_main_env_steps_per_second = their env steps / their seconds, and
   lag<L>_over_lag0 compares each lag with the synchronous loop of the same run.
-- env limit: the bare `common.envs.ChunkedVectorEnv`, built as a rollout actor of the main job builds it (from the
+- env limit: the bare `common.vector_env.ChunkedVectorEnv`, built as a rollout actor of the main job builds it (from the
   config learner.main resolves from the --main-arg arguments: its task, training layouts, gamma, actors.envs_per_actor
   envs), stepped with uniformly random chunks of the policy's chunk size, in one process per core, all started
   together, for --env-seconds. env_limit_steps_per_second = the sum over processes of env steps / seconds. No
@@ -33,7 +33,7 @@ one after the other in one run.
     python -m venv /work/rllib-venv
     /work/rllib-venv/bin/pip install torch==2.13.0          # first: the CPU build stays
     /work/rllib-venv/bin/pip install "ray[rllib]==2.60.0" metaworld==3.1.1
-    /work/rllib-venv/bin/pip install --no-deps -e .        # this repo, for common.envs
+    /work/rllib-venv/bin/pip install --no-deps -e .        # this repo, for common.suites
     nice -n 5 python bench/throughput.py --policy-lags 1 --rllib-python /work/rllib-venv/bin/python
 """
 
@@ -66,11 +66,13 @@ from learner.main import parse_args, resolve_config  # noqa: E402
 def step_bare_envs(config: RunConfig, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:
     """One process of the env limit: build the envs as a rollout actor of `config` does, wait for the others, step
     random chunks."""
-    from common.envs import ChunkedVectorEnv, layouts
     from common.rollout import make_envs
+    from common.suites import make_suite
+    from common.vector_env import ChunkedVectorEnv
 
     num_envs = config.actors.envs_per_actor
-    vec_env = ChunkedVectorEnv(make_envs(config.env, num_envs), layouts(config.env.task, config.env.train_benchmark_seeds),
+    suite = make_suite(config.env)
+    vec_env = ChunkedVectorEnv(make_envs(suite, num_envs), suite.layouts(config.env.task, config.env.train_benchmark_seeds),
                                config.algorithm.gamma)  # fmt: skip
     rng = np.random.default_rng(seed)
     low, high = vec_env.single_action_space.low, vec_env.single_action_space.high
@@ -145,12 +147,16 @@ def check_rllib_python(path: str) -> None:
     if not os.access(path, os.X_OK):
         raise SystemExit(f"--rllib-python {path}: not executable")
     try:
-        probe = subprocess.run([path, "-c", "import ray.rllib, common.envs"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        probe = subprocess.run(
+            [path, "-c", "import ray.rllib, common.suites.metaworld"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         raise SystemExit(f"--rllib-python {path}: cannot run it ({error})") from error
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"--rllib-python {path} cannot import ray.rllib and common.envs ({last}); install the venv as --help says")
+        raise SystemExit(
+            f"--rllib-python {path} cannot import ray.rllib and common.suites.metaworld ({last}); install the venv as --help says"
+        )
 
 
 def rllib_job(python: str, iterations: int, warmup: int) -> dict:

@@ -29,8 +29,8 @@ put_repo_on_path()
 
 from actors.rollout_actor import RolloutActor  # noqa: E402
 from common.config import RunConfig  # noqa: E402
-from common.envs import layouts  # noqa: E402
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes  # noqa: E402
+from common.suites import make_suite  # noqa: E402
 from learner.pretrain import ensure_bc_checkpoint  # noqa: E402
 from learner.replay import run_config  # noqa: E402
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = Path(args.checkpoint) if args.checkpoint else ensure_bc_checkpoint(RunConfig())
     config = run_config(checkpoint, None, None)
     actor = RolloutActor(config, 0, checkpoint)
-    held_out = layouts(config.env.task, config.env.eval_benchmark_seeds)[: args.layouts]
+    held_out = make_suite(config.env).layouts(config.env.task, config.env.eval_benchmark_seeds)[: args.layouts]
 
     start = time.perf_counter()
     _, successes = actor.evaluate(None, held_out)

@@ -1,7 +1,7 @@
 """Filmed held-out episodes: what the policy does on a layout, as frames, with the outcome evaluation gives it.
 
 An episode is filmed by running it again in an env that renders one more camera after the reset and after every
-step (FilmedTaskEnv), through evaluate_layouts itself, in the batch evaluation ran it in: a policy's float sums can
+step (a suite env built with `film`), through evaluate_layouts itself, in the batch evaluation ran it in: a policy's float sums can
 depend on the batch size (the MLP's actions differ by about 1e-7 between one env and several on CPU), so the same
 batch is what makes the filmed episode the evaluated one, step for step. Rendering reads the simulation and never
 writes it. Ray-free: rollout actors, learner.replay and tests use it alike.
@@ -13,44 +13,15 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from common.config import EnvConfig
-from common.envs import ImageConfig, Layout, MetaworldTaskEnv
 from common.policy import FlowPolicy
 from common.rollout import evaluate_layouts
+from common.suites import Layout, SuiteEnv
 from common.video import caption, write_mp4
 
 VIDEO_SIZE = 256  # pixels per side: the block and the gripper's fingers stay visible
-VIDEO_CAMERA = "corner4"  # Metaworld's view that keeps gripper, object and goal large and in frame
-
-
-class FilmedTaskEnv(MetaworldTaskEnv):
-    """A MetaworldTaskEnv that films its current episode into `frames`: the `film` camera's view after every step,
-    (H, W, 3) uint8 each. Observations stay the state vectors of MetaworldTaskEnv and the policy's cameras are
-    rendered on demand as there, so evaluation code runs on it unchanged.
-
-    The view right after a reset is left out: on tasks whose reset replays the hand's steps (common.envs.TaskSpec.
-    replay_hand_reset) the goal marker is drawn where the env's first episode had it until the first step moves the
-    scene on."""
-
-    def __init__(self, env_config: EnvConfig, cameras: Sequence[ImageConfig], film: ImageConfig, layout: Layout) -> None:
-        super().__init__(env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward,
-                         image=film, cameras=cameras, layout=layout)  # fmt: skip
-        self.observation_space = self.observation_space["state"]
-        self.frames: list[np.ndarray] = []
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
-        obs, info = super().reset(seed=seed, options=options)
-        self.frames = []
-        return obs["state"], info
-
-    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
-        obs, reward, terminated, truncated, info = super().step(action)
-        self.frames.append(obs["image"])
-        return obs["state"], reward, terminated, truncated, info
 
 
 def layout_id(layout: Layout) -> str:
@@ -87,7 +58,7 @@ class EpisodeRecording:
                                      for t in range(1, len(self.frames) + 1)])  # fmt: skip
 
 
-def record_layouts(policy: FlowPolicy, envs: list[MetaworldTaskEnv], filmed: list[FilmedTaskEnv], layouts: Sequence[Layout],
+def record_layouts(policy: FlowPolicy, envs: list[SuiteEnv], filmed: list[SuiteEnv], layouts: Sequence[Layout],
                    positions: Sequence[int] | None = None) -> list[EpisodeRecording]:  # fmt: skip
     """The episodes at `positions` (default: all) of `evaluate_layouts(policy, envs, layouts)`, filmed, in position order.
 

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.config import EnvConfig, PolicyConfig
+from common.config import PolicyConfig
 from common.diagnostics import check_finite_arrays
-from common.envs import ChunkedVectorEnv, ImageConfig, Layout, MetaworldTaskEnv, execute_chunk
 from common.flow import sample_chain
 from common.observation import Observation
 from common.policy import FlowPolicy
+from common.suites import ImageConfig, Layout, Suite, SuiteEnv
 from common.trajectory import RolloutBatch
+from common.vector_env import ChunkedVectorEnv, execute_chunk
 
 
 @dataclass
@@ -79,7 +80,7 @@ class GroupVectorEnv(ChunkedVectorEnv):
     a group is the same whenever its members reach their k-th episode, however long their earlier ones ran.
     """
 
-    def __init__(self, envs: list[MetaworldTaskEnv], layout_pool: Sequence[Layout], gamma: float, group_size: int) -> None:
+    def __init__(self, envs: list[SuiteEnv], layout_pool: Sequence[Layout], gamma: float, group_size: int) -> None:
         if group_size < 1 or len(envs) % group_size:
             raise ValueError(f"{len(envs)} envs do not split into groups of {group_size}")
         super().__init__(envs, layout_pool, gamma)
@@ -93,7 +94,7 @@ class GroupVectorEnv(ChunkedVectorEnv):
         self._episodes_started = np.zeros(self.num_envs, dtype=np.int64)
         return super().reset(seed)
 
-    def _reset_env(self, env: MetaworldTaskEnv) -> np.ndarray:
+    def _reset_env(self, env: SuiteEnv) -> np.ndarray:
         index = self._env_index[id(env)]
         group, episode = index // self.group_size, self._episodes_started[index]
         self._episodes_started[index] += 1
@@ -104,18 +105,13 @@ class GroupVectorEnv(ChunkedVectorEnv):
         return obs
 
 
-def make_envs(env_config: EnvConfig, count: int, cameras: Sequence[ImageConfig] = ()) -> list[MetaworldTaskEnv]:
-    """`count` envs, starting from the first training layout (every rollout sets its own layouts before it resets)."""
-    first = Layout(env_config.train_benchmark_seeds[0], 0)
-    return [
-        MetaworldTaskEnv(
-            env_config.task, env_config.max_episode_steps, env_config.stop_on_success, env_config.reward, cameras=cameras, layout=first
-        )  # fmt: skip
-        for _ in range(count)
-    ]
+def make_envs(suite: Suite, count: int, cameras: Sequence[ImageConfig] = ()) -> list[SuiteEnv]:
+    """`count` envs of the run's task, starting from the first training layout (every rollout sets its own layouts
+    before it resets)."""
+    return [suite.make_env(suite.config.task, cameras) for _ in range(count)]
 
 
-def instruction_tokens(policy: FlowPolicy, envs: Sequence[MetaworldTaskEnv]) -> tuple[np.ndarray | None, np.ndarray | None]:
+def instruction_tokens(policy: FlowPolicy, envs: Sequence[SuiteEnv]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Each env's instruction tokenized by the policy, once per env (it never changes): ids (N, L) int64
     and mask (N, L) bool, or (None, None) for a policy that reads no language."""
     tokens = policy.tokenize([env.instruction for env in envs])
@@ -185,7 +181,7 @@ def collect_rollout(
     return batch, obs
 
 
-def evaluate_layouts(policy: FlowPolicy, envs: list[MetaworldTaskEnv], layouts: Sequence[Layout]) -> np.ndarray:
+def evaluate_layouts(policy: FlowPolicy, envs: list[SuiteEnv], layouts: Sequence[Layout]) -> np.ndarray:
     """One deterministic episode per layout (a_0 = 0, no injected noise); returns success (L,) bool.
 
     Layouts are run in groups of len(envs), the envs of a group stepped in lock-step, one chunk each.

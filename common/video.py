@@ -1,6 +1,6 @@
 """MP4 videos of episodes: frame captions, side-by-side composition, and writing with PyAV.
 
-Frames are (H, W, 3) uint8 RGB, right way up (as common.envs renders them). PyAV's wheels carry their own
+Frames are (H, W, 3) uint8 RGB, right way up (as the suites render them). PyAV's wheels carry their own
 FFmpeg build (libx264 included), so no system ffmpeg is needed. Captions use Pillow's built-in font.
 """
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.config import RunConfig
-from common.envs import Layout
 from common.policy import WEIGHTS_FILE, file_sha256
+from common.suites import Layout
 from learner.pretrain import REPORT_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Behaviour-cloning pre-training of the flow policy from scripted Metaworld demonstrations.
+"""Behaviour-cloning pre-training of the flow policy from a suite's scripted demonstrations (Metaworld's experts).
 
     python -m learner.pretrain --out checkpoints/bc            # defaults from common.config.PretrainConfig
     python -m learner.pretrain --set pretrain.num_demos=7 --out /tmp/bc7
@@ -30,11 +30,12 @@ from tqdm import tqdm
 
 from common.config import ConfigError, RunConfig, cache_dir
 from common.config_loading import load_config
-from common.envs import TASKS, Episode, collect_demonstrations, layouts
+from common.demonstrations import Episode, collect_demonstrations
 from common.metrics import success_interval
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.rollout import camera_configs, evaluate_layouts, make_envs
+from common.suites import make_suite
 
 REPORT_FILE = "pretrain.json"
 # Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
@@ -91,9 +92,11 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     start = time.perf_counter()
     policy = build_policy(config.policy)
     cameras = camera_configs(policy.config)
-    demo_layouts = layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
-    episodes = collect_demonstrations(env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, env_cfg.max_episode_steps, cameras)
-    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, policy.tokenize([TASKS[env_cfg.task].instruction]))
+    suite = make_suite(env_cfg)
+    instruction = suite.instruction(env_cfg.task)
+    demo_layouts = suite.layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
+    episodes = collect_demonstrations(suite, env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
+    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, policy.tokenize([instruction]))
     chunks = torch.from_numpy(chunks_np)
     demo_seconds = time.perf_counter() - start
 
@@ -118,8 +121,8 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     policy.eval()
     train_seconds = time.perf_counter() - start - demo_seconds
 
-    eval_layouts = layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
-    successes = evaluate_layouts(policy, make_envs(env_cfg, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
+    eval_layouts = suite.layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
+    successes = evaluate_layouts(policy, make_envs(suite, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
     rate, low, high = success_interval(successes)
     report = {
         "demos": len(episodes),
@@ -137,7 +140,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     if cameras:
         report["frames"] = f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8"
     if obs.tokens is not None:
-        report["instruction"] = TASKS[env_cfg.task].instruction
+        report["instruction"] = instruction
 
     def write(directory: Path) -> None:
         policy.save_pretrained(directory)

@@ -10,7 +10,7 @@ The run config gives the env rules (task, episode length, held-out benchmark see
   run_dir/run_config.json   for a run's checkpoint, the run's own;
   otherwise                 the defaults, with the checkpoint's own policy section and, for a BC checkpoint, the
                             env section its pretrain.json records (the rules it was evaluated under).
-The episodes are the first --episodes layouts of the held-out pool (common.envs.layouts(env.task,
+The episodes are the first --episodes layouts of the held-out pool (Suite.layouts(env.task,
 env.eval_benchmark_seeds), where a run's evaluation starts), or with --seed S as many drawn from it by a generator
 seeded with S. Each is run alone (a batch of one) with deterministic sampling, so it is a function of checkpoint,
 config and layout; a run's evaluation batched it with others (actors.envs_per_actor), and a policy whose float sums
@@ -34,9 +34,9 @@ import numpy as np
 
 from common.config import RunConfig
 from common.config_loading import from_dict, load_config
-from common.envs import TASKS, Layout, layouts
 from common.policy import CheckpointError, read_policy_config
-from common.recording import VIDEO_CAMERA, VIDEO_SIZE, EpisodeRecording, layout_id
+from common.recording import VIDEO_SIZE, EpisodeRecording, layout_id
+from common.suites import Layout, make_suite
 from common.video import side_by_side, write_mp4
 from learner.pretrain import REPORT_FILE
 from learner.run_dir import RUN_CONFIG_FILE, policy_directory
@@ -47,11 +47,11 @@ EXIT_BAD_INPUT = 2
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m learner.replay", description="Film deterministic held-out episodes of a checkpoint.")
     parser.add_argument("checkpoint", help="policy directory, run directory, or a run's checkpoints/ directory")
-    parser.add_argument("--task", help="Metaworld task to replay on (default: the config's env.task)")
+    parser.add_argument("--task", help="the suite's task to replay on (default: the config's env.task)")
     parser.add_argument("--episodes", type=int, default=2, help="held-out layouts to film (default 2)")
     parser.add_argument("--out", default="replay_videos", help="directory for the MP4s (default ./replay_videos)")
     parser.add_argument("--size", type=int, default=VIDEO_SIZE, help=f"frame side in pixels (default {VIDEO_SIZE})")
-    parser.add_argument("--camera", default=VIDEO_CAMERA, help=f"Metaworld camera to film with (default {VIDEO_CAMERA})")
+    parser.add_argument("--camera", help="the suite's camera to film with (default: its film camera, Metaworld's corner4)")
     parser.add_argument("--compare", metavar="OTHER", help="a second checkpoint, filmed beside the first on the same layouts")
     parser.add_argument("--seed", type=int, help="draw the layouts from the held-out pool with this seed (default: the first ones)")
     parser.add_argument("--config", help="YAML run config for env rules and sampling fields (default: the checkpoint's run's, see above)")
@@ -76,7 +76,7 @@ def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> R
 
 
 def chosen_layouts(config: RunConfig, episodes: int, seed: int | None) -> list[Layout]:
-    pool = layouts(config.env.task, config.env.eval_benchmark_seeds)
+    pool = make_suite(config.env).layouts(config.env.task, config.env.eval_benchmark_seeds)
     if not 1 <= episodes <= len(pool):
         raise ValueError(f"--episodes must be in [1, {len(pool)}] (the held-out layouts of env.eval_benchmark_seeds), got {episodes}")
     if seed is None:
@@ -92,14 +92,17 @@ def label(checkpoint: Path) -> str:
 def check_input(args: argparse.Namespace) -> tuple[list[tuple[Path, RunConfig]], list[Layout]]:
     """Everything that can be checked without loading a policy: each checkpoint with its config, the layouts, --out.
     OTHER keeps its own sampling fields and actors section but takes CHECKPOINT's env rules (the same initial states)."""
-    if args.task is not None and args.task not in TASKS:
-        raise ValueError(f"--task {args.task!r} is not a known task; known tasks: {sorted(TASKS)}")
     if args.size < 16:
         raise ValueError(f"--size must be >= 16 pixels, got {args.size}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
     checkpoint = policy_directory(Path(args.checkpoint))
     config = run_config(checkpoint, args.config, args.task)
+    if args.task is not None:
+        try:
+            make_suite(config.env).instruction(args.task)
+        except ValueError as exc:
+            raise ValueError(f"--task: {exc}") from None
     replays = [(checkpoint, config)]
     if args.compare is not None:
         other = policy_directory(Path(args.compare))

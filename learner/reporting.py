@@ -237,7 +237,8 @@ class RunSummary:
 
 def applicable_config(config: RunConfig) -> dict[str, Any]:
     """The config as the banner shows it: without the subsections of the policy backends the run does not use
-    (policy.smolvla on an MLP run, env.gym on Metaworld) and the fields its algorithm does not read. The recorded config keeps everything."""
+    (policy.smolvla on an MLP run, env.gym on Metaworld) and the fields its algorithm does not read. The recorded
+    config keeps everything."""
     data = config.to_dict()
     for name in config.policy.unused_sections():
         del data["policy"][name]

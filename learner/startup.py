@@ -15,9 +15,9 @@ import torch
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, RunConfig
 from common.diagnostics import check_ratio_sensitivity
-from common.envs import adopt_benchmark_tasks, benchmark_task_tables, held_benchmark_tasks, layouts
 from common.flow import num_log_prob_elements
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
+from common.suites import build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
 from learner.pretrain import ensure_bc_checkpoint
@@ -42,15 +42,13 @@ ACTOR_NICENESS = 19
 def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     """Every check that needs no Ray and no run directory, so bad input is refused before anything is written.
     Returns the held-out layouts."""
-    try:
-        eval_layouts = layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
-        layouts(config.env.task, config.env.train_benchmark_seeds)
-    except ValueError as exc:
-        raise ConfigError(f"env.task: {exc}") from None
-    if len(eval_layouts) < config.eval_episodes:
-        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
     if config.init_checkpoint is not None and not resume:  # a resumed run loads its own checkpoint
         check_checkpoint_matches(config, Path(config.init_checkpoint))
+    suite = make_suite(config.env)
+    suite.check(config.policy)
+    eval_layouts = suite.layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
+    if len(eval_layouts) < config.eval_episodes:
+        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
     local = not (address or os.environ.get("RAY_ADDRESS") or node_cluster_address())
     if local:  # the machine this runs on is the whole cluster: check the request against it now
         if (config.actors.num_gpus > 0 or config.learner.num_gpus > 0) and not torch.cuda.is_available():
@@ -132,17 +130,17 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
     the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
     holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an
-    earlier run in it: start_actors adopts what the tasks built) or reads from the layout cache (common.envs: every
+    earlier run in it: start_actors adopts what the tasks built) or reads from the layout cache (Metaworld's: every
     run after a machine's first) go through one put instead. The actors take the list unresolved (Ray resolves only
     top-level refs) and read it when their envs need it."""
     seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
-    held = held_benchmark_tasks(config.env.task, seeds)
-    missing = [seed for seed in seeds if (config.env.task, seed) not in held]
+    suite = make_suite(config.env)
+    held, missing = suite.held_layout_tables(config.env.task, seeds)
     refs = [ray.put(held)] if held else []
     if missing:
         tasks = max(1, min(len(missing), int(ray.cluster_resources().get("CPU", 1)) // 4))
-        build = ray.remote(benchmark_task_tables).options(num_cpus=0)
-        refs += [build.remote(config.env.task, missing[group::tasks]) for group in range(tasks)]
+        build = ray.remote(build_layout_tables).options(num_cpus=0)
+        refs += [build.remote(config.env, missing[group::tasks]) for group in range(tasks)]
     return refs
 
 
@@ -160,7 +158,9 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
     # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
-    adopt_benchmark_tasks({key: tasks for part in ray.get(tables) for key, tasks in part.items()})  # for a later run here
+    make_suite(config.env).adopt_layout_tables(
+        {key: tasks for part in ray.get(tables) for key, tasks in part.items()}
+    )  # for a later run here
     return pool
 
 

@@ -1,17 +1,17 @@
 # ruff: noqa: I001
-# common.envs must be imported before mujoco: it selects the headless GL backend (MUJOCO_GL=egl),
+# common.suites.metaworld must be imported before mujoco: it selects the headless GL backend (MUJOCO_GL=egl),
 # which MuJoCo reads once at import time, so the import order here is deliberate.
-from common.envs import (
+from common.suites.metaworld import (
     DEFAULT_TASK,
+    METAWORLD_ACTION_DIM,
+    METAWORLD_MAX_PATH_LENGTH,
+    METAWORLD_STATE_DIM,
     TASKS,
-    ChunkedVectorEnv,
     ImageConfig,
     Layout,
+    MetaworldSuite,
     MetaworldTaskEnv,
     ScriptedExpert,
-    collect_demonstrations,
-    evaluate_expert,
-    layouts,
 )
 
 import dataclasses
@@ -23,7 +23,14 @@ import mujoco
 import numpy as np
 import pytest
 
-from common import envs as envs_module
+from common.config import SUITES, EnvConfig
+from common.demonstrations import collect_demonstrations, evaluate_expert
+from common.suites import SUITE_CLASSES, make_suite
+from common.suites import metaworld as envs_module
+from common.vector_env import ChunkedVectorEnv
+
+SUITE = MetaworldSuite(EnvConfig())
+layouts = SUITE.layouts
 
 # Indices 4:7 of the state vector are the object position.
 OBJECT_POS = slice(4, 7)
@@ -53,7 +60,7 @@ def test_every_task_builds_and_has_an_expert():
 
 
 def test_expert_solves_pick_place():
-    success_rate = evaluate_expert(DEFAULT_TASK, layouts(DEFAULT_TASK, [0])[:20], seed=0)
+    success_rate = evaluate_expert(SUITE, DEFAULT_TASK, layouts(DEFAULT_TASK, [0])[:20], seed=0)
     assert success_rate >= 0.9
 
 
@@ -70,9 +77,9 @@ def test_state_observation_and_action_spaces():
 
 def test_demonstrations_are_reproducible_per_seed():
     pool = layouts(DEFAULT_TASK, [0])[:3]
-    first = collect_demonstrations(DEFAULT_TASK, pool, action_noise=0.2, seed=0)
-    again = collect_demonstrations(DEFAULT_TASK, pool, action_noise=0.2, seed=0)
-    other = collect_demonstrations(DEFAULT_TASK, pool, action_noise=0.2, seed=1)
+    first = collect_demonstrations(SUITE, DEFAULT_TASK, pool, action_noise=0.2, seed=0)
+    again = collect_demonstrations(SUITE, DEFAULT_TASK, pool, action_noise=0.2, seed=0)
+    other = collect_demonstrations(SUITE, DEFAULT_TASK, pool, action_noise=0.2, seed=1)
     for a, b in zip(first, again, strict=True):
         assert a.observations.dtype == np.float32 and a.actions.dtype == np.float32
         assert a.observations.shape[0] == a.actions.shape[0] and a.layout == b.layout
@@ -235,7 +242,7 @@ def test_chunk_truncated_mid_chunk_matches_single_env_replay():
 
 def test_chunk_terminates_on_success_mid_chunk():
     layout = Layout(0, 4)
-    demo = collect_demonstrations(DEFAULT_TASK, [layout], action_noise=0.0, seed=0)[0]
+    demo = collect_demonstrations(SUITE, DEFAULT_TASK, [layout], action_noise=0.0, seed=0)[0]
     assert demo.success
     length = len(demo.actions)
     # Replaying the deterministic expert episode in chunks of H, success lands strictly inside a chunk.
@@ -323,14 +330,14 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="reward"):
         MetaworldTaskEnv(DEFAULT_TASK, reward="sparse")
     with pytest.raises(ValueError, match="max_episode_steps"):
-        MetaworldTaskEnv(DEFAULT_TASK, max_episode_steps=501)
+        MetaworldTaskEnv(DEFAULT_TASK, max_episode_steps=METAWORLD_MAX_PATH_LENGTH + 1)
     with pytest.raises(ValueError, match="ImageConfig.width"):
         ImageConfig(width=0)
     with pytest.raises(ValueError, match="ImageConfig.height"):
         ImageConfig(height=-3)
     with pytest.raises(ValueError, match="ImageConfig.camera"):
         MetaworldTaskEnv(DEFAULT_TASK, image=ImageConfig(camera="ceiling"))
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="observe a state vector"):
         image_env = MetaworldTaskEnv(DEFAULT_TASK, image=ImageConfig())
         try:
             ChunkedVectorEnv([image_env], [Layout(0, 0)], gamma=0.99)
@@ -354,7 +361,7 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
     envs_module.adopt_benchmark_tasks(tables)
-    assert len(envs_module.layouts("pick-place-v3", [2, 3])) == 100
+    assert len(layouts("pick-place-v3", [2, 3])) == 100
     env = MetaworldTaskEnv("pick-place-v3", layout=Layout(2, 0))  # an actor's envs start on a training layout
     env.set_layout(Layout(3, 7))
     np.testing.assert_array_equal(env.reset(seed=0)[0], expected)
@@ -367,8 +374,8 @@ def test_counting_layouts_simulates_no_benchmark(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached layouts: benchmark_tasks must build
     real_mt1 = envs_module.metaworld.MT1
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("layouts() built an MT1 benchmark"))
-    assert envs_module.layouts("pick-place-v3", [5, 6])[-1] == Layout(6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
-    assert len(envs_module.layouts("pick-place-v3", [5, 6])) == 2 * envs_module.LAYOUTS_PER_BENCHMARK
+    assert layouts("pick-place-v3", [5, 6])[-1] == Layout(6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
+    assert len(layouts("pick-place-v3", [5, 6])) == 2 * envs_module.LAYOUTS_PER_BENCHMARK
 
     class FewerLayouts:
         def __init__(self, task, seed):
@@ -431,3 +438,25 @@ def test_the_frame_after_a_reset_shows_this_episodes_layout_whatever_came_before
     fresh = MetaworldTaskEnv(task, cameras=[camera])
     fresh.reset(options={"layout": target})
     np.testing.assert_array_equal(travelled.render_cameras(), fresh.render_cameras())
+
+
+def test_the_suite_declares_metaworlds_own_sizes_and_limit() -> None:
+    """What MetaworldSuite says without building an env (its state and action sizes, the episode limit) is what every
+    known task's env has; preflight refuses a run by these numbers."""
+    for task in TASKS:
+        env = SUITE.make_env(task)
+        try:
+            assert SUITE.sizes(task) == (env.observation_space.shape[0], env.action_space.shape[0])
+            assert SUITE.episode_limit(task) == env._env.max_path_length
+            assert SUITE.instruction(task) == env.instruction == TASKS[task].instruction
+        finally:
+            env.close()
+    assert (METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM) == SUITE.sizes(DEFAULT_TASK)
+    with pytest.raises(ValueError, match="unknown task 'fly-v3'"):
+        SUITE.sizes("fly-v3")
+
+
+def test_the_config_names_every_registered_suite() -> None:
+    """env.suite's choices (common.config.SUITES, checked without importing any simulator) are the registry's lines."""
+    assert list(SUITES) == list(SUITE_CLASSES)
+    assert isinstance(make_suite(EnvConfig()), MetaworldSuite)

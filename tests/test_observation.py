@@ -14,10 +14,11 @@ import torch
 
 from actors.rollout_actor import RolloutActor
 from common.diagnostics import BehaviourGapWarning
-from common.envs import ChunkedVectorEnv, ImageConfig, Layout, MetaworldTaskEnv
 from common.observation import Observation
 from common.policy import FlowPolicy, index_features
+from common.suites.metaworld import ImageConfig, Layout, MetaworldTaskEnv
 from common.trajectory import RolloutBatch
+from common.vector_env import ChunkedVectorEnv
 from learner.learner import Learner
 from tests.conftest import tiny_config
 

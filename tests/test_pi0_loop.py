@@ -20,8 +20,8 @@ if LEROBOT_LINE < (0, 6):
     )
 
 from actors.rollout_actor import RolloutActor  # noqa: E402
-from common.envs import TASKS  # noqa: E402
 from common.policy import FlowPolicy  # noqa: E402
+from common.suites.metaworld import TASKS  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from learner.pretrain import pretrain  # noqa: E402
 

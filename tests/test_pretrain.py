@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.envs import Episode, Layout
+from common.demonstrations import Episode
 from common.policy import FlowPolicy
+from common.suites import Layout
 from learner.pretrain import REPORT_FILE, bc_cache_key, chunk_dataset, ensure_bc_checkpoint, pretrain
 from tests.conftest import tiny_config
 

@@ -15,9 +15,9 @@ from safetensors.numpy import load_file
 from actors.rollout_actor import RolloutActor
 from common.config_loading import load_config
 from common.diagnostics import BehaviourGapWarning
-from common.envs import TASKS
 from common.flow import chain_log_prob
 from common.policy import FlowPolicy, build_policy
+from common.suites.metaworld import TASKS
 from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
 

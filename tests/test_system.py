@@ -187,7 +187,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
     instead of simulating any benchmark. Tables the process holds already, or reads from the layout cache, go through
     one put."""
-    import common.envs as envs_module
+    import common.suites.metaworld as envs_module
     from actors.rollout_actor import RolloutActor
     from learner.startup import build_benchmark_tables
     from tests.conftest import tiny_config

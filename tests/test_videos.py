@@ -16,15 +16,18 @@ import torch
 import yaml
 
 from actors.rollout_actor import RolloutActor
-from common.envs import ImageConfig, Layout, MetaworldTaskEnv, layouts
+from common.config import EnvConfig
 from common.policy import FlowPolicy
-from common.recording import EpisodeRecording, FilmedTaskEnv, record_layouts, recording_calls, save_evaluation_videos, select_episodes
+from common.recording import EpisodeRecording, record_layouts, recording_calls, save_evaluation_videos, select_episodes
 from common.rollout import evaluate_layouts
+from common.suites.metaworld import FilmedTaskEnv, ImageConfig, Layout, MetaworldSuite, MetaworldTaskEnv
 from common.video import caption, side_by_side, write_mp4
 from learner import replay
 from learner.checkpoints import TRAINER_STATE_FILE
 from learner.run_dir import LATEST_FILE, RUN_CONFIG_FILE
 from tests.conftest import tiny_config
+
+layouts = MetaworldSuite(EnvConfig()).layouts
 
 
 def decode(path: Path) -> np.ndarray:
@@ -120,7 +123,7 @@ def test_filmed_episodes_are_the_evaluated_ones_step_for_step(tmp_path, bc_check
     traces = {layout: trace for e in plain for layout, trace in e.traces.items()}
 
     def filmed():
-        return [TracedFilmedEnv(env, [], ImageConfig(40, 40, "corner4"), held_out[0]) for _ in range(2)]
+        return [TracedFilmedEnv(env, env.task, [], ImageConfig(40, 40, "corner4"), held_out[0]) for _ in range(2)]
 
     films = filmed()
     recordings = record_layouts(policy, plain, films, held_out)
@@ -226,7 +229,7 @@ def test_replay_of_a_smolvla_checkpoint_films_through_its_own_cameras(tmp_path, 
     ("argv", "message"),
     [
         (["{missing}"], "does not exist"),
-        (["{checkpoint}", "--task", "fly-v3"], "--task 'fly-v3' is not a known task"),
+        (["{checkpoint}", "--task", "fly-v3"], "--task: unknown task 'fly-v3'"),
         (["{checkpoint}", "--episodes", "0"], "--episodes must be in [1, 100]"),
         (["{checkpoint}", "--out", "{file}"], "exists and is not a directory"),
         (["{checkpoint}", "--compare", "{file}"], "is not a directory"),

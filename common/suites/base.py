@@ -88,6 +88,7 @@ class Suite(ABC):
 
     name: str  # its key in the registry
     layouts_per_seed: int  # initial states per seed
+    film_camera: str  # the camera held-out episodes are filmed from (learner.replay, eval videos)
 
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
@@ -150,5 +151,5 @@ class Suite(ABC):
         is built here)."""
         return {}, []
 
-    def adopt_layout_tables(self, tables: dict[Any, Any]) -> None:
+    def adopt_layout_tables(self, tables: dict[Any, Any]) -> None:  # noqa: B027 (a suite without tables adopts none)
         """Use tables another process built."""

@@ -1,9 +1,8 @@
-"""Metaworld tasks as gymnasium environments, chunked vector stepping and scripted demonstrations.
+"""Metaworld as a suite: its tasks as SuiteEnvs with settable layouts, its benchmark layouts, its scripted experts.
 
-A Metaworld "layout" is one of the 50 object/goal configurations that `metaworld.MT1` draws for a
-task from its benchmark seed. Layouts are the unit of generalisation in this project: training and
-evaluation pools are lists of `Layout`s, so an episode's initial state is fully determined by its
-layout (the simulation is deterministic given the layout, whatever the reset seed).
+A Metaworld "layout" is one of the 50 object/goal configurations that `metaworld.MT1` draws for a task from its
+benchmark seed: Layout(benchmark_seed, index). The simulation is deterministic given the layout, whatever the
+reset seed.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gymnasium
 import metaworld
 import mujoco
 import numpy as np
@@ -36,8 +34,8 @@ from gymnasium import spaces
 from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
 from metaworld.policies import ENV_POLICY_MAP
 
-from common.config import cache_dir
-from common.observation import Observation
+from common.config import EnvConfig, cache_dir
+from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 
 GymObservation = np.ndarray | dict[str, np.ndarray]
 
@@ -59,6 +57,8 @@ class TaskSpec:
 
 
 DEFAULT_TASK = "pick-place-v3"
+METAWORLD_MAX_PATH_LENGTH = 500  # Metaworld v3's max_path_length: its envs truncate every episode there
+METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM = 39, 4  # MT1's fully observable state; end-effector xyz and gripper
 
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
@@ -77,18 +77,13 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 REWARD_MODES = ("success", "dense")
+FIRST_LAYOUT = Layout(benchmark_seed=0, index=0)
 
 
 def _task_spec(task: str) -> TaskSpec:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known tasks: {sorted(TASKS)}")
     return TASKS[task]
-
-
-@dataclass(frozen=True)
-class Layout:
-    benchmark_seed: int  # Seed of `metaworld.MT1`, which fixes that benchmark's 50 layouts.
-    index: int  # Position in that benchmark's `train_tasks` (0..49).
 
 
 # (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
@@ -175,7 +170,7 @@ def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...
             tasks = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
             if len(tasks) != LAYOUTS_PER_BENCHMARK:
                 raise RuntimeError(f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
-                                   f"{LAYOUTS_PER_BENCHMARK} that common.envs.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
+                                   f"{LAYOUTS_PER_BENCHMARK} that common.suites.metaworld.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
             _write_layout_cache(task, benchmark_seed, tasks)
         _BENCHMARK_TASKS[key] = tasks
     return _BENCHMARK_TASKS[key]
@@ -204,32 +199,6 @@ def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ..
     _BENCHMARK_TASKS.update(tables)
 
 
-def layouts(task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
-    """All layouts of `task` for each benchmark seed, seed-major and in benchmark order (none is simulated here)."""
-    _task_spec(task)
-    return [Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(LAYOUTS_PER_BENCHMARK)]
-
-
-@dataclass(frozen=True)
-class ImageConfig:
-    """Camera options for image observations. Camera names are those of Metaworld's scene
-    ("corner", "corner2", "corner3", "corner4", "topview", "gripperPOV", "behindGripper");
-    they are checked against the model when an env is built."""
-
-    width: int = 64
-    height: int = 64
-    camera: str = "corner"
-
-    def __post_init__(self) -> None:
-        for name in ("width", "height"):
-            value = getattr(self, name)
-            # bool is an int subclass; True as a size is certainly a mistake.
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ImageConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.camera, str) or not self.camera:
-            raise ValueError(f"ImageConfig.camera must be a non-empty str, got {self.camera!r}")
-
-
 class _CameraRenderer:
     """Renders RGB frames of one scene camera, with settings chosen for speed on CPU rasterisers.
 
@@ -254,7 +223,7 @@ class _CameraRenderer:
             raise RuntimeError(
                 "no OpenGL context for rendering: MuJoCo picks its GL backend when first imported, "
                 "which happened before MUJOCO_GL was set. Export MUJOCO_GL=egl, or import "
-                "common.envs before anything that imports mujoco"
+                "common.suites.metaworld before anything that imports mujoco"
             ) from error
         self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
         self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
@@ -363,7 +332,7 @@ class _ReplayedHandReset:
         return {name: getattr(data, name) for name in self._names}
 
 
-class MetaworldTaskEnv(gymnasium.Env):
+class MetaworldTaskEnv(SuiteEnv):
     """One Metaworld task as a gymnasium env with a settable layout.
 
     Observations are the float32 state vector, or {"state", "image"} when `image` is given (a frame
@@ -383,7 +352,7 @@ class MetaworldTaskEnv(gymnasium.Env):
         reward: str = "success",
         image: ImageConfig | None = None,
         cameras: Sequence[ImageConfig] = (),
-        layout: Layout = Layout(benchmark_seed=0, index=0),
+        layout: Layout = FIRST_LAYOUT,
         metaworld_shortcuts: bool = True,
     ) -> None:
         """layout: the one used until set_layout (a rollout actor passes one of its own benchmark seeds, so that it
@@ -426,10 +395,6 @@ class MetaworldTaskEnv(gymnasium.Env):
         self._episode_steps = 0
         self._succeeded = False
         self._needs_reset = True
-
-    @property
-    def has_images(self) -> bool:
-        return self._renderer is not None
 
     @property
     def num_cameras(self) -> int:
@@ -536,217 +501,68 @@ class ScriptedExpert:
         return np.clip(action, -1.0, 1.0).astype(np.float32)
 
 
-@dataclass
-class ChunkStep:
-    """Result of executing one action chunk in every env of a `ChunkedVectorEnv`."""
+class FilmedTaskEnv(MetaworldTaskEnv):
+    """A MetaworldTaskEnv that films its current episode into `frames`: the `film` camera's view after every step,
+    (H, W, 3) uint8 each. Observations stay the state vectors of MetaworldTaskEnv and the policy's cameras are
+    rendered on demand as there, so evaluation code runs on it unchanged.
 
-    next_obs: Observation  # (N, ...) after the chunk; the final one if the episode ended (state, and frames with cameras).
-    obs: Observation  # (N, ...) for the next chunk; the reset one if the episode ended.
-    reward: np.ndarray  # (N,) float32, sum_i gamma**i * r_i over the executed steps.
-    discount: np.ndarray  # (N,) float32, gamma**steps: the factor for the value of next_obs.
-    steps: np.ndarray  # (N,) int, env steps executed (< H when the episode ended mid-chunk).
-    terminated: np.ndarray  # (N,) bool
-    truncated: np.ndarray  # (N,) bool
-    success: np.ndarray  # (N,) bool, success was reported at some step of this chunk.
-    nonfinite: np.ndarray  # (N,) bool, the env returned NaN/Inf: the episode was ended (truncated) and is left out of the stats.
-    episode_returns: list[float]  # Undiscounted returns of the episodes that ended in this chunk.
-    episode_successes: list[bool]
-    episode_lengths: list[int]
+    The view right after a reset is left out: on tasks whose reset replays the hand's steps (TaskSpec.replay_hand_reset)
+    the goal marker is drawn where the env's first episode had it until the first step moves the scene on."""
 
+    def __init__(self, config: EnvConfig, task: str, cameras: Sequence[ImageConfig], film: ImageConfig, layout: Layout) -> None:
+        super().__init__(task, config.max_episode_steps, config.stop_on_success, config.reward, image=film, cameras=cameras,
+                         layout=layout)  # fmt: skip
+        self.observation_space = self.observation_space["state"]
+        self.frames: list[np.ndarray] = []
 
-@dataclass
-class ChunkOutcome:
-    """What executing one action chunk in one env produced."""
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        obs, info = super().reset(seed=seed, options=options)
+        self.frames = []
+        return obs["state"], info
 
-    final_obs: np.ndarray  # Observation after the last executed step.
-    discounted_reward: float  # sum_i gamma**i * r_i
-    reward_sum: float  # Undiscounted, for episode returns.
-    steps: int  # Steps executed, < H when the episode ended mid-chunk.
-    terminated: bool
-    truncated: bool
-    success: bool
-    nonfinite: bool = False  # the env returned NaN/Inf (observation or reward): the episode was ended there
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.frames.append(obs["image"])
+        return obs["state"], reward, terminated, truncated, info
 
 
-def execute_chunk(env: MetaworldTaskEnv, actions: np.ndarray, gamma: float) -> ChunkOutcome:
-    """Steps `env` through `actions` (H, A), stopping at the end of the episode; does not reset."""
-    if len(actions) == 0:
-        raise ValueError("actions must hold at least one step")
-    discounted_reward = reward_sum = 0.0
-    success = terminated = truncated = False
-    for i, action in enumerate(actions):
-        obs, reward, terminated, truncated, info = env.step(action)
-        if not (np.isfinite(obs).all() and np.isfinite(reward)):  # a broken simulation: end the episode here
-            final_obs = np.where(np.isfinite(obs), obs, 0.0).astype(obs.dtype)  # finite; its decisions are dropped anyway
-            return ChunkOutcome(final_obs, discounted_reward, reward_sum, i + 1, False, True, success, nonfinite=True)
-        discounted_reward += gamma**i * reward
-        reward_sum += reward
-        success |= info["success"]
-        if terminated or truncated:
-            break
-    return ChunkOutcome(obs, discounted_reward, reward_sum, i + 1, terminated, truncated, success)
+class MetaworldSuite(Suite):
+    """Metaworld v3's tasks (TASKS), their MT1 benchmark layouts, and each task's scripted expert."""
 
+    name = "metaworld"
+    layouts_per_seed = LAYOUTS_PER_BENCHMARK
+    film_camera = "corner4"  # the view that keeps gripper, object and goal large and in frame
 
-class ChunkedVectorEnv:
-    """N MetaworldTaskEnv stepped in one process, a whole action chunk at a time.
+    def instruction(self, task: str) -> str:
+        return _task_spec(task).instruction
 
-    An env whose episode ends mid-chunk stops executing the rest of that chunk (the remaining
-    actions belong to no episode) and is reset at once (same-step autoreset at chunk level), so no
-    transition ever mixes two episodes and nothing needs masking. Every reset draws the env's
-    layout uniformly from `layout_pool` with the generator seeded in `reset(seed)`.
+    def episode_limit(self, task: str) -> int:
+        _task_spec(task)
+        return METAWORLD_MAX_PATH_LENGTH
 
-    Observations are `Observation` records: the (N, obs_dim) state and, when the envs were built with
-    `cameras`, the (N, C, H, W, 3) uint8 frames, rendered once per chunk (after it, and after a reset).
-    """
+    def sizes(self, task: str) -> tuple[int, int]:
+        _task_spec(task)
+        return METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM
 
-    def __init__(self, envs: list[MetaworldTaskEnv], layout_pool: Sequence[Layout], gamma: float) -> None:
-        if not envs:
-            raise ValueError("envs must not be empty")
-        if not layout_pool:
-            raise ValueError("layout_pool must not be empty")
-        if not 0.0 < gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        if any(env.has_images for env in envs):
-            raise NotImplementedError(
-                "ChunkedVectorEnv renders frames once per chunk: build its envs with cameras=[ImageConfig(...)], not image=..."
-            )
-        if len({env.num_cameras for env in envs}) != 1:
-            raise ValueError(f"every env needs the same cameras, got camera counts {[env.num_cameras for env in envs]}")
-        self.envs = envs
-        self.num_envs = len(envs)
-        self.single_observation_space = envs[0].observation_space
-        self.single_action_space = envs[0].action_space
-        self._layout_pool = list(layout_pool)
-        self._gamma = gamma
-        self._rng: np.random.Generator | None = None
-        self._episode_returns = np.zeros(self.num_envs)
-        self._episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
-        self._episode_successes = np.zeros(self.num_envs, dtype=bool)
+    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
+                 film: ImageConfig | None = None) -> MetaworldTaskEnv:  # fmt: skip
+        layout = layout or Layout(self.config.train_benchmark_seeds[0], 0)
+        if film is not None:
+            return FilmedTaskEnv(self.config, task, cameras, film, layout)
+        c = self.config
+        return MetaworldTaskEnv(task, c.max_episode_steps, c.stop_on_success, c.reward, cameras=cameras, layout=layout)
 
-    def reset(self, seed: int) -> Observation:
-        """Starts a fresh episode in every env; returns the N observations."""
-        self._rng = np.random.default_rng(seed)
-        self._episode_returns[:] = 0.0
-        self._episode_lengths[:] = 0
-        self._episode_successes[:] = False
-        states = np.stack([self._reset_env(env) for env in self.envs])
-        return Observation(states, self._frames())
+    def expert(self, task: str) -> ScriptedExpert:
+        return ScriptedExpert(task)
 
-    def step_chunk(self, actions: np.ndarray) -> ChunkStep:
-        """Executes `actions` (N, H, A) and auto-resets the envs whose episode ended."""
-        if self._rng is None:
-            raise RuntimeError("call reset(seed) before step_chunk()")
-        expected = (self.num_envs, self.single_action_space.shape[0])
-        if actions.ndim != 3 or actions.shape[1] == 0 or (actions.shape[0], actions.shape[2]) != expected:
-            raise ValueError(f"actions must have shape (N={expected[0]}, H>=1, A={expected[1]}), got {actions.shape}")
+    def layout_tables(self, task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
+        return benchmark_task_tables(task, benchmark_seeds)
 
-        outcomes = [execute_chunk(env, env_actions, self._gamma) for env, env_actions in zip(self.envs, actions, strict=True)]
-        next_obs = Observation(np.stack([outcome.final_obs for outcome in outcomes]), self._frames())  # before any reset
-        obs = Observation(**{name: array.copy() for name, array in next_obs.present().items()})
-        episode_returns: list[float] = []
-        episode_successes: list[bool] = []
-        episode_lengths: list[int] = []
-        for i, outcome in enumerate(outcomes):
-            self._episode_returns[i] += outcome.reward_sum
-            self._episode_lengths[i] += outcome.steps
-            self._episode_successes[i] |= outcome.success
-            if outcome.terminated or outcome.truncated:
-                if not outcome.nonfinite:
-                    episode_returns.append(float(self._episode_returns[i]))
-                    episode_successes.append(bool(self._episode_successes[i]))
-                    episode_lengths.append(int(self._episode_lengths[i]))
-                self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
-                obs.state[i] = self._reset_env(self.envs[i])
-                if obs.images is not None:
-                    obs.images[i] = self.envs[i].render_cameras()
+    def held_layout_tables(
+        self, task: str, benchmark_seeds: Sequence[int]
+    ) -> tuple[dict[tuple[str, int], tuple[metaworld.Task, ...]], list[int]]:
+        held = held_benchmark_tasks(task, benchmark_seeds)
+        return held, [seed for seed in benchmark_seeds if (task, seed) not in held]
 
-        steps = np.array([outcome.steps for outcome in outcomes], dtype=np.int64)
-        return ChunkStep(
-            next_obs=next_obs,
-            obs=obs,
-            reward=np.array([outcome.discounted_reward for outcome in outcomes], dtype=np.float32),
-            discount=np.array([self._gamma**n for n in steps], dtype=np.float32),
-            steps=steps,
-            terminated=np.array([outcome.terminated for outcome in outcomes]),
-            truncated=np.array([outcome.truncated for outcome in outcomes]),
-            success=np.array([outcome.success for outcome in outcomes]),
-            nonfinite=np.array([outcome.nonfinite for outcome in outcomes]),
-            episode_returns=episode_returns,
-            episode_successes=episode_successes,
-            episode_lengths=episode_lengths,
-        )
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
-
-    def _frames(self) -> np.ndarray | None:
-        """(N, C, H, W, 3) uint8 frames of the current scenes, or None when the envs have no cameras."""
-        return np.stack([env.render_cameras() for env in self.envs]) if self.envs[0].num_cameras else None
-
-    def _reset_env(self, env: MetaworldTaskEnv) -> np.ndarray:
-        layout = self._layout_pool[self._rng.integers(len(self._layout_pool))]
-        obs, _ = env.reset(options={"layout": layout})
-        return obs
-
-
-@dataclass
-class Episode:
-    observations: np.ndarray  # (T, obs_dim) float32, the state each action was chosen in.
-    actions: np.ndarray  # (T, A) float32, the executed (noisy, clipped) actions.
-    success: bool
-    layout: Layout
-    frames: np.ndarray | None = None  # (T, C, H, W, 3) uint8, the cameras' view of each state (with cameras only).
-
-
-def collect_demonstrations(
-    task: str,
-    layouts: Sequence[Layout],
-    action_noise: float,
-    seed: int,
-    max_episode_steps: int = 200,
-    cameras: Sequence[ImageConfig] = (),
-) -> list[Episode]:
-    """One scripted-expert episode per layout, with N(0, action_noise^2) added to every action.
-
-    The noise widens the state distribution beyond the expert's narrow tube; the stored actions are
-    the executed ones, so every (observation, action) pair is consistent with the dynamics.
-    With `cameras`, every state's frames are rendered too (rendering never changes the simulation).
-    Deterministic in its arguments.
-    """
-    if action_noise < 0:
-        raise ValueError(f"action_noise must be >= 0, got {action_noise}")
-    env = MetaworldTaskEnv(task, max_episode_steps=max_episode_steps, stop_on_success=True, cameras=cameras)
-    expert = ScriptedExpert(task)
-    rng = np.random.default_rng(seed)
-    episodes = []
-    for episode_index, layout in enumerate(layouts):
-        # Gymnasium convention: seed the first reset only; later resets continue its generator.
-        obs, _ = env.reset(seed=seed if episode_index == 0 else None, options={"layout": layout})
-        observations, actions, frames = [], [], []
-        done = success = False
-        while not done:
-            noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
-            action = np.clip(expert.act(obs) + noise, -1.0, 1.0).astype(np.float32)
-            observations.append(obs)
-            actions.append(action)
-            if cameras:
-                frames.append(env.render_cameras())
-            obs, _, terminated, truncated, info = env.step(action)
-            success = info["success"]
-            done = terminated or truncated
-        episodes.append(Episode(np.stack(observations), np.stack(actions), success, layout, np.stack(frames) if cameras else None))
-    env.close()
-    return episodes
-
-
-def evaluate_expert(
-    task: str,
-    layouts: Sequence[Layout],
-    action_noise: float = 0.0,
-    seed: int = 0,
-    max_episode_steps: int = 200,
-) -> float:
-    """Fraction of `layouts` on which the (optionally noisy) scripted expert succeeds."""
-    episodes = collect_demonstrations(task, layouts, action_noise, seed, max_episode_steps)
-    return float(np.mean([episode.success for episode in episodes]))
+    def adopt_layout_tables(self, tables: dict[tuple[str, int], tuple[metaworld.Task, ...]]) -> None:
+        adopt_benchmark_tasks(tables)
