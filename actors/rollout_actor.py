@@ -25,7 +25,7 @@ from common.config import RunConfig
 from common.decision_graph import DecisionGraph
 from common.policy import FlowPolicy
 from common.recording import VIDEO_SIZE, EpisodeRecording, record_layouts
-from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, evaluate_layouts, make_envs
+from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_tasks, evaluate_layouts, make_envs, task_positions
 from common.suites import ImageConfig, Layout, make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
 from common.vector_env import ChunkedVectorEnv
@@ -65,14 +65,26 @@ class RolloutActor:
         self.suite = make_suite(config.env)
         if benchmark_tables:
             self.suite.adopt_layout_tables(benchmark_tables)
-        train_layouts = self.suite.layouts(config.env.task, config.env.train_benchmark_seeds)
+        grpo = config.algorithm.algo == "grpo"
+        tasks = env_tasks(self.suite.tasks(), actor_index, config.actors.envs_per_actor, config.algorithm.group_size if grpo else 1)
+        train_layouts = [layout for task in dict.fromkeys(tasks) for layout in self.suite.layouts(task, config.env.train_benchmark_seeds)]
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
-        envs = make_envs(self.suite, config.actors.envs_per_actor, camera_configs(self.policy.config))
-        if config.algorithm.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
+        self.cameras = camera_configs(self.policy.config)
+        envs = make_envs(self.suite, tasks, self.cameras)
+        if grpo:  # groups of envs share their layouts: G rollouts of each initial state
             self.vec_env = GroupVectorEnv(envs, train_layouts, config.algorithm.gamma, config.algorithm.group_size)
         else:
             self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.algorithm.gamma)
-        self.eval_envs = self.vec_env.envs
+        self._eval_envs: dict[str, list] = {}
+
+    def eval_envs(self, task: str) -> list:
+        """actors.envs_per_actor envs of `task` for held-out episodes: the rollout envs when they all have that task
+        (a single-task run), else envs of its own, built at the first evaluation of the task."""
+        if all(env.task == task for env in self.vec_env.envs):
+            return self.vec_env.envs
+        if task not in self._eval_envs:
+            self._eval_envs[task] = make_envs(self.suite, [task] * self.config.actors.envs_per_actor, self.cameras)
+        return self._eval_envs[task]
 
     def load_weights(self, weights: WeightsPayload | None) -> None:
         """Load the call's weight version unless it is the one held. Not only newer ones: a learner restarted from a
@@ -115,10 +127,14 @@ class RolloutActor:
         return {"env_steps": batch.env_steps, "pid": os.getpid()}, batch
 
     def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout]) -> tuple[int, np.ndarray]:
-        """Deterministic episodes on the given layouts; returns (weight version used, successes)."""
+        """Deterministic episodes on the given layouts, task by task (common.rollout.evaluate_layouts); returns (weight
+        version used, successes)."""
         self.load_weights(weights)
+        successes = np.zeros(len(eval_layouts), dtype=bool)
         with self.precision():
-            return self.version, evaluate_layouts(self.policy, self.eval_envs, eval_layouts)
+            for task, positions in task_positions(eval_layouts).items():
+                successes[positions] = evaluate_layouts(self.policy, self.eval_envs(task), [eval_layouts[i] for i in positions])
+        return self.version, successes
 
     def record_episodes(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], size: int = VIDEO_SIZE,
                         positions: Sequence[int] | None = None, camera: str | None = None) -> list[EpisodeRecording]:  # fmt: skip
@@ -130,18 +146,31 @@ class RolloutActor:
         if not eval_layouts or (positions is not None and not len(positions)):
             return []
         film = ImageConfig(size, size, camera or self.suite.film_camera)
-        cameras = camera_configs(self.policy.config)
-        filmed = [self.suite.make_env(self.config.env.task, cameras, eval_layouts[0], film) for _ in self.eval_envs]
-        try:
-            with self.precision():
-                return record_layouts(self.policy, self.eval_envs, filmed, eval_layouts, positions)
-        finally:
-            for env in filmed:
-                env.close()
+        wanted = set(range(len(eval_layouts)) if positions is None else positions)
+        if not 0 <= min(wanted) <= max(wanted) < len(eval_layouts):
+            raise ValueError(f"positions must be in [0, {len(eval_layouts)}), got {sorted(wanted)}")
+        recordings: dict[int, EpisodeRecording] = {}
+        with self.precision():
+            for task, share in task_positions(eval_layouts).items():
+                chosen = [k for k, position in enumerate(share) if position in wanted]
+                if not chosen:
+                    continue
+                envs = self.eval_envs(task)
+                filmed = [self.suite.make_env(task, self.cameras, eval_layouts[share[0]], film) for _ in envs]
+                try:
+                    taken = record_layouts(self.policy, envs, filmed, [eval_layouts[i] for i in share], chosen)
+                finally:
+                    for env in filmed:
+                        env.close()
+                recordings |= {share[k]: recording for k, recording in zip(chosen, taken, strict=True)}
+        return [recordings[position] for position in sorted(recordings)]
 
     def close(self) -> None:
         """Free the envs' simulations and render contexts (a process that hosts the actor and goes on)."""
         self.vec_env.close()
+        for envs in self._eval_envs.values():
+            for env in envs:
+                env.close()
 
     def pid(self) -> int:
         return os.getpid()

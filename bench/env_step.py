@@ -43,7 +43,7 @@ class Case:
     def __init__(self, kind: str, shortcuts: bool, num_envs: int, expert_noise: float, seed: int) -> None:
         config = RunConfig()
         self.kind, self.chunk_size, self.expert_noise = kind, config.policy.chunk_size, expert_noise
-        first = Layout(config.env.train_benchmark_seeds[0], 0)
+        first = Layout(config.env.task, config.env.train_benchmark_seeds[0], 0)
         envs = [MetaworldTaskEnv(config.env.task, config.env.max_episode_steps, config.env.stop_on_success, layout=first,
                                  metaworld_shortcuts=shortcuts) for _ in range(num_envs)]  # fmt: skip
         self.vec_env = ChunkedVectorEnv(

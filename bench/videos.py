@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = Path(args.checkpoint) if args.checkpoint else ensure_bc_checkpoint(RunConfig())
     config = run_config(checkpoint, None, None)
     actor = RolloutActor(config, 0, checkpoint)
-    held_out = make_suite(config.env).layouts(config.env.task, config.env.eval_benchmark_seeds)[: args.layouts]
+    held_out = make_suite(config.env).held_out(args.layouts)
 
     start = time.perf_counter()
     _, successes = actor.evaluate(None, held_out)

@@ -37,6 +37,7 @@ def collect_demonstrations(
     if expert is None:
         raise ValueError(f"{suite.name} has no scripted expert for {task}: behaviour cloning needs demonstrations")
     env = type(suite)(dataclasses.replace(suite.config, stop_on_success=True)).make_env(task, cameras, layouts[0])
+    own = suite.sizes(task)[0]  # the expert reads the task's own state, not a multi-task run's one-hot after it
     rng = np.random.default_rng(seed)
     episodes = []
     for episode_index, layout in enumerate(layouts):
@@ -46,7 +47,7 @@ def collect_demonstrations(
         done = success = False
         while not done:
             noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
-            action = np.clip(expert.act(obs) + noise, -1.0, 1.0).astype(np.float32)
+            action = np.clip(expert.act(obs[:own]) + noise, -1.0, 1.0).astype(np.float32)
             observations.append(obs)
             actions.append(action)
             if cameras:

@@ -130,6 +130,25 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
     return _save_success_plot(fig, ax, path, title, "success rate")
 
 
+def plot_task_curves(rows: list[dict], path: str | Path, title: str, initial_eval: dict | None = None) -> Path | None:
+    """Held-out success of each task of a multi-task run (eval/task/<task>/success_rate) against env steps, one line
+    per task, as a PNG; None when the rows hold no per-task evaluation."""
+    points = ([(0.0, initial_eval)] if initial_eval else []) + [(r.get("rollout/total_env_steps", 0), r) for r in rows]
+    tasks = list(dict.fromkeys(key.split("/")[2] for _, r in points for key in r if key.startswith("eval/task/")))
+    if not tasks:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for task in tasks:
+        curve = [(steps, r[f"eval/task/{task}/success_rate"]) for steps, r in points if f"eval/task/{task}/success_rate" in r]
+        ax.plot(*np.array(curve, dtype=float).T, "o-", markersize=3, label=task)
+    return _save_success_plot(fig, ax, path, title, "held-out success (deterministic)")
+
+
 def _save_success_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> Path:
     """Success-rate axes (0 to 1 against env steps), titled, legend in the corner, written as a PNG."""
     import matplotlib.pyplot as plt
@@ -160,8 +179,9 @@ def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, flo
 
 
 def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
-    """Held-out success with its Wilson 95% interval, overall and per layout group (Metaworld benchmark seed),
-    so that a collapse on one group shows even when the overall rate holds. successes (L,) bool, layouts (L,)."""
+    """Held-out success with its Wilson 95% interval, overall, per layout group (benchmark seed) and, in a multi-task
+    run, per task (eval/task/<task>/...), so that a collapse on one group or task shows even when the overall rate
+    holds. successes (L,) bool, layouts (L,)."""
 
     def interval(prefix: str, values: np.ndarray) -> dict[str, float]:
         rate, low, high = success_interval(values)
@@ -172,6 +192,10 @@ def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
     seeds = np.array([layout.benchmark_seed for layout in layouts])
     for seed in sorted(set(seeds.tolist())):
         result |= interval(f"eval/group_seed{seed}/", successes[seeds == seed])
+    tasks = np.array([layout.task for layout in layouts])
+    if len(set(tasks.tolist())) > 1:
+        for task in dict.fromkeys(tasks.tolist()):
+            result |= interval(f"eval/task/{task}/", successes[tasks == task])
     return result
 
 

@@ -84,6 +84,9 @@ class GroupVectorEnv(ChunkedVectorEnv):
         if group_size < 1 or len(envs) % group_size:
             raise ValueError(f"{len(envs)} envs do not split into groups of {group_size}")
         super().__init__(envs, layout_pool, gamma)
+        mixed = [group for group in range(0, len(envs), group_size) if len({env.task for env in envs[group : group + group_size]}) > 1]
+        if mixed:
+            raise ValueError(f"the GRPO group(s) starting at env(s) {mixed} mix tasks: a group's members share their initial states")
         self.group_size = group_size
         self._env_index = {id(env): i for i, env in enumerate(envs)}
 
@@ -98,17 +101,33 @@ class GroupVectorEnv(ChunkedVectorEnv):
         index = self._env_index[id(env)]
         group, episode = index // self.group_size, self._episodes_started[index]
         self._episodes_started[index] += 1
-        sequence = self._group_layouts[group]
+        sequence, pool = self._group_layouts[group], self._task_pools[env.task]
         while len(sequence) <= episode:
-            sequence.append(self._layout_pool[self._group_rngs[group].integers(len(self._layout_pool))])
+            sequence.append(pool[self._group_rngs[group].integers(len(pool))])
         obs, _ = env.reset(options={"layout": sequence[episode]})
         return obs
 
 
-def make_envs(suite: Suite, count: int, cameras: Sequence[ImageConfig] = ()) -> list[SuiteEnv]:
-    """`count` envs of the run's task, starting from the first training layout (every rollout sets its own layouts
-    before it resets)."""
-    return [suite.make_env(suite.config.task, cameras) for _ in range(count)]
+def make_envs(suite: Suite, tasks: Sequence[str], cameras: Sequence[ImageConfig] = ()) -> list[SuiteEnv]:
+    """One env of each of `tasks`, starting from its first training layout (every rollout sets its own layouts before
+    it resets)."""
+    return [suite.make_env(task, cameras) for task in tasks]
+
+
+def env_tasks(tasks: Sequence[str], actor_index: int, envs_per_actor: int, group_size: int = 1) -> list[str]:
+    """The task of each env of one rollout actor: the run's envs (all actors', in order) take the tasks in turn, a
+    GRPO group of `group_size` envs at a time, so that every iteration samples every task equally when the run's
+    groups are a multiple of its tasks (learner.startup checks)."""
+    first = actor_index * envs_per_actor
+    return [tasks[((first + env) // group_size) % len(tasks)] for env in range(envs_per_actor)]
+
+
+def task_positions(layouts: Sequence[Layout]) -> dict[str, list[int]]:
+    """The positions of each task's layouts in `layouts`, tasks in order of first appearance."""
+    positions: dict[str, list[int]] = {}
+    for position, layout in enumerate(layouts):
+        positions.setdefault(layout.task, []).append(position)
+    return positions
 
 
 def instruction_tokens(policy: FlowPolicy, envs: Sequence[SuiteEnv]) -> tuple[np.ndarray | None, np.ndarray | None]:

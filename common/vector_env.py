@@ -72,7 +72,7 @@ class ChunkedVectorEnv:
     An env whose episode ends mid-chunk stops executing the rest of that chunk (the remaining
     actions belong to no episode) and is reset at once (same-step autoreset at chunk level), so no
     transition ever mixes two episodes and nothing needs masking. Every reset draws the env's
-    layout uniformly from `layout_pool` with the generator seeded in `reset(seed)`.
+    layout uniformly from the layouts of its task in `layout_pool`, with the generator seeded in `reset(seed)`.
 
     Observations are `Observation` records: the (N, obs_dim) state and, when the envs were built with
     `cameras`, the (N, C, H, W, 3) uint8 frames, rendered once per chunk (after it, and after a reset).
@@ -96,7 +96,10 @@ class ChunkedVectorEnv:
         self.num_envs = len(envs)
         self.single_observation_space = envs[0].observation_space
         self.single_action_space = envs[0].action_space
-        self._layout_pool = list(layout_pool)
+        self._task_pools = {env.task: [layout for layout in layout_pool if layout.task == env.task] for env in envs}
+        empty = [task for task, pool in self._task_pools.items() if not pool]
+        if empty:
+            raise ValueError(f"layout_pool holds no layout of the envs' task(s) {empty}")
         self._gamma = gamma
         self._rng: np.random.Generator | None = None
         self._episode_returns = np.zeros(self.num_envs)
@@ -165,6 +168,6 @@ class ChunkedVectorEnv:
         return np.stack([env.render_cameras() for env in self.envs]) if self.envs[0].num_cameras else None
 
     def _reset_env(self, env: SuiteEnv) -> np.ndarray:
-        layout = self._layout_pool[self._rng.integers(len(self._layout_pool))]
-        obs, _ = env.reset(options={"layout": layout})
+        pool = self._task_pools[env.task]
+        obs, _ = env.reset(options={"layout": pool[self._rng.integers(len(pool))]})
         return obs

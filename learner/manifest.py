@@ -65,6 +65,10 @@ def reproducibility_manifest(config: RunConfig, init_checkpoint: Path | None, ev
         "git": git_state(),
         "config_fingerprint": config.fingerprint(),
         "config": config.to_dict(),
-        "held_out_layouts": {"task": config.env.task, "benchmark_seed_and_index": [[x.benchmark_seed, x.index] for x in eval_layouts]},
+        "held_out_layouts": {
+            "task": config.env.task,
+            "tasks": list(dict.fromkeys(x.task for x in eval_layouts)),
+            "benchmark_seed_and_index": [[x.benchmark_seed, x.index] for x in eval_layouts],
+        },  # fmt: skip
         "init_checkpoint": checkpoint,
     }

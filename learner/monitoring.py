@@ -12,6 +12,9 @@ panel draws one line per actor from one query:
     actor/<i>/alive                     1 while Ray reports the actor ALIVE, else 0
     actor/<i>/restarts                  how often Ray has restarted it (actors.max_restarts)
 
+A multi-task run's per-task keys `<section>/task/<task>/<name>` (eval/task/reach-v3/success_rate) set the gauge of
+`<section>/<name>` tagged with that task, beside the run's own series, tagged with env.task (e.g. MT10).
+
 The Grafana dashboard in cluster/grafana_dashboard.json is built over these names.
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 from common.trajectory import RolloutBatch
 
 ACTOR_KEY = re.compile(r"^actor/(\d+)/(.+)$")
+TASK_KEY = re.compile(r"^(.+)/task/([^/]+)/(.+)$")
 
 
 def gauge_name(key: str) -> str:
@@ -77,8 +81,12 @@ class GaugeExporter:
         for key, value in metrics.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
-            per_actor = ACTOR_KEY.match(key)
-            if per_actor:
+            per_actor, per_task = ACTOR_KEY.match(key), TASK_KEY.match(key)
+            if per_task:
+                section, task, name = per_task.groups()
+                key = f"{section}/{name}"
+                self._gauge(gauge_name(key), f"flowrl metric {key}", ("task",)).set(float(value), tags={"task": task})
+            elif per_actor:
                 index, name = per_actor.groups()
                 gauge = self._gauge(gauge_name(f"actor/{name}"), f"flowrl per-actor {name}", ("task", "actor"))
                 gauge.set(float(value), tags={"task": self.task, "actor": index})

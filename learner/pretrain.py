@@ -34,7 +34,7 @@ from common.demonstrations import Episode, collect_demonstrations
 from common.metrics import success_interval
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
-from common.rollout import camera_configs, evaluate_layouts, make_envs
+from common.rollout import camera_configs, evaluate_layouts, make_envs, task_positions
 from common.suites import make_suite
 
 REPORT_FILE = "pretrain.json"
@@ -66,14 +66,17 @@ def flow_matching_loss(policy: FlowPolicy, obs: Observation, chunks: torch.Tenso
 
 
 def demonstration_dataset(
-    episodes: list[Episode], chunk_size: int, instruction: tuple[np.ndarray, np.ndarray] | None
+    episodes: list[Episode], chunk_size: int, instructions: dict[str, tuple[np.ndarray, np.ndarray]] | None
 ) -> tuple[Observation, np.ndarray]:
     """chunk_dataset as a numpy Observation of M rows, with each step's camera frames (when the episodes were
-    rendered) and the task's instruction tokens (one row, repeated; None for a policy that reads no language),
-    and the (M, H, A) chunks."""
+    rendered) and its episode's task's instruction tokens (instructions: task -> ids (1, L) and mask (1, L); None for
+    a policy that reads no language), and the (M, H, A) chunks."""
     states, chunks = chunk_dataset(episodes, chunk_size)
     frames = None if episodes[0].frames is None else np.concatenate([episode.frames for episode in episodes])
-    ids, mask = (None, None) if instruction is None else (np.repeat(array, len(states), axis=0) for array in instruction)
+    ids = mask = None
+    if instructions is not None:
+        rows = [instructions[episode.layout.task] for episode in episodes]
+        ids, mask = (np.concatenate([np.repeat(row[k], len(e.actions), axis=0) for row, e in zip(rows, episodes)]) for k in (0, 1))
     return Observation(states, frames, ids, mask), chunks
 
 
@@ -93,10 +96,15 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     policy = build_policy(config.policy)
     cameras = camera_configs(policy.config)
     suite = make_suite(env_cfg)
-    instruction = suite.instruction(env_cfg.task)
-    demo_layouts = suite.layouts(env_cfg.task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
-    episodes = collect_demonstrations(suite, env_cfg.task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
-    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, policy.tokenize([instruction]))
+    tasks = suite.tasks()
+    instructions = {task: suite.instruction(task) for task in tasks}
+    episodes = []
+    for task in tasks:  # pretrain.num_demos of each task
+        demo_layouts = suite.layouts(task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
+        episodes += collect_demonstrations(suite, task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
+    tokens = policy.tokenize(list(instructions.values()))  # one call: every row padded alike
+    by_task = None if tokens is None else {task: (tokens[0][[i]], tokens[1][[i]]) for i, task in enumerate(tasks)}
+    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, by_task)
     chunks = torch.from_numpy(chunks_np)
     demo_seconds = time.perf_counter() - start
 
@@ -121,8 +129,10 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     policy.eval()
     train_seconds = time.perf_counter() - start - demo_seconds
 
-    eval_layouts = suite.layouts(env_cfg.task, env_cfg.eval_benchmark_seeds)[: cfg.eval_episodes]
-    successes = evaluate_layouts(policy, make_envs(suite, 10, cameras), eval_layouts) if eval_layouts else np.zeros(0, bool)
+    eval_layouts = suite.held_out(cfg.eval_episodes)
+    successes = np.zeros(len(eval_layouts), dtype=bool)
+    for task, positions in task_positions(eval_layouts).items():
+        successes[positions] = evaluate_layouts(policy, make_envs(suite, [task] * 10, cameras), [eval_layouts[i] for i in positions])
     rate, low, high = success_interval(successes)
     report = {
         "demos": len(episodes),
@@ -140,7 +150,9 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     if cameras:
         report["frames"] = f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8"
     if obs.tokens is not None:
-        report["instruction"] = instruction
+        report["instruction"] = instructions[tasks[0]] if len(tasks) == 1 else instructions
+    if len(tasks) > 1:
+        report["per_task"] = {task: success_interval(successes[positions]) for task, positions in task_positions(eval_layouts).items()}
 
     def write(directory: Path) -> None:
         policy.save_pretrained(directory)

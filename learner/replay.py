@@ -76,7 +76,8 @@ def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> R
 
 
 def chosen_layouts(config: RunConfig, episodes: int, seed: int | None) -> list[Layout]:
-    pool = make_suite(config.env).layouts(config.env.task, config.env.eval_benchmark_seeds)
+    suite = make_suite(config.env)
+    pool = [layout for task in suite.tasks() for layout in suite.layouts(task, config.env.eval_benchmark_seeds)]
     if not 1 <= episodes <= len(pool):
         raise ValueError(f"--episodes must be in [1, {len(pool)}] (the held-out layouts of env.eval_benchmark_seeds), got {episodes}")
     if seed is None:

@@ -17,7 +17,7 @@ import ray
 import yaml
 
 from common.config import RunConfig
-from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve
+from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, plot_task_curves
 from common.policy import WEIGHTS_FILE, file_sha256
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
@@ -101,12 +101,12 @@ class EvaluationFilms:
     evaluated or trained, and a failed filming is a warning, never the run's end."""
 
     def __init__(self, config: RunConfig, pool: ActorPool, eval_layouts: list, run_dir: Path, wandb_run: Any):
-        self.per_task, self.task, self.pool, self.eval_layouts = config.eval_videos, config.env.task, pool, eval_layouts
+        self.per_task, self.pool, self.eval_layouts = config.eval_videos, pool, eval_layouts
         self.run_dir, self.wandb_run = run_dir, wandb_run
         self.pending: deque[tuple[int, list[ray.ObjectRef]]] = deque()  # (iteration, record_episodes refs)
 
     def submit(self, evaluation: Evaluation, successes: np.ndarray) -> None:
-        chosen = select_episodes([self.task] * len(successes), successes, self.per_task)
+        chosen = select_episodes([layout.task for layout in self.eval_layouts], successes, self.per_task)
         refs = []
         for actor, share, positions in recording_calls(evaluation.pending.shares, chosen):
             index = actor if actor in self.pool.actors else min(self.pool.actors)  # a dropped actor's share: any actor films alike
@@ -229,6 +229,9 @@ class RunSummary:
         """The learning curve (its path under "curve", not written to summary.json), and the summary printed."""
         title = f"{config.env.task}: {config.algorithm.algo.upper()} fine-tuning"
         self.data["curve"] = str(plot_learning_curve(rows, run_dir / "learning_curve.png", title, self.data.get("initial_eval")))
+        task_curves = plot_task_curves(rows, run_dir / "task_curves.png", f"{title}, per task", self.data.get("initial_eval"))
+        if task_curves is not None:
+            self.data["task_curves"] = str(task_curves)
         print_summary(self.data)
 
 
@@ -306,5 +309,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"after RL       : {format_eval(final)}")
     if "success_gain" in summary:
         print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
+    for task in dict.fromkeys(key.split("/")[2] for key in final or {} if key.startswith("eval/task/")):
+        before = f"{initial[f'eval/task/{task}/success_rate']:.2f} -> " if initial and f"eval/task/{task}/success_rate" in initial else ""
+        low, high = final[f"eval/task/{task}/success_low"], final[f"eval/task/{task}/success_high"]
+        print(f"  {task:<26}: {before}{final[f'eval/task/{task}/success_rate']:.2f} [{low:.2f}, {high:.2f}]")
     print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
+    if summary.get("task_curves"):
+        print(f"per-task curves: {summary['task_curves']}")
     print("=" * 78, flush=True)

@@ -46,9 +46,18 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
         check_checkpoint_matches(config, Path(config.init_checkpoint))
     suite = make_suite(config.env)
     suite.check(config.policy)
-    eval_layouts = suite.layouts(config.env.task, config.env.eval_benchmark_seeds)[: config.eval_episodes]
-    if len(eval_layouts) < config.eval_episodes:
-        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only {len(eval_layouts)} layouts")
+    tasks = suite.tasks()
+    eval_layouts = suite.held_out(config.eval_episodes)
+    if len(eval_layouts) < config.eval_episodes * len(tasks):
+        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only "
+                          f"{len(eval_layouts) // len(tasks)} layouts per task")  # fmt: skip
+    group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
+    groups = config.actors.num_actors * config.actors.envs_per_actor // group
+    if groups % len(tasks):
+        unit = "envs" if group == 1 else f"GRPO groups of {group} envs"
+        raise ConfigError(f"actors.num_actors x actors.envs_per_actor make {groups} {unit} for the {len(tasks)} tasks of "
+                          f"env.task={config.env.task}: every iteration samples every task equally only with a multiple of "
+                          f"{len(tasks)}")  # fmt: skip
     local = not (address or os.environ.get("RAY_ADDRESS") or node_cluster_address())
     if local:  # the machine this runs on is the whole cluster: check the request against it now
         if (config.actors.num_gpus > 0 or config.learner.num_gpus > 0) and not torch.cuda.is_available():
@@ -135,12 +144,12 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     top-level refs) and read it when their envs need it."""
     seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
     suite = make_suite(config.env)
-    held, missing = suite.held_layout_tables(config.env.task, seeds)
+    held, missing = suite.held_layout_tables([(task, seed) for task in suite.tasks() for seed in seeds])
     refs = [ray.put(held)] if held else []
     if missing:
-        tasks = max(1, min(len(missing), int(ray.cluster_resources().get("CPU", 1)) // 4))
+        builders = max(1, min(len(missing), int(ray.cluster_resources().get("CPU", 1)) // 4))
         build = ray.remote(build_layout_tables).options(num_cpus=0)
-        refs += [build.remote(config.env, missing[group::tasks]) for group in range(tasks)]
+        refs += [build.remote(config.env, missing[group::builders]) for group in range(builders)]
     return refs
 
 

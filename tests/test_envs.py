@@ -6,6 +6,7 @@ from common.suites.metaworld import (
     METAWORLD_ACTION_DIM,
     METAWORLD_MAX_PATH_LENGTH,
     METAWORLD_STATE_DIM,
+    TASK_SETS,
     TASKS,
     ImageConfig,
     Layout,
@@ -53,7 +54,7 @@ def _reset_obs(env: MetaworldTaskEnv, layout: Layout) -> np.ndarray:
 
 
 def test_every_task_builds_and_has_an_expert():
-    assert DEFAULT_TASK in TASKS and len(TASKS) == 10
+    assert DEFAULT_TASK in TASKS and set(TASKS) == set(TASK_SETS["MT50"]) and set(TASK_SETS["MT10"]) < set(TASKS)
     for name, spec in TASKS.items():
         assert spec.name == name and spec.instruction
         ScriptedExpert(name)
@@ -69,7 +70,7 @@ def test_state_observation_and_action_spaces():
     obs, info = env.reset(seed=0)
     assert obs.dtype == np.float32 and obs.shape == (39,)
     assert env.observation_space.contains(obs)
-    assert env.action_space.shape == (4,) and info["layout"] == Layout(0, 0)
+    assert env.action_space.shape == (4,) and info["layout"] == Layout(DEFAULT_TASK, 0, 0)
     # Out-of-range actions are clipped rather than rejected.
     obs, reward, terminated, truncated, info = env.step(np.full(4, 5.0))
     assert env.observation_space.contains(obs) and isinstance(info["success"], bool)
@@ -91,17 +92,21 @@ def test_demonstrations_are_reproducible_per_seed():
 
 def test_layouts_differ_across_benchmark_seeds_and_reset_is_deterministic():
     pool = layouts(DEFAULT_TASK, [0, 1])
-    assert len(pool) == 100 and pool[0] == Layout(0, 0) and pool[50] == Layout(1, 0) and pool[-1] == Layout(1, 49)
+    assert len(pool) == 100 and (pool[0], pool[50], pool[-1]) == (
+        Layout(DEFAULT_TASK, 0, 0),
+        Layout(DEFAULT_TASK, 1, 0),
+        Layout(DEFAULT_TASK, 1, 49),
+    )
 
     env = MetaworldTaskEnv(DEFAULT_TASK)
-    seed0 = np.stack([_reset_obs(env, Layout(0, i)) for i in range(5)])
-    seed1 = np.stack([_reset_obs(env, Layout(1, i)) for i in range(5)])
+    seed0 = np.stack([_reset_obs(env, Layout(DEFAULT_TASK, 0, i)) for i in range(5)])
+    seed1 = np.stack([_reset_obs(env, Layout(DEFAULT_TASK, 1, i)) for i in range(5)])
     assert not np.allclose(seed0[:, OBJECT_POS], seed1[:, OBJECT_POS])
     # Same layout after an unrelated episode in between: bit-identical initial observation.
-    env.reset(options={"layout": Layout(1, 3)})
+    env.reset(options={"layout": Layout(DEFAULT_TASK, 1, 3)})
     for action in np.random.default_rng(0).uniform(-1, 1, (30, 4)):
         env.step(action)
-    np.testing.assert_array_equal(_reset_obs(env, Layout(0, 2)), seed0[2])
+    np.testing.assert_array_equal(_reset_obs(env, Layout(DEFAULT_TASK, 0, 2)), seed0[2])
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -116,7 +121,7 @@ def test_reset_and_steps_are_metaworlds_own_bit_for_bit(task):
     expert, rng = ScriptedExpert(task), np.random.default_rng(0)
     grasped = 0
     for index in (0, 17, 49):
-        layout = Layout(2, index)
+        layout = Layout(task, 2, index)
         raw.set_task(envs_module.benchmark_tasks(task, layout.benchmark_seed)[index])
         expected, _ = raw.reset()
         obs = _reset_obs(env, layout)
@@ -160,7 +165,7 @@ def test_a_replayed_hand_reset_leaves_mujoco_and_the_env_as_simulating_it_does(t
     simulated = []
     monkeypatch.setattr(hand_reset, "_simulate", lambda steps, simulate=hand_reset._simulate: (simulated.append(steps), simulate(steps)))
     rng = np.random.default_rng(0)
-    for layout in (Layout(2, 0), Layout(2, 17), Layout(3, 49), Layout(2, 17)):
+    for layout in (Layout(task, 2, 0), Layout(task, 2, 17), Layout(task, 3, 49), Layout(task, 2, 17)):
         np.testing.assert_array_equal(_reset_obs(replaying, layout), _reset_obs(simulating, layout))
         want, got = _mujoco_state(simulating), _mujoco_state(replaying)
         assert want.keys() == got.keys()
@@ -189,7 +194,7 @@ def test_envs_after_the_first_copy_the_compiled_model_and_get_every_byte_of_a_fr
 
     first = MetaworldTaskEnv(DEFAULT_TASK)
     fresh = metaworld.env_dict.ALL_V3_ENVIRONMENTS[DEFAULT_TASK]()  # Metaworld's own class: compiles the XML
-    _reset_obs(first, Layout(2, 5))  # moves the goal site in first's model
+    _reset_obs(first, Layout(DEFAULT_TASK, 2, 5))  # moves the goal site in first's model
     monkeypatch.setattr(gymnasium.envs.mujoco.mujoco_env.MujocoEnv, "_initialize_simulation",
                         lambda self: pytest.fail("compiled the XML again"))  # fmt: skip
     second = MetaworldTaskEnv(DEFAULT_TASK)
@@ -241,7 +246,7 @@ def test_chunk_truncated_mid_chunk_matches_single_env_replay():
 
 
 def test_chunk_terminates_on_success_mid_chunk():
-    layout = Layout(0, 4)
+    layout = Layout(DEFAULT_TASK, 0, 4)
     demo = collect_demonstrations(SUITE, DEFAULT_TASK, [layout], action_noise=0.0, seed=0)[0]
     assert demo.success
     length = len(demo.actions)
@@ -304,7 +309,7 @@ def test_image_observations_are_right_way_up():
     the residual being the shadows and anti-aliasing the fast settings turn off."""
     config = ImageConfig(width=96, height=64, camera="corner")  # Non-square catches transposes.
     env = MetaworldTaskEnv(DEFAULT_TASK, image=config)
-    obs, _ = env.reset(options={"layout": Layout(0, 0)})
+    obs, _ = env.reset(options={"layout": Layout(DEFAULT_TASK, 0, 0)})
     stepped, *_ = env.step(np.zeros(4))
     env.close()
     image = obs["image"]
@@ -313,7 +318,7 @@ def test_image_observations_are_right_way_up():
     assert env.observation_space.contains(obs) and stepped["image"].shape == (64, 96, 3)
     assert len(np.unique(image.reshape(-1, 3), axis=0)) > 50
 
-    reference = _reference_frame(Layout(0, 0), config).astype(np.int16)
+    reference = _reference_frame(Layout(DEFAULT_TASK, 0, 0), config).astype(np.int16)
 
     def error(frame: np.ndarray) -> float:
         return float(np.abs(frame.astype(np.int16) - reference).mean())
@@ -340,30 +345,30 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="observe a state vector"):
         image_env = MetaworldTaskEnv(DEFAULT_TASK, image=ImageConfig())
         try:
-            ChunkedVectorEnv([image_env], [Layout(0, 0)], gamma=0.99)
+            ChunkedVectorEnv([image_env], [Layout(DEFAULT_TASK, 0, 0)], gamma=0.99)
         finally:
             image_env.close()
     env = MetaworldTaskEnv(DEFAULT_TASK)
     with pytest.raises(RuntimeError, match="reset"):
         env.step(np.zeros(4))
     with pytest.raises(ValueError, match="layout index"):
-        env.set_layout(Layout(0, 50))
+        env.set_layout(Layout(DEFAULT_TASK, 0, 50))
 
 
 def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(monkeypatch) -> None:
     """The driver builds each benchmark seed's layouts once and hands them to every actor: an actor that adopts
     them builds no MT1 benchmark, and its envs reset to the same initial states."""
-    tables = envs_module.benchmark_task_tables("pick-place-v3", [2, 2, 3])
+    tables = SUITE.layout_tables([("pick-place-v3", 2), ("pick-place-v3", 2), ("pick-place-v3", 3)])
     assert set(tables) == {("pick-place-v3", 2), ("pick-place-v3", 3)} and all(len(tasks) == 50 for tasks in tables.values())
     reference = MetaworldTaskEnv("pick-place-v3")
-    reference.set_layout(Layout(3, 7))
+    reference.set_layout(Layout(DEFAULT_TASK, 3, 7))
     expected, _ = reference.reset(seed=0)
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
     envs_module.adopt_benchmark_tasks(tables)
     assert len(layouts("pick-place-v3", [2, 3])) == 100
-    env = MetaworldTaskEnv("pick-place-v3", layout=Layout(2, 0))  # an actor's envs start on a training layout
-    env.set_layout(Layout(3, 7))
+    env = MetaworldTaskEnv("pick-place-v3", layout=Layout(DEFAULT_TASK, 2, 0))  # an actor's envs start on a training layout
+    env.set_layout(Layout(DEFAULT_TASK, 3, 7))
     np.testing.assert_array_equal(env.reset(seed=0)[0], expected)
 
 
@@ -374,7 +379,7 @@ def test_counting_layouts_simulates_no_benchmark(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached layouts: benchmark_tasks must build
     real_mt1 = envs_module.metaworld.MT1
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("layouts() built an MT1 benchmark"))
-    assert layouts("pick-place-v3", [5, 6])[-1] == Layout(6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
+    assert layouts("pick-place-v3", [5, 6])[-1] == Layout(DEFAULT_TASK, 6, envs_module.LAYOUTS_PER_BENCHMARK - 1)
     assert len(layouts("pick-place-v3", [5, 6])) == 2 * envs_module.LAYOUTS_PER_BENCHMARK
 
     class FewerLayouts:
@@ -430,10 +435,10 @@ def test_the_frame_after_a_reset_shows_this_episodes_layout_whatever_came_before
     layout; with the hand's reset replayed, nothing recomputed its position before the first step."""
     camera = ImageConfig(48, 48, "corner")
     travelled = MetaworldTaskEnv(task, cameras=[camera])
-    for layout in (Layout(2, 0), Layout(3, 5)):
+    for layout in (Layout(task, 2, 0), Layout(task, 3, 5)):
         travelled.reset(options={"layout": layout})
         travelled.step(np.zeros(4, np.float32))
-    target = Layout(2, 17)
+    target = Layout(task, 2, 17)
     travelled.reset(options={"layout": target})
     fresh = MetaworldTaskEnv(task, cameras=[camera])
     fresh.reset(options={"layout": target})

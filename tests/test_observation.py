@@ -112,7 +112,7 @@ def test_chunked_env_renders_frames_once_per_chunk_and_after_resets() -> None:
     in test_envs), the frame after an episode's end is its final scene, and the next one the reset scene."""
     camera = ImageConfig(32, 32, "corner")
     envs = [MetaworldTaskEnv("pick-place-v3", max_episode_steps=6, cameras=[camera, ImageConfig(32, 32, "topview")]) for _ in range(2)]
-    vec = ChunkedVectorEnv(envs, [Layout(0, 3), Layout(0, 9)], gamma=0.99)
+    vec = ChunkedVectorEnv(envs, [Layout("pick-place-v3", 0, 3), Layout("pick-place-v3", 0, 9)], gamma=0.99)
     start = vec.reset(seed=0)
     assert start.images.shape == (2, 2, 32, 32, 3) and start.images.dtype == np.uint8
     reference = MetaworldTaskEnv("pick-place-v3", max_episode_steps=6, image=camera)
@@ -129,7 +129,7 @@ def test_chunked_env_renders_frames_once_per_chunk_and_after_resets() -> None:
     reset_frame = reference.reset(options={"layout": envs[0].layout})[0]["image"]
     np.testing.assert_array_equal(second.obs.images[0, 0], reset_frame)
     with pytest.raises(ValueError, match="same cameras"):
-        ChunkedVectorEnv([envs[0], MetaworldTaskEnv("pick-place-v3")], [Layout(0, 0)], gamma=0.99)
+        ChunkedVectorEnv([envs[0], MetaworldTaskEnv("pick-place-v3")], [Layout("pick-place-v3", 0, 0)], gamma=0.99)
     vec.close()
     reference.close()
 

@@ -17,7 +17,7 @@ from tests.conftest import tiny_config
 
 def test_chunk_dataset_pads_with_the_last_action() -> None:
     actions = np.arange(3 * 2, dtype=np.float32).reshape(3, 2)
-    episode = Episode(np.zeros((3, 5), np.float32), actions, True, Layout(0, 0))
+    episode = Episode(np.zeros((3, 5), np.float32), actions, True, Layout("pick-place-v3", 0, 0))
     obs, chunks = chunk_dataset([episode], chunk_size=4)
     assert obs.shape == (3, 5) and chunks.shape == (3, 4, 2)
     np.testing.assert_array_equal(chunks[0], actions[[0, 1, 2, 2]])

@@ -201,12 +201,12 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     parts = ray.get(refs)
     assert len(refs) == 3 and all(len(part) == 1 for part in parts)  # 3 distinct seeds, at most 16 // 4 tasks
     built = {key: tasks for part in parts for key, tasks in part.items()}
-    assert built == envs_module.benchmark_task_tables("pick-place-v3", [2, 3, 1])
+    assert built == envs_module.MetaworldSuite(config.env).layout_tables([("pick-place-v3", seed) for seed in (2, 3, 1)])
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
     actor = RolloutActor(config, 0, bc_checkpoint, refs)
     assert set(envs_module._BENCHMARK_TASKS) == set(built)
-    actor.vec_env.envs[0].set_layout(envs_module.Layout(3, 49))  # any layout of the run resets without a benchmark build
+    actor.vec_env.envs[0].set_layout(envs_module.Layout("pick-place-v3", 3, 49))  # any layout of the run resets without a benchmark build
     actor.vec_env.envs[0].reset(seed=0)
     # A later run in a process that holds the tables (start_actors adopts them) shares them with one put, no task.
     monkeypatch.setattr(ray, "remote", lambda *args, **kwargs: pytest.fail("started a task for tables this process holds"))

@@ -248,7 +248,7 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, bc_chec
 
 
 def test_episode_recording_names() -> None:
-    recording = EpisodeRecording("reach-v3", Layout(6, 7), True, 41, np.zeros((42, 8, 8, 3), np.uint8))
+    recording = EpisodeRecording("reach-v3", Layout("reach-v3", 6, 7), True, 41, np.zeros((42, 8, 8, 3), np.uint8))
     assert recording.file_name == "reach-v3_6-07_success_41steps.mp4"
     assert dataclasses.replace(recording, success=False).outcome == "failure"
 

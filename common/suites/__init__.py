@@ -24,10 +24,10 @@ def make_suite(config: EnvConfig) -> Suite:
     return getattr(importlib.import_module(module), name)(config)
 
 
-def build_layout_tables(config: EnvConfig, benchmark_seeds: list[int]) -> dict:
-    """The suite's layout tables of these seeds for config.task (a run's start-up builds them in Ray tasks, which
-    import no more than this module and the suite's)."""
-    return make_suite(config).layout_tables(config.task, benchmark_seeds)
+def build_layout_tables(config: EnvConfig, task_seeds: list[tuple[str, int]]) -> dict:
+    """The suite's layout tables of these (task, seed) pairs (a run's start-up builds them in Ray tasks, which import
+    no more than this module and the suite's)."""
+    return make_suite(config).layout_tables(task_seeds)
 
 
 __all__ = ["Expert", "ImageConfig", "Layout", "Suite", "SuiteEnv", "SUITE_CLASSES", "build_layout_tables", "make_suite"]

@@ -5,8 +5,8 @@ A suite (Metaworld, a gymnasium env id, ...) is one module in common/suites with
 and the envs it builds (`SuiteEnv`), so nothing outside the suite's own module names its tasks, cameras, state
 layout or episode limit.
 
-Initial states. A `Layout` names one reproducible initial state: a seed fixes `layouts_per_seed` of them and the
-index picks one. The env config's demonstration, training and held-out seeds are disjoint (EnvConfig.validate), so
+Initial states. A `Layout` names one reproducible initial state of a task: a seed fixes `layouts_per_seed` of them
+and the index picks one. The env config's demonstration, training and held-out seeds are disjoint (EnvConfig.validate), so
 the three sets of initial states never overlap, and an episode is a deterministic function of its layout (and the
 policy's actions), whatever the env's reset seed. How a suite realises a layout is its own: Metaworld's benchmark
 goals, a gymnasium reset seed.
@@ -27,7 +27,8 @@ from common.config import ConfigError, EnvConfig, PolicyConfig
 
 @dataclass(frozen=True)
 class Layout:
-    benchmark_seed: int  # The seed that fixes a set of the suite's initial states (Metaworld: `metaworld.MT1`'s seed).
+    task: str  # The suite's task.
+    benchmark_seed: int  # The seed that fixes a set of the task's initial states (Metaworld: `metaworld.MT1`'s seed).
     index: int  # Which of that seed's initial states (0 .. layouts_per_seed - 1).
 
 
@@ -83,6 +84,49 @@ class Expert(Protocol):
     def act(self, state: np.ndarray) -> np.ndarray: ...
 
 
+class TaskIndicator(SuiteEnv):
+    """A suite env whose state ends in a one-hot of its task among the run's tasks: how a state policy (the MLP) tells
+    the tasks of a multi-task run apart. Everything but the state is the wrapped env's."""
+
+    def __init__(self, env: SuiteEnv, position: int, count: int) -> None:
+        self.env, self.task, self.instruction = env, env.task, env.instruction
+        self.indicator = np.zeros(count, dtype=np.float32)
+        self.indicator[position] = 1.0
+        low, high = env.observation_space.low, env.observation_space.high
+        self.observation_space = gymnasium.spaces.Box(np.concatenate([low, np.zeros(count, np.float32)]),
+                                                      np.concatenate([high, np.ones(count, np.float32)]), dtype=np.float32)  # fmt: skip
+        self.action_space = env.action_space
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        state, info = self.env.reset(seed=seed, options=options)
+        return np.concatenate([state, self.indicator]), info
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        state, *rest = self.env.step(action)
+        return np.concatenate([state, self.indicator]), *rest
+
+    @property
+    def num_cameras(self) -> int:
+        return self.env.num_cameras
+
+    def render_cameras(self) -> np.ndarray:
+        return self.env.render_cameras()
+
+    @property
+    def layout(self) -> Layout:
+        return self.env.layout
+
+    def set_layout(self, layout: Layout) -> None:
+        self.env.set_layout(layout)
+
+    @property
+    def frames(self) -> list[np.ndarray]:
+        return self.env.frames
+
+    def close(self) -> None:
+        self.env.close()
+
+
 class Suite(ABC):
     """A family of tasks the loop can train on, built from the run's env section (`make_suite`)."""
 
@@ -93,62 +137,94 @@ class Suite(ABC):
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
 
+    task_sets: dict[str, tuple[str, ...]] = {}  # named sets of tasks (Metaworld's MT10, MT50)
+
     @abstractmethod
     def instruction(self, task: str) -> str:
         """The task in words; a ValueError naming the known tasks when `task` is not one."""
 
     @abstractmethod
-    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
-                 film: ImageConfig | None = None) -> SuiteEnv:  # fmt: skip
-        """An env of `task` under the run's episode rules (config), rendering `cameras` on demand, starting from
-        `layout` (default: the first training layout)."""
+    def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> SuiteEnv:
+        """The suite's own env of `task` (make_env's arguments)."""
 
     @abstractmethod
     def episode_limit(self, task: str) -> int:
         """The most steps an episode of `task` can have: env.max_episode_steps may not exceed it."""
 
+    @abstractmethod
+    def sizes(self, task: str) -> tuple[int, int]:
+        """(state elements, action elements) of `task`'s own envs."""
+
     def expert(self, task: str) -> Expert | None:
         """The task's scripted expert for behaviour cloning, or None when the suite has none."""
         return None
 
+    def tasks(self) -> list[str]:
+        """The run's tasks, from env.task: one task, a named set (task_sets), or tasks separated by commas. A
+        ValueError names an unknown or repeated one."""
+        names = list(self.task_sets.get(self.config.task, [name.strip() for name in self.config.task.split(",")]))
+        for name in names:
+            self.instruction(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.config.task!r} names a task twice")
+        return names
+
+    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
+                 film: ImageConfig | None = None) -> SuiteEnv:  # fmt: skip
+        """An env of `task` under the run's episode rules (config), rendering `cameras` on demand, starting from
+        `layout` (default: the first training layout); with `film`, it keeps that camera's view of every step. In a
+        multi-task run its state ends in the task's one-hot (TaskIndicator)."""
+        env = self.build_env(task, cameras, layout or Layout(task, self.config.train_benchmark_seeds[0], 0), film)
+        tasks = self.tasks()
+        return env if len(tasks) == 1 else TaskIndicator(env, tasks.index(task), len(tasks))
+
+    def state_dim(self) -> int:
+        """The state a policy of the run reads: its tasks' own, and the task one-hot when there are several."""
+        tasks = self.tasks()
+        widths = {self.sizes(task)[0] for task in tasks}
+        if len(widths) != 1:
+            raise ValueError(f"the tasks of {self.config.task!r} have states of different sizes {sorted(widths)}")
+        return widths.pop() + (len(tasks) if len(tasks) > 1 else 0)
+
     def layouts(self, task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
         """All layouts of `task` for each seed, seed-major (nothing is simulated here)."""
         self.instruction(task)  # refuses an unknown task
-        return [Layout(benchmark_seed=seed, index=index) for seed in benchmark_seeds for index in range(self.layouts_per_seed)]
+        return [Layout(task, seed, index) for seed in benchmark_seeds for index in range(self.layouts_per_seed)]
+
+    def held_out(self, episodes: int) -> list[Layout]:
+        """The first `episodes` held-out layouts (env.eval_benchmark_seeds) of each of the run's tasks, task by task."""
+        return [layout for task in self.tasks() for layout in self.layouts(task, self.config.eval_benchmark_seeds)[:episodes]]
 
     def check(self, policy: PolicyConfig) -> None:
         """A ConfigError naming the field when the run's env section or the policy's input and output sizes do not
         fit this suite; called before any work starts."""
-        task = self.config.task
         try:
-            self.instruction(task)
+            tasks = self.tasks()
+            state_dim = self.state_dim()
         except ValueError as exc:
             raise ConfigError(f"env.task: {exc}") from None
-        limit = self.episode_limit(task)
-        if self.config.max_episode_steps > limit:
-            raise ConfigError(f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit for "
-                              f"{task} ({limit}): the env would end episodes there anyway")  # fmt: skip
-        state_dim, action_dim = self.sizes(task)
-        for name, value, expected in (("obs_dim", policy.obs_dim, state_dim), ("action_dim", policy.action_dim, action_dim)):
+        for task in tasks:
+            limit = self.episode_limit(task)
+            if self.config.max_episode_steps > limit:
+                raise ConfigError(f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit "
+                                  f"for {task} ({limit}): the env would end episodes there anyway")  # fmt: skip
+        what = f"{self.name} task {tasks[0]}" if len(tasks) == 1 else f"the {len(tasks)} tasks of {self.config.task} (with their one-hot)"
+        for name, value, expected, kind in (("obs_dim", policy.obs_dim, state_dim, "state"),
+                                            ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action")):  # fmt: skip
             if value != expected:
-                raise ConfigError(f"policy.{name}={value} but {self.name} task {task} has a {expected}-element "
-                                  f"{'state' if name == 'obs_dim' else 'action'}: set policy.{name}={expected}")  # fmt: skip
-
-    @abstractmethod
-    def sizes(self, task: str) -> tuple[int, int]:
-        """(state elements, action elements) of `task`'s envs."""
+                raise ConfigError(f"policy.{name}={value} but the {kind} of {what} has {expected} elements: set policy.{name}={expected}")
 
     # The layouts some suites compute before they can build an env (Metaworld simulates 50 resets per seed): built
     # once by the run's start-up, handed to the rollout actors, and read back from a cache file by later processes.
     # Suites whose layouts cost nothing keep these defaults.
 
-    def layout_tables(self, task: str, benchmark_seeds: Sequence[int]) -> dict[Any, Any]:
-        """The tables of these seeds, built here, to hand to other processes (adopt_layout_tables)."""
+    def layout_tables(self, task_seeds: Sequence[tuple[str, int]]) -> dict[Any, Any]:
+        """The tables of these (task, seed) pairs, built here, to hand to other processes (adopt_layout_tables)."""
         return {}
 
-    def held_layout_tables(self, task: str, benchmark_seeds: Sequence[int]) -> tuple[dict[Any, Any], list[int]]:
-        """The tables of these seeds this process holds or reads from its cache, and the seeds still to build (none
-        is built here)."""
+    def held_layout_tables(self, task_seeds: Sequence[tuple[str, int]]) -> tuple[dict[Any, Any], list[tuple[str, int]]]:
+        """The tables of these (task, seed) pairs this process holds or reads from its cache, and the pairs still to
+        build (none is built here)."""
         return {}, []
 
     def adopt_layout_tables(self, tables: dict[Any, Any]) -> None:  # noqa: B027 (a suite without tables adopts none)

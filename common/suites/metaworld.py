@@ -73,11 +73,54 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("peg-insert-side-v3", "insert the peg into the hole from the side", reset_model_once=True),
         TaskSpec("window-open-v3", "slide the window open"),
         TaskSpec("window-close-v3", "slide the window closed"),
+        # MT50's other forty, on Metaworld's own reset (no shortcut verified for them).
+        TaskSpec("assembly-v3", "put the ring onto the peg"),
+        TaskSpec("basketball-v3", "dunk the ball into the basket"),
+        TaskSpec("bin-picking-v3", "move the block from one bin to the other"),
+        TaskSpec("box-close-v3", "put the lid on the box"),
+        TaskSpec("button-press-topdown-wall-v3", "press the button from the top behind the wall"),
+        TaskSpec("button-press-v3", "press the button from the front"),
+        TaskSpec("button-press-wall-v3", "press the button from the front behind the wall"),
+        TaskSpec("coffee-button-v3", "press the coffee machine's button"),
+        TaskSpec("coffee-pull-v3", "pull the mug away from the coffee machine"),
+        TaskSpec("coffee-push-v3", "push the mug under the coffee machine"),
+        TaskSpec("dial-turn-v3", "turn the dial"),
+        TaskSpec("disassemble-v3", "take the ring off the peg"),
+        TaskSpec("door-close-v3", "close the door"),
+        TaskSpec("door-lock-v3", "lock the door by turning the lock"),
+        TaskSpec("door-unlock-v3", "unlock the door by turning the lock"),
+        TaskSpec("hand-insert-v3", "put the block into the hole"),
+        TaskSpec("faucet-open-v3", "turn the faucet on"),
+        TaskSpec("faucet-close-v3", "turn the faucet off"),
+        TaskSpec("hammer-v3", "hammer the nail into the wall"),
+        TaskSpec("handle-press-side-v3", "press the handle down from the side"),
+        TaskSpec("handle-press-v3", "press the handle down"),
+        TaskSpec("handle-pull-side-v3", "pull the handle up from the side"),
+        TaskSpec("handle-pull-v3", "pull the handle up"),
+        TaskSpec("lever-pull-v3", "pull the lever up"),
+        TaskSpec("pick-place-wall-v3", "pick up the block and place it at the goal behind the wall"),
+        TaskSpec("pick-out-of-hole-v3", "pick the block out of the hole"),
+        TaskSpec("plate-slide-v3", "slide the plate into the goal"),
+        TaskSpec("plate-slide-side-v3", "slide the plate into the goal from the side"),
+        TaskSpec("plate-slide-back-v3", "slide the plate back out of the goal"),
+        TaskSpec("plate-slide-back-side-v3", "slide the plate back out of the goal from the side"),
+        TaskSpec("peg-unplug-side-v3", "unplug the peg from the side"),
+        TaskSpec("soccer-v3", "kick the ball into the goal"),
+        TaskSpec("stick-push-v3", "push the bottle with the stick"),
+        TaskSpec("stick-pull-v3", "pull the bottle with the stick"),
+        TaskSpec("push-wall-v3", "push the block to the goal behind the wall"),
+        TaskSpec("push-back-v3", "pull the block back to the goal"),
+        TaskSpec("reach-wall-v3", "reach the goal position behind the wall"),
+        TaskSpec("shelf-place-v3", "place the block on the shelf"),
+        TaskSpec("sweep-into-v3", "sweep the block into the hole"),
+        TaskSpec("sweep-v3", "sweep the block off the table"),
     )
 }
 
+# Metaworld's own multi-task benchmarks, by their names in env.task.
+TASK_SETS = {"MT10": tuple(metaworld.env_dict.MT10_V3), "MT50": tuple(metaworld.env_dict.MT50_V3)}
+
 REWARD_MODES = ("success", "dense")
-FIRST_LAYOUT = Layout(benchmark_seed=0, index=0)
 
 
 def _task_spec(task: str) -> TaskSpec:
@@ -89,7 +132,7 @@ def _task_spec(task: str) -> TaskSpec:
 # (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
 # benchmark simulates 50 resets (~0.7 s per seed), so each seed is built once per machine: the goals it drew are kept
 # in a JSON file (layout_cache_file) that every later process reads instead, and the run hands one process's tables
-# to its rollout actors (benchmark_task_tables -> adopt_benchmark_tasks) instead of each actor reading or building them.
+# to its rollout actors (MetaworldSuite.layout_tables -> adopt_benchmark_tasks) instead of each actor reading or building them.
 _BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
 
 # How many layouts every MT1 benchmark draws (Metaworld's goals per task). Counting layouts by it needs no
@@ -174,11 +217,6 @@ def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...
             _write_layout_cache(task, benchmark_seed, tasks)
         _BENCHMARK_TASKS[key] = tasks
     return _BENCHMARK_TASKS[key]
-
-
-def benchmark_task_tables(task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
-    """The layouts of these benchmark seeds, built here once, to hand to other processes (adopt_benchmark_tasks)."""
-    return {(task, seed): benchmark_tasks(task, seed) for seed in dict.fromkeys(benchmark_seeds)}
 
 
 def held_benchmark_tasks(task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
@@ -352,7 +390,7 @@ class MetaworldTaskEnv(SuiteEnv):
         reward: str = "success",
         image: ImageConfig | None = None,
         cameras: Sequence[ImageConfig] = (),
-        layout: Layout = FIRST_LAYOUT,
+        layout: Layout | None = None,
         metaworld_shortcuts: bool = True,
     ) -> None:
         """layout: the one used until set_layout (a rollout actor passes one of its own benchmark seeds, so that it
@@ -367,7 +405,7 @@ class MetaworldTaskEnv(SuiteEnv):
         self._reward_mode = reward
         self._stop_on_success = stop_on_success
 
-        self._layout = layout
+        self._layout = layout or Layout(task, 0, 0)
         self._env = _env_class(task)()  # MT1's train_classes[task], without building an MT1
         if metaworld_shortcuts:
             self._env.touching_object = types.MethodType(_touching_object, self._env)
@@ -412,6 +450,8 @@ class MetaworldTaskEnv(SuiteEnv):
 
     def set_layout(self, layout: Layout) -> None:
         """Use `layout` from the next reset on."""
+        if layout.task != self.task:
+            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
         tasks = benchmark_tasks(self.task, layout.benchmark_seed)
         if not 0 <= layout.index < len(tasks):
             raise ValueError(f"layout index must be in [0, {len(tasks)}), got {layout.index}")
@@ -531,6 +571,7 @@ class MetaworldSuite(Suite):
 
     name = "metaworld"
     layouts_per_seed = LAYOUTS_PER_BENCHMARK
+    task_sets = TASK_SETS
     film_camera = "corner4"  # the view that keeps gripper, object and goal large and in frame
 
     def instruction(self, task: str) -> str:
@@ -544,9 +585,7 @@ class MetaworldSuite(Suite):
         _task_spec(task)
         return METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM
 
-    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
-                 film: ImageConfig | None = None) -> MetaworldTaskEnv:  # fmt: skip
-        layout = layout or Layout(self.config.train_benchmark_seeds[0], 0)
+    def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> MetaworldTaskEnv:
         if film is not None:
             return FilmedTaskEnv(self.config, task, cameras, film, layout)
         c = self.config
@@ -555,14 +594,14 @@ class MetaworldSuite(Suite):
     def expert(self, task: str) -> ScriptedExpert:
         return ScriptedExpert(task)
 
-    def layout_tables(self, task: str, benchmark_seeds: Sequence[int]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
-        return benchmark_task_tables(task, benchmark_seeds)
+    def layout_tables(self, task_seeds: Sequence[tuple[str, int]]) -> dict[tuple[str, int], tuple[metaworld.Task, ...]]:
+        return {(task, seed): benchmark_tasks(task, seed) for task, seed in dict.fromkeys(task_seeds)}
 
-    def held_layout_tables(
-        self, task: str, benchmark_seeds: Sequence[int]
-    ) -> tuple[dict[tuple[str, int], tuple[metaworld.Task, ...]], list[int]]:
-        held = held_benchmark_tasks(task, benchmark_seeds)
-        return held, [seed for seed in benchmark_seeds if (task, seed) not in held]
+    def held_layout_tables(self, task_seeds: Sequence[tuple[str, int]]) -> tuple[dict[tuple[str, int], Any], list[tuple[str, int]]]:
+        held = {}
+        for task, seed in task_seeds:
+            held |= held_benchmark_tasks(task, [seed])
+        return held, [key for key in task_seeds if key not in held]
 
     def adopt_layout_tables(self, tables: dict[tuple[str, int], tuple[metaworld.Task, ...]]) -> None:
         adopt_benchmark_tasks(tables)

@@ -1,0 +1,162 @@
+"""Multi-task runs: env.task names several tasks (or MT10/MT50); the envs take them in turn, a state policy reads the
+task's one-hot, BC learns every task, and evaluation, metrics and gauges speak per task."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import ray
+
+from actors.rollout_actor import RolloutActor
+from common.config import ConfigError, EnvConfig, PolicyConfig
+from common.metrics import eval_metrics
+from common.policy import FlowPolicy
+from common.rollout import env_tasks
+from common.suites import Layout, make_suite
+from common.suites.metaworld import TASK_SETS, TASKS
+from learner.learner import Learner
+from learner.main import main
+from learner.monitoring import GaugeExporter
+from learner.pretrain import pretrain
+from learner.startup import preflight
+from tests.conftest import tiny_config
+
+TWO_TASKS = "reach-v3,pick-place-v3"
+
+
+def two_task_config(tmp_path, **sections):
+    return tiny_config(tmp_path, **{"env.task": TWO_TASKS, "policy.obs_dim": 41, **sections})
+
+
+@pytest.fixture(scope="module")
+def two_task_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bc2") / "checkpoint"
+    report = pretrain(two_task_config(tmp_path_factory.mktemp("cfg"), **{"pretrain.eval_episodes": 4}), out, progress=False)
+    return out, report
+
+
+def test_task_names_and_sets_resolve_and_bad_ones_are_named() -> None:
+    assert make_suite(EnvConfig(task="MT10")).tasks() == list(TASK_SETS["MT10"])
+    assert len(make_suite(EnvConfig(task="MT50")).tasks()) == 50 and set(TASK_SETS["MT50"]) == set(TASKS)
+    assert make_suite(EnvConfig(task=" reach-v3 , push-v3")).tasks() == ["reach-v3", "push-v3"]
+    with pytest.raises(ValueError, match="unknown task 'fly-v3'"):
+        make_suite(EnvConfig(task="reach-v3,fly-v3")).tasks()
+    with pytest.raises(ValueError, match="names a task twice"):
+        make_suite(EnvConfig(task="reach-v3,reach-v3")).tasks()
+    suite = make_suite(EnvConfig(task=TWO_TASKS))
+    assert suite.state_dim() == 39 + 2
+    with pytest.raises(ConfigError, match=r"policy\.obs_dim=39 but the state of the 2 tasks of .* has 41 elements"):
+        suite.check(PolicyConfig())
+
+
+def test_envs_take_the_tasks_in_turn_and_every_iteration_samples_each_equally() -> None:
+    tasks = ["a", "b", "c"]
+    everyone = [task for actor in range(3) for task in env_tasks(tasks, actor, 2)]
+    assert everyone == ["a", "b", "c", "a", "b", "c"]
+    grouped = [task for actor in range(3) for task in env_tasks(tasks, actor, 4, group_size=2)]
+    assert grouped == ["a", "a", "b", "b", "c", "c", "a", "a", "b", "b", "c", "c"]  # a GRPO group shares its task
+
+
+def test_a_run_whose_envs_do_not_divide_among_the_tasks_is_refused(tmp_path) -> None:
+    config = tiny_config(tmp_path, **{"env.task": "reach-v3,push-v3,pick-place-v3", "policy.obs_dim": 42})
+    with pytest.raises(ConfigError, match=r"make 4 envs for the 3 tasks .* only with a multiple of 3"):
+        preflight(config, address=None, resume=False)
+    config = tiny_config(tmp_path, **{"env.task": "reach-v3,push-v3,pick-place-v3", "policy.obs_dim": 42, "actors.num_actors": 3})
+    layouts = preflight(config, address=None, resume=False)
+    assert [layout.task for layout in layouts] == ["reach-v3"] * 4 + ["push-v3"] * 4 + ["pick-place-v3"] * 4
+
+
+def test_the_state_ends_in_the_tasks_one_hot_and_the_rest_is_the_tasks_own() -> None:
+    single, multi = make_suite(EnvConfig(task="pick-place-v3")), make_suite(EnvConfig(task=TWO_TASKS))
+    layout = Layout("pick-place-v3", 2, 7)
+    own, _ = single.make_env("pick-place-v3", layout=layout).reset(options={"layout": layout})
+    env = multi.make_env("pick-place-v3", layout=layout)
+    state, _ = env.reset(options={"layout": layout})
+    np.testing.assert_array_equal(state, np.concatenate([own, [0.0, 1.0]]).astype(np.float32))
+    after, *_ = env.step(np.zeros(4, np.float32))
+    np.testing.assert_array_equal(after[-2:], [0.0, 1.0])
+    assert env.observation_space.shape == (41,) and env.observation_space.contains(after)
+    with pytest.raises(ValueError, match="a layout of reach-v3 given to an env of pick-place-v3"):
+        env.reset(options={"layout": Layout("reach-v3", 2, 0)})
+
+
+def test_bc_learns_every_task_and_reports_each(two_task_checkpoint) -> None:
+    _, report = two_task_checkpoint
+    assert report["demos"] == 2 * 2  # pretrain.num_demos of each task
+    assert set(report["per_task"]) == {"reach-v3", "pick-place-v3"} and report["eval_episodes"] == 2 * 4
+    for rate, low, high in report["per_task"].values():
+        assert low <= rate <= high
+    assert report["eval_success_rate"] == pytest.approx(np.mean([rate for rate, _, _ in report["per_task"].values()]))
+
+
+def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoint) -> None:
+    checkpoint, _ = two_task_checkpoint
+    config = two_task_config(tmp_path)
+    actor = RolloutActor(config, 0, checkpoint)
+    assert [env.task for env in actor.vec_env.envs] == ["reach-v3", "pick-place-v3"]
+    learner = Learner(config, FlowPolicy.from_pretrained(checkpoint))
+    actor.load_weights(learner.broadcast())
+    batch = actor.sample(None, iteration=0)
+    np.testing.assert_array_equal(batch.obs[:, :, -2:], np.broadcast_to([[1.0, 0.0], [0.0, 1.0]], batch.obs[:, :, -2:].shape))
+    metrics = learner.update(batch)
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
+
+    held_out = make_suite(config.env).held_out(3)
+    version, successes = actor.evaluate(None, held_out)
+    assert len(successes) == 6 and sorted(actor._eval_envs) == ["pick-place-v3", "reach-v3"]
+    positions = [i for i, layout in enumerate(held_out) if layout.task == "reach-v3"]
+    again = actor.evaluate(None, [held_out[i] for i in positions])[1]
+    np.testing.assert_array_equal(again, successes[positions])
+    metrics = eval_metrics(successes, held_out)
+    assert metrics["eval/task/reach-v3/episodes"] == 3 and metrics["eval/task/pick-place-v3/episodes"] == 3
+    assert metrics["eval/success_rate"] == pytest.approx(np.mean(successes))
+    recordings = actor.record_episodes(None, held_out, 32, positions=[1, 4])
+    assert [(r.task, r.layout) for r in recordings] == [(held_out[1].task, held_out[1]), (held_out[4].task, held_out[4])]
+    assert [r.success for r in recordings] == [successes[1], successes[4]]
+    actor.close()
+
+
+def test_per_task_metrics_set_the_runs_gauges_tagged_by_task(monkeypatch) -> None:
+    exporter, seen = GaugeExporter("MT10"), []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def set(self, value: float, tags: dict) -> None:
+            seen.append((self.name, value, tags))
+
+    monkeypatch.setattr(exporter, "_gauge", lambda name, description, tag_keys: Recorder(name))
+    exporter.export({"eval/success_rate": 0.5, "eval/task/reach-v3/success_rate": 0.75, "eval/task/push-v3/success_rate": 0.25})
+    assert seen == [("flowrl_eval_success_rate", 0.5, {"task": "MT10"}), ("flowrl_eval_success_rate", 0.75, {"task": "reach-v3"}),
+                    ("flowrl_eval_success_rate", 0.25, {"task": "push-v3"})]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_two_task_run_reports_every_task(tmp_path, two_task_checkpoint, capsys) -> None:
+    """learner.main end to end: per-task held-out success in every evaluated row and the summary, the per-task plot,
+    and the manifest's held-out tasks."""
+    checkpoint, _ = two_task_checkpoint
+    run_dir = tmp_path / "run"
+    sets = ["env.task=reach-v3,pick-place-v3", "policy.obs_dim=41", "actors.envs_per_actor=2", "actors.decisions_per_rollout=6",
+            "env.max_episode_steps=30", "algorithm.minibatch_size=12", "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0",
+            "eval_every=1", "eval_episodes=3", "eval_videos=1", "checkpoint_every=1"]  # fmt: skip
+    argv = ["--num-actors", "2", "--iterations", "1", "--run-dir", str(run_dir), "--checkpoint", str(checkpoint)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert main([*argv, *[item for s in sets for item in ("--set", s)]]) == 0
+    finally:
+        ray.shutdown()
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for task in ("reach-v3", "pick-place-v3"):
+        assert row[f"eval/task/{task}/episodes"] == 3
+        assert row[f"eval/task/{task}/success_low"] <= row[f"eval/task/{task}/success_rate"] <= row[f"eval/task/{task}/success_high"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["manifest"]["held_out_layouts"]["tasks"] == ["reach-v3", "pick-place-v3"]
+    assert (run_dir / "task_curves.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "reach-v3" in printed and "pick-place-v3" in printed
+    videos = sorted(path.name for path in (run_dir / "videos" / "iter_000001").glob("*.mp4"))
+    assert {name.split("_")[0] for name in videos} == {"reach-v3", "pick-place-v3"}  # eval_videos per task
