@@ -15,6 +15,7 @@ from common.suites.gym_env import LAYOUTS_PER_SEED, NO_EPISODE_LIMIT, layout_see
 PUSHT = "gym_pusht/PushT-v0"
 TOY = "flowrl_test/Toy-v0"
 TOY_UNLIMITED = "flowrl_test/ToyUnlimited-v0"
+BLIND = "flowrl_test/Blind-v0"  # renders no frames
 TOY_BOUNDS = (np.array([-2.0, 0.0, 10.0], dtype=np.float32), np.array([2.0, 5.0, 11.0], dtype=np.float32))
 
 
@@ -26,8 +27,8 @@ class ToyEnv(gymnasium.Env):
     latest: "ToyEnv"
 
     def __init__(self, render_mode=None, observation="box", action="box", succeed_at=3, terminate_on_success=False,
-                 success_key="done_flag"):  # fmt: skip
-        self.render_mode = render_mode
+                 success_key="done_flag", draws=True):  # fmt: skip
+        self.render_mode, self.draws = render_mode, draws
         self.succeed_at, self.terminate_on_success, self.success_key = succeed_at, terminate_on_success, success_key
         box = spaces.Box(-1.0, 1.0, shape=(2, 3), dtype=np.float64)
         self.observation_space = box if observation == "box" else spaces.Dict({"pos": box, "flag": spaces.Discrete(2)})
@@ -55,15 +56,20 @@ class ToyEnv(gymnasium.Env):
         return self._observation(), 0.25 * self.steps, success and self.terminate_on_success, False, info
 
     def render(self):
-        return self.frame.copy()
+        return self.frame.copy() if self.draws else None
 
     def _observation(self):
         position = self.position.copy()
         return position if isinstance(self.observation_space, spaces.Box) else {"pos": position, "flag": 0}
 
 
+class BlindEnv(ToyEnv):
+    metadata = {"render_modes": [], "render_fps": 10}
+
+
 gymnasium.register(TOY, entry_point=ToyEnv, max_episode_steps=20)
 gymnasium.register(TOY_UNLIMITED, entry_point=ToyEnv, max_episode_steps=None)
+gymnasium.register(BLIND, entry_point=BlindEnv, max_episode_steps=20)
 
 
 def pusht_suite(**gym):
@@ -109,7 +115,7 @@ def area_mean_reference(frame, width, height):
 
 def test_pusht_sizes_instruction_limit_and_state():
     suite = pusht_suite()
-    assert suite.name == "gym" and suite.layouts_per_seed == 50
+    assert suite.name == "gym" and suite.layouts_per_seed == 50 and suite.film_camera == "render"
     assert suite.sizes(PUSHT) == (5, 2)
     assert suite.instruction(PUSHT) == "push T"
     assert pusht_suite(instruction="push the T onto its target").instruction(PUSHT) == "push the T onto its target"
@@ -335,6 +341,8 @@ def test_one_line_errors_name_the_field():
     )
     one_line_error(ValueError, lambda: toy_suite(state_key="pos").sizes(TOY), "env.gym.state_key 'pos' is set", "Box")
     one_line_error(ValueError, lambda: toy_suite(kwargs={"colour": "red"}).sizes(TOY), "env.gym.kwargs {'colour': 'red'}", TOY)
+    one_line_error(ValueError, lambda: toy_suite(kwargs={"colour": "red"}).make_env(TOY, cameras=[ImageConfig(6, 4, "render")]),
+                   "env.gym.kwargs {'colour': 'red'} with render_mode 'rgb_array'")  # fmt: skip
     camera = ImageConfig(6, 4, "corner")
     one_line_error(ValueError, lambda: toy_suite().make_env(TOY, cameras=[camera]), "camera 'corner'", "['render'] (env.gym.camera)")
     one_line_error(ValueError, lambda: toy_suite().make_env(TOY, film=camera), "camera 'corner'", "['render']")
@@ -344,8 +352,17 @@ def test_one_line_errors_name_the_field():
     one_line_error(ValueError, lambda: no_success.step(np.zeros(3)), "env.gym.success_key 'done_flag'", "['steps']")
 
     one_line_error(ValueError, lambda: toy_suite(task="flowrl_test/Nothing-v0").instruction("flowrl_test/Nothing-v0"),
-                   "env.task 'flowrl_test/Nothing-v0'", "env.gym.module ('')")  # fmt: skip
+                   "env.task 'flowrl_test/Nothing-v0'", "env.gym.module is empty")  # fmt: skip
     one_line_error(ValueError, lambda: pusht_suite().make_env("gym_pusht/PushT-v9"), "env.task 'gym_pusht/PushT-v9'",
-                   "env.gym.module ('gym_pusht')", "['gym_pusht/PushT-v0']")  # fmt: skip
+                   "env.gym.module 'gym_pusht' registers ['gym_pusht/PushT-v0']")  # fmt: skip
     one_line_error(ConfigError, lambda: toy_suite(task="flowrl_test/Nothing-v0").check(PolicyConfig()), "env.task:", "env.gym.module")
     one_line_error(ValueError, lambda: toy_suite(module="flowrl_no_such_module"), "env.gym.module 'flowrl_no_such_module'", TOY)
+
+
+def test_an_env_without_frames_has_no_camera():
+    toy_suite(task=BLIND).make_env(BLIND)  # state-only: fine
+    one_line_error(ValueError, lambda: toy_suite(task=BLIND).make_env(BLIND, cameras=[ImageConfig(6, 4, "render")]),
+                   f"{BLIND} renders no rgb_array frames", "camera 'render'")  # fmt: skip
+    env = toy_suite(kwargs={"draws": False}).make_env(TOY, cameras=[ImageConfig(6, 4, "render")])
+    env.reset()
+    one_line_error(ValueError, env.render_cameras, f"{TOY}'s render() gave NoneType", "not an (H, W, 3) uint8 frame")

@@ -41,26 +41,29 @@ def layout_seed(layout: Layout) -> int:
 
 def resize_frame(frame: np.ndarray, width: int, height: int) -> np.ndarray:
     """(H, W, 3) uint8 -> (height, width, 3) uint8 by area averaging: each output pixel is the mean of the input area
-    its cell covers (a pixel partly covered counts by the part), rounded half to even. Exact: integer sums, then one
-    division. Integer reductions are block means, integer enlargements repeat pixels, equal sizes copy."""
+    its cell covers (a pixel partly covered counts by the part), rounded half to even. Exact: whole-number sums, then
+    one division. Integer reductions are block means, integer enlargements repeat pixels, equal sizes copy."""
     if frame.shape[:2] == (height, width):
         return frame.copy()
-    sums = _cell_sums(_cell_sums(frame, height, axis=0), width, axis=1)
-    return np.rint(sums / (frame.shape[0] * frame.shape[1])).astype(np.uint8)
+    rows, columns = frame.shape[:2]
+    sums = _cell_sums(_cell_sums(frame, height, axis=0, largest=255), width, axis=1, largest=255 * rows)
+    return np.rint(sums / (rows * columns)).astype(np.uint8)
 
 
-def _cell_sums(values: np.ndarray, cells: int, axis: int) -> np.ndarray:
-    """Integer `values` summed over `cells` equal cells along `axis`, in units that keep every overlap whole: a pixel
-    is `cells` units long and a cell `pixels` units, and each pixel counts by the units of it the cell covers. A cell
-    is the whole pixels between its edges, plus the part of the pixel its far edge cuts, less that of its near edge."""
+def _cell_sums(values: np.ndarray, cells: int, axis: int, largest: int) -> np.ndarray:
+    """Whole-number `values` (at most `largest`) summed over `cells` equal cells along `axis`, in units that keep every
+    overlap whole: a pixel is `cells` units long, a cell `pixels` units, and each pixel counts by the units of it the
+    cell covers. Each cell touches at most ceil(pixels / cells) + 1 pixels: one small product per cell. Every partial
+    sum is a whole number below 2^24 in float32, or else below 2^53 in float64, so none is rounded."""
     values = np.moveaxis(values, axis, 0)
     pixels = len(values)
     edges = np.arange(cells + 1) * pixels
-    whole, part = edges // cells, edges % cells  # the pixel an edge falls in, and the units of it before the edge
-    between = np.add.reduceat(values, whole[:-1], axis=0, dtype=np.int64)  # values[whole[i]:whole[i + 1]]
-    between[whole[:-1] == whole[1:]] = 0  # reduceat's segment of an empty range is one value, not zero
-    cut = part.reshape(-1, *([1] * (values.ndim - 1))) * values[np.minimum(whole, pixels - 1)]  # no part past the last pixel
-    return np.moveaxis(cells * between + cut[1:] - cut[:-1], 0, axis)
+    touched = edges[:-1, None] // cells + np.arange(-(-pixels // cells) + 1)  # (cells, taps) pixel indices
+    units = np.minimum((touched + 1) * cells, edges[1:, None]) - np.maximum(touched * cells, edges[:-1, None])
+    dtype = np.float32 if largest * pixels < 2**24 else np.float64
+    gathered = values[np.minimum(touched, pixels - 1)].reshape(*touched.shape, -1).astype(dtype)  # past the end: 0 units
+    sums = np.matmul(np.maximum(units, 0).astype(dtype)[:, None, :], gathered)
+    return np.moveaxis(sums.reshape(cells, *values.shape[1:]), 0, axis)
 
 
 def _words(task: str) -> str:
@@ -79,6 +82,7 @@ class GymSuite(Suite):
     def __init__(self, config: EnvConfig) -> None:
         super().__init__(config)
         self.gym: GymSuiteConfig = config.gym
+        self.film_camera = config.gym.camera  # the env's one view
         if self.gym.module:
             try:
                 importlib.import_module(self.gym.module)
@@ -91,9 +95,10 @@ class GymSuite(Suite):
         if task not in gymnasium.registry:
             module = self.gym.module
             registered = sorted(env_id for env_id, spec in gymnasium.registry.items()
-                                if module and isinstance(spec.entry_point, str) and spec.entry_point.startswith(module))  # fmt: skip
-            raise ValueError(f"env.task {task!r} is not a registered gymnasium env id: is env.gym.module ({module!r}) missing, "
-                             f"or not the module that registers it? It registers {registered}")  # fmt: skip
+                                if isinstance(spec.entry_point, str) and spec.entry_point.startswith(f"{module}."))  # fmt: skip
+            known = f"env.gym.module {module!r} registers {registered}" if module else "env.gym.module is empty"
+            raise ValueError(f"env.task {task!r} is not a registered gymnasium env id ({known}): is the module that registers it "
+                             "missing?")  # fmt: skip
         return gymnasium.spec(task)
 
     def instruction(self, task: str) -> str:
@@ -141,15 +146,14 @@ class GymTaskEnv(SuiteEnv):
         self._layout = layout
         layout_seed(layout)  # refuses a layout outside the suite's
 
-        kwargs = dict(self._gym.kwargs)
-        if cameras or film is not None:
-            kwargs["render_mode"] = "rgb_array"
+        rendering = bool(cameras) or film is not None
         try:
-            self._env = gymnasium.make(task, **kwargs)
+            self._env = gymnasium.make(task, **self._gym.kwargs, **({"render_mode": "rgb_array"} if rendering else {}))
         except (TypeError, ValueError) as exc:
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"env.gym.kwargs {self._gym.kwargs} do not build {task}: {message}") from None
-        if "render_mode" in kwargs and "rgb_array" not in self._env.metadata.get("render_modes", []):
+            also = " with render_mode 'rgb_array' (for its camera)" if rendering else ""
+            raise ValueError(f"env.gym.kwargs {self._gym.kwargs}{also} do not build {task}: {message}") from None
+        if rendering and "rgb_array" not in self._env.metadata.get("render_modes", []):
             raise ValueError(f"{task} renders no rgb_array frames (its render modes: {self._env.metadata.get('render_modes', [])}), "
                              f"so it has no camera {self._gym.camera!r}")  # fmt: skip
 
