@@ -221,15 +221,12 @@ class GymTaskEnv(SuiteEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         # The seed only seeds `self.np_random` (gymnasium's contract); the env is reset with the layout's seed.
         super().reset(seed=seed)
-        options = options or {}
-        unknown = set(options) - {"layout"}
-        if unknown:
-            raise ValueError(f"unknown reset options {sorted(unknown)}; supported: ['layout']")
-        if "layout" in options:
-            layout_seed(options["layout"])
-            self._layout = options["layout"]
-        observation, _ = self._env.reset(seed=layout_seed(self._layout))
-        self._started, self._view = True, None
+        options = dict(options or {})
+        layout = options.pop("layout", self._layout)
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
+        observation, _ = self._env.reset(seed=layout_seed(layout))
+        self._layout, self._started, self._view = layout, True, None
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
         self.frames = []
         return self._state(observation), {"layout": self._layout}
