@@ -2,13 +2,16 @@
 renders and misbehaves on demand."""
 
 from fractions import Fraction
+from pathlib import Path
 
 import gymnasium
 import numpy as np
 import pytest
+import yaml
 from gymnasium import spaces
 
-from common.config import ConfigError, EnvConfig, GymSuiteConfig, PolicyConfig
+from common.config import ConfigError, EnvConfig, GymSuiteConfig, PolicyConfig, RunConfig
+from common.config_loading import load_config
 from common.suites import ImageConfig, Layout, make_suite
 from common.suites.gym_env import LAYOUTS_PER_SEED, NO_EPISODE_LIMIT, layout_seed, resize_frame
 
@@ -216,6 +219,22 @@ def test_pusht_check_refuses_a_policy_of_other_sizes():
     )
     long_episodes = make_suite(EnvConfig(suite="gym", task=PUSHT, max_episode_steps=301, gym=GymSuiteConfig(module="gym_pusht")))
     one_line_error(ConfigError, lambda: long_episodes.check(PolicyConfig(obs_dim=5, action_dim=2)), "env.max_episode_steps (301)", "(300)")
+
+
+def test_pusht_run_config_fits_the_suite():
+    path = Path(__file__).parents[1] / "configs" / "pusht.yaml"
+    written = yaml.safe_load(path.read_text())
+    assert _keys(written) == _keys(RunConfig().to_dict()) - {"env.gym.kwargs"} | {"env.gym.kwargs.obs_type"}  # every field written out
+    config = load_config(path)
+    assert (config.env.suite, config.env.task, config.env.gym.module) == ("gym", PUSHT, "gym_pusht")
+    make_suite(config.env).check(config.policy)  # sizes and episode limit
+    assert config.allow_random_init  # PushT has no scripted expert to pre-train on
+
+
+def _keys(tree, prefix=""):
+    if not isinstance(tree, dict):
+        return {prefix[:-1]}
+    return set().union(*(_keys(value, f"{prefix}{key}.") for key, value in tree.items())) if tree else {prefix[:-1]}
 
 
 # The toy env: actions, success, rewards, episode ends, cameras and errors
