@@ -49,7 +49,8 @@ class EpisodeRecording:
 
     @property
     def file_name(self) -> str:
-        return f"{self.task}_{self.layout_id}_{self.outcome}_{self.steps}steps.mp4"
+        task = self.task.replace("/", "-")  # a gymnasium id's namespace is no directory
+        return f"{task}_{self.layout_id}_{self.outcome}_{self.steps}steps.mp4"
 
     def captioned(self, label: str | None = None) -> np.ndarray:
         """The frames with the task, layout, outcome and a step counter written on them (and `label` above, if given)."""

@@ -125,7 +125,7 @@ def test_pusht_sizes_instruction_limit_and_state():
     assert suite.episode_limit(PUSHT) == 300
     assert suite.expert(PUSHT) is None
     env = suite.make_env(PUSHT)
-    assert env.layout == Layout(suite.config.train_benchmark_seeds[0], 0)  # the first training layout
+    assert env.layout == Layout(PUSHT, suite.config.train_benchmark_seeds[0], 0)  # the first training layout
     state, info = env.reset()
     assert state.dtype == np.float32 and state.shape == (5,) and info == {"layout": env.layout}
     assert env.observation_space.shape == (5,) and env.action_space.shape == (2,)
@@ -136,7 +136,7 @@ def test_pusht_sizes_instruction_limit_and_state():
 def test_pusht_layouts_are_deterministic_and_distinct():
     suite = pusht_suite()
     layouts = suite.layouts(PUSHT, [2, 3])
-    assert len(layouts) == 2 * LAYOUTS_PER_SEED and layouts[LAYOUTS_PER_SEED] == Layout(3, 0)
+    assert len(layouts) == 2 * LAYOUTS_PER_SEED and layouts[LAYOUTS_PER_SEED] == Layout(PUSHT, 3, 0)
     env, other = suite.make_env(PUSHT), suite.make_env(PUSHT, layout=layouts[7])
     initial = [env.reset(options={"layout": layout})[0].tobytes() for layout in layouts]
     assert len(set(initial)) == len(layouts)  # every layout its own initial state
@@ -158,13 +158,13 @@ def test_pusht_layouts_are_deterministic_and_distinct():
 
 
 def test_layout_seeds_are_distinct_across_the_default_seeds():
-    seeds = {layout_seed(Layout(seed, index)) for seed in range(13) for index in range(LAYOUTS_PER_SEED)}
+    seeds = {layout_seed(Layout(PUSHT, seed, index)) for seed in range(13) for index in range(LAYOUTS_PER_SEED)}
     assert len(seeds) == 13 * LAYOUTS_PER_SEED
-    assert layout_seed(Layout(2, 7)) == int(np.random.SeedSequence([2, 7]).generate_state(1)[0])
-    for layout in (Layout(0, LAYOUTS_PER_SEED), Layout(0, -1), Layout(-1, 0)):
+    assert layout_seed(Layout(PUSHT, 2, 7)) == int(np.random.SeedSequence([2, 7]).generate_state(1)[0])
+    for layout in (Layout(PUSHT, 0, LAYOUTS_PER_SEED), Layout(PUSHT, 0, -1), Layout(PUSHT, -1, 0)):
         one_line_error(ValueError, lambda layout=layout: layout_seed(layout), "layout")
     env = pusht_suite().make_env(PUSHT)
-    one_line_error(ValueError, lambda: env.reset(options={"layout": Layout(2, 50)}), "index in [0, 50)")
+    one_line_error(ValueError, lambda: env.reset(options={"layout": Layout(PUSHT, 2, 50)}), "index in [0, 50)")
     one_line_error(ValueError, lambda: env.reset(options={"goal": 1}), "unknown reset options ['goal']")
 
 
@@ -371,8 +371,8 @@ def test_one_line_errors_name_the_field():
     one_line_error(ValueError, lambda: no_success.step(np.zeros(3)), "env.gym.success_key 'done_flag'", "['steps']")
 
     one_line_error(ValueError, lambda: toy_suite(task="flowrl_test/Nothing-v0").instruction("flowrl_test/Nothing-v0"),
-                   "env.task 'flowrl_test/Nothing-v0'", "env.gym.module is empty")  # fmt: skip
-    one_line_error(ValueError, lambda: pusht_suite().make_env("gym_pusht/PushT-v9"), "env.task 'gym_pusht/PushT-v9'",
+                   "'flowrl_test/Nothing-v0' is not a registered", "env.gym.module is empty")  # fmt: skip
+    one_line_error(ValueError, lambda: pusht_suite().make_env("gym_pusht/PushT-v9"), "'gym_pusht/PushT-v9' is not a registered",
                    "env.gym.module 'gym_pusht' registers ['gym_pusht/PushT-v0']")  # fmt: skip
     one_line_error(ConfigError, lambda: toy_suite(task="flowrl_test/Nothing-v0").check(PolicyConfig()), "env.task:", "env.gym.module")
     one_line_error(ValueError, lambda: toy_suite(module="flowrl_no_such_module"), "env.gym.module 'flowrl_no_such_module'", TOY)

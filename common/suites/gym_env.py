@@ -97,7 +97,7 @@ class GymSuite(Suite):
             registered = sorted(env_id for env_id, spec in gymnasium.registry.items()
                                 if isinstance(spec.entry_point, str) and spec.entry_point.startswith(f"{module}."))  # fmt: skip
             known = f"env.gym.module {module!r} registers {registered}" if module else "env.gym.module is empty"
-            raise ValueError(f"env.task {task!r} is not a registered gymnasium env id ({known}): is the module that registers it "
+            raise ValueError(f"{task!r} is not a registered gymnasium env id ({known}): is the module that registers it "
                              "missing?")  # fmt: skip
         return gymnasium.spec(task)
 
@@ -112,15 +112,12 @@ class GymSuite(Suite):
 
     def sizes(self, task: str) -> tuple[int, int]:
         if task not in self._sizes:
-            env = self.make_env(task)
+            env = self.build_env(task, (), Layout(task, self.config.train_benchmark_seeds[0], 0), None)
             self._sizes[task] = (env.observation_space.shape[0], env.action_space.shape[0])
             env.close()
         return self._sizes[task]
 
-    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
-                 film: ImageConfig | None = None) -> GymTaskEnv:  # fmt: skip
-        if layout is None:
-            layout = Layout(self.config.train_benchmark_seeds[0], 0)
+    def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> GymTaskEnv:
         return GymTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
 
 
@@ -223,6 +220,8 @@ class GymTaskEnv(SuiteEnv):
         super().reset(seed=seed)
         options = dict(options or {})
         layout = options.pop("layout", self._layout)
+        if layout.task != self.task:
+            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
         if options:
             raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
         observation, _ = self._env.reset(seed=layout_seed(layout))
