@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -146,17 +147,40 @@ def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> R
     return load_config(recipe, [*base_sets, f"policy.pi0.lerobot_checkpoint={stand_in}"])
 
 
-def launch_counts(profile: torch.profiler.profile) -> dict[str, int]:
-    """What one profiled decision asked of the host: ATen ops dispatched, and CUDA kernel and graph launches."""
-    counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}
-    for event in profile.key_averages():
-        if event.key.startswith("aten::"):
-            counts["aten_ops"] += event.count
-        elif event.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC"):
-            counts["kernel_launches"] += event.count
-        elif event.key == "cudaGraphLaunch":
-            counts["graph_launches"] += event.count
-    return counts
+class LaunchProfile(torch.profiler.profile):
+    """The profiler over one decision on a GPU: ATen ops dispatched, and CUDA kernel and graph launches."""
+
+    def counts(self) -> dict[str, int]:
+        counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}
+        for event in self.key_averages():
+            if event.key.startswith("aten::"):
+                counts["aten_ops"] += event.count
+            elif event.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC"):
+                counts["kernel_launches"] += event.count
+            elif event.key == "cudaGraphLaunch":
+                counts["graph_launches"] += event.count
+        return counts
+
+
+class OpCounter(TorchDispatchMode):
+    """ATen ops dispatched over one decision on CPU, where nothing is launched. Not the profiler: its background
+    threads, started in a process that lives on (the test suite), can still run when the interpreter exits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def counts(self) -> dict[str, int]:
+        return {"aten_ops": self.ops}
+
+
+def host_work_counter(device: torch.device) -> LaunchProfile | OpCounter:
+    """What one decision asks of the host: the profiler's counts on a GPU, the dispatched ops on CPU."""
+    return LaunchProfile() if device.type == "cuda" else OpCounter()
 
 
 def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:
@@ -187,7 +211,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                             start = clock.now()
                             decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
                             times.append(clock.now() - start)
-                        with torch.profiler.profile() as prof:
+                        with host_work_counter(actor.device) as counted:
                             decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
                 except Exception as exc:  # noqa: BLE001 - a graph that cannot be captured: the actor samples eagerly
                     if path == "eager":
@@ -197,10 +221,10 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                     kept = policy.decision_graph = None
                     break
                 figures[f"{path}_batch{batch}_seconds"] = statistics.median(times[1:])
-                figures.update({f"{path}_batch{batch}_{name}": count for name, count in launch_counts(prof).items()})
-                if profile and batch == batch_sizes[0]:
+                figures.update({f"{path}_batch{batch}_{name}": count for name, count in counted.counts().items()})
+                if profile and batch == batch_sizes[0] and isinstance(counted, torch.profiler.profile):
                     print(f"[smolvla_gpu] one {path} decision for {batch} envs, by CPU time:", flush=True)
-                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+                    print(counted.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
             if policy.decision_graph is None:
                 continue
             graph = policy.decision_graph

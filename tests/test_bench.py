@@ -248,8 +248,9 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     assert (results["prepare"]["rows_per_encode"], results["prepare_whole_batch"]["rows_per_encode"]) == (2, 4)
     assert results["publish_load_sample_v1"]["version"] == 1
     latency = results["decision_latency"]
-    # On CPU the eager path alone, with the host's op count per decision (a CUDA graph replays them in one launch).
-    assert latency["eager_batch2_aten_ops"] > latency["eager_batch1_aten_ops"] > 1000 and latency["eager_batch1_kernel_launches"] == 0
+    # On CPU the eager path alone, with the host's op count per decision (a CUDA graph replays them in one launch); no
+    # launches to count (the profiler runs on a GPU only).
+    assert latency["eager_batch2_aten_ops"] > latency["eager_batch1_aten_ops"] > 1000 and "eager_batch1_kernel_launches" not in latency
     assert not [name for name in latency if name.startswith("graph_")]
     assert_positive(latency["eager_batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
