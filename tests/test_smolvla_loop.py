@@ -16,7 +16,9 @@ from actors.rollout_actor import RolloutActor
 from common.config_loading import load_config
 from common.diagnostics import BehaviourGapWarning
 from common.flow import chain_log_prob
+from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
+from common.rollout import decide
 from common.suites.metaworld import TASKS
 from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
@@ -154,3 +156,32 @@ def test_two_actor_iteration_on_local_ray_with_frames_and_instruction(smolvla_bc
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert any(k.startswith("vla.model.action_out_proj") for k in changed) and any(k.startswith("critic_head") for k in changed)
     assert not any(".vlm." in k or k.startswith("vla.model.state_proj") for k in changed)  # the frozen VLM is bit-identical
+
+
+LANGUAGE_TASKS = ("reach-v3", "push-v3", "pick-place-v3")
+
+
+def test_one_smolvla_policy_on_three_tasks_reads_each_envs_instruction(tmp_path) -> None:
+    """Three Metaworld tasks, one tiny SmolVLA: BC learns from each task's demonstrations under its own instruction,
+    every env's record carries its task's instruction, and the same frames and state under two instructions give
+    different chunks (language reaches the action expert), while the same instruction twice gives the same chunk."""
+    tasks = ",".join(LANGUAGE_TASKS)
+    config = tiny_run_config(tmp_path / "run", f"env.task={tasks}", "policy.obs_dim=42", "policy.smolvla.max_state_dim=42",
+                             "actors.num_actors=1", "actors.envs_per_actor=3", "pretrain.train_steps=30")  # fmt: skip
+    checkpoint = tmp_path / "bc"
+    report = pretrain(config, checkpoint, progress=False)
+    assert report["demos"] == 3 and report["instruction"] == {task: TASKS[task].instruction for task in LANGUAGE_TASKS}
+
+    actor = RolloutActor(config, 0, checkpoint)
+    batch = actor.sample(None, 0)
+    tokenizer = actor.policy.vla.model.vlm_with_expert.processor.tokenizer
+    for env, task in enumerate(LANGUAGE_TASKS):
+        assert tokenizer.decode(batch.tokens[0, env][batch.token_mask[0, env]]) == TASKS[task].instruction + "\n"
+        np.testing.assert_array_equal(batch.obs[0, env, 39:], np.eye(3, dtype=np.float32)[env])  # the task's one-hot
+
+    policy = actor.policy
+    state, frames = np.repeat(batch.obs[0, :1], 3, axis=0), np.repeat(batch.images[0, :1], 3, axis=0)
+    tokens, mask = policy.tokenize([TASKS["reach-v3"].instruction, TASKS["push-v3"].instruction, TASKS["reach-v3"].instruction])
+    chunks = decide(policy, Observation(state, frames, tokens, mask), deterministic=True).env_actions
+    np.testing.assert_array_equal(chunks[0], chunks[2])
+    assert np.abs(chunks[0] - chunks[1]).max() > 1e-4
