@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from common.config import EnvConfig
+from common.config import ConfigError, EnvConfig
 from common.suites.base import Expert, ImageConfig, Layout, Suite, SuiteEnv
 
 SUITE_CLASSES = {
@@ -19,7 +19,7 @@ SUITE_CLASSES = {
 def make_suite(config: EnvConfig) -> Suite:
     """The suite env.suite names, built from the env section."""
     if config.suite not in SUITE_CLASSES:
-        raise ValueError(f"env.suite {config.suite!r} is not one of {sorted(SUITE_CLASSES)}")
+        raise ConfigError(f"env.suite {config.suite!r} is not one of {sorted(SUITE_CLASSES)}")
     module, name = SUITE_CLASSES[config.suite].split(":")
     return getattr(importlib.import_module(module), name)(config)
 
