@@ -141,8 +141,30 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def task_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown for a multi-task sweep ("" otherwise): one row per task, its held-out success before and after RL for
+    each seed that finished (with the Wilson interval), and the mean gain over those seeds."""
+    done = [row for row in rows if row["status"] == "ok"]
+    tasks = list(dict.fromkeys(key.split("/")[2] for row in done for key in row["final"] if key.startswith("eval/task/")))
+    if not tasks:
+        return ""
+    head = "| task | " + " | ".join(f"seed {row['seed']}: BC -> RL" for row in done) + " | mean gain |"
+    lines = [head, "|---" * (len(done) + 2) + "|"]
+    for task in tasks:
+        cells, gains = [], []
+        for row in done:
+            before, after = (row[when][f"eval/task/{task}/success_rate"] for when in ("initial", "final"))
+            low, high = row["final"][f"eval/task/{task}/success_low"], row["final"][f"eval/task/{task}/success_high"]
+            cells.append(f"{before:.2f} -> {after:.2f} ({low:.2f}-{high:.2f})")
+            gains.append(after - before)
+        lines.append(f"| {task} | " + " | ".join(cells) + f" | {100 * np.mean(gains):+.1f} points |")
+    return "\n".join(lines)
+
+
 def write_report(rows: list[dict[str, Any]], sweep_dir: Path, title: str) -> str:
     table = results_table(rows)
+    if per_task := task_table(rows):
+        table += "\n\nPer task (held-out success, 95% interval after RL):\n\n" + per_task
     (sweep_dir / "results.json").write_text(json.dumps(rows, indent=2))
     (sweep_dir / "results.md").write_text(f"# {title}\n\n{table}\n")
     curves = {}
