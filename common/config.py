@@ -211,6 +211,7 @@ class PolicyConfig:
 # learner keeps one copy of the trainable tensors per version in flight.
 MAX_POLICY_LAG = 2
 
+
 @dataclass
 class GymSuiteConfig:
     """env.gym: any registered gymnasium env id as a suite (env.suite "gym"; common.suites.gym_env), with how its
