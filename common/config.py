@@ -178,7 +178,7 @@ class PolicyConfig:
         _require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
         self.smolvla.validate(f"{path}.smolvla")
         self.pi0.validate(f"{path}.pi0")
-        vla = {"smolvla": "smolvla", "pi0": "pi0", "pi05": "pi0"}.get(self.type)
+        vla = self.vla_section()
         if vla:
             _require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type {self.type} (it reads camera frames), got 0")
             section = getattr(self, vla)
@@ -193,6 +193,10 @@ class PolicyConfig:
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
     SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization", "dropout")
+
+    def vla_section(self) -> str | None:
+        """The subsection of a VLA backend ("smolvla", or "pi0" for pi0 and pi0.5), None for the MLP."""
+        return {"smolvla": "smolvla", "pi0": "pi0", "pi05": "pi0"}.get(self.type)
 
     def sampling_overrides(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.SAMPLING_FIELDS}

@@ -3,6 +3,7 @@ actors started, and the clock of the stages the start-up passes (summary.json "s
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -13,11 +14,11 @@ import ray
 import torch
 
 from actors.rollout_actor import RolloutActor
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, PolicyConfig, RunConfig
 from common.diagnostics import check_ratio_sensitivity
 from common.flow import num_log_prob_elements
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
-from common.suites import build_layout_tables, make_suite
+from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
 from learner.pretrain import ensure_bc_checkpoint
@@ -46,6 +47,7 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
         check_checkpoint_matches(config, Path(config.init_checkpoint))
     suite = make_suite(config.env)
     suite.check(config.policy)
+    check_lerobot_features(config.policy, suite)
     tasks = suite.tasks()
     eval_layouts = suite.held_out(config.eval_episodes)
     if len(eval_layouts) < config.eval_episodes * len(tasks):
@@ -66,6 +68,35 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                               "with --address")  # fmt: skip
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
     return eval_layouts
+
+
+def check_lerobot_features(policy: PolicyConfig, suite: Suite) -> None:
+    """A lerobot checkpoint (policy.<section>.lerobot_checkpoint) reads the cameras and the state its config.json's
+    input_features name (observation.images.<camera>, observation.state): the run's policy.cameras must be those
+    cameras, the suite must have them, and the state must be the width the suite gives unless its projection is
+    learnt anew (reinit_state_proj). Reads the JSON only."""
+    section = policy.vla_section()
+    checkpoint = getattr(policy, section).lerobot_checkpoint if section else ""
+    if not checkpoint or not (Path(checkpoint).expanduser() / "config.json").is_file():
+        return  # none, or a missing file: the loader names it
+    field = f"policy.{section}.lerobot_checkpoint"
+    try:
+        features = json.loads((Path(checkpoint).expanduser() / "config.json").read_text())["input_features"]
+        cameras = [key.removeprefix("observation.images.") for key in features if key.startswith("observation.images.")]
+        state = features.get("observation.state", {}).get("shape", [None])[0]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{field}: {checkpoint}/config.json has no readable input_features ({exc})") from None
+    tasks = suite.tasks()
+    missing = sorted({camera for task in tasks for camera in cameras if camera not in suite.cameras(task)})
+    if missing:
+        raise ConfigError(f"{field} reads observation.images.{{{','.join(missing)}}}, which {suite.name} does not render "
+                          f"(its cameras: {suite.cameras(tasks[0])})")  # fmt: skip
+    if sorted(cameras) != sorted(policy.cameras):
+        raise ConfigError(f"{field} reads the cameras {cameras} (its input_features) but policy.cameras is {policy.cameras}: "
+                          f"set policy.cameras: {cameras}")  # fmt: skip
+    if state != policy.obs_dim and not getattr(policy, section).reinit_state_proj:
+        raise ConfigError(f"{field} reads a {state}-element observation.state but the run's state has {policy.obs_dim} "
+                          f"(policy.obs_dim): set policy.{section}.reinit_state_proj: true to learn a new state projection")  # fmt: skip
 
 
 def check_checkpoint_matches(config: RunConfig, checkpoint: Path) -> None:

@@ -454,6 +454,8 @@ def test_the_suite_declares_metaworlds_own_sizes_and_limit() -> None:
             assert SUITE.sizes(task) == (env.observation_space.shape[0], env.action_space.shape[0])
             assert SUITE.episode_limit(task) == env._env.max_path_length
             assert SUITE.instruction(task) == env.instruction == TASKS[task].instruction
+            model = env._env.model
+            assert sorted(SUITE.cameras(task)) == sorted(mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam))
         finally:
             env.close()
     assert (METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM) == SUITE.sizes(DEFAULT_TASK)

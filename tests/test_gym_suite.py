@@ -124,6 +124,7 @@ def test_pusht_sizes_instruction_limit_and_state():
     assert pusht_suite(instruction="push the T onto its target").instruction(PUSHT) == "push the T onto its target"
     assert suite.episode_limit(PUSHT) == 300
     assert suite.expert(PUSHT) is None
+    assert suite.cameras(PUSHT) == ["render"] and pusht_suite(camera="top").cameras(PUSHT) == ["top"]
     env = suite.make_env(PUSHT)
     assert env.layout == Layout(PUSHT, suite.config.train_benchmark_seeds[0], 0)  # the first training layout
     state, info = env.reset()

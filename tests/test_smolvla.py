@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, PolicyConfig, SmolVLAConfig
+from common.config import ConfigError, EnvConfig, PolicyConfig, SmolVLAConfig
 from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
@@ -32,6 +32,8 @@ from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
 from common.policy.vla_common import lerobot_flow_time
 from common.rl import normalize, ppo_policy_loss
+from common.suites import make_suite
+from learner.startup import check_lerobot_features
 from tests.vla_checks import (
     bf16_actor_gap,
     check_learner_log_probs_equal_actor_log_probs,
@@ -371,3 +373,34 @@ def test_summed_log_probs_warn_and_clip_everything() -> None:
 if __name__ == "__main__":
     for normalization in ("sum", "mean"):
         print(normalization, clip_fraction_after_one_update(normalization))
+
+
+def test_a_lerobot_checkpoints_input_features_are_checked_against_the_suite_before_any_work(policy, tmp_path) -> None:
+    """A checkpoint as lerobot saves it names the cameras and the state it reads (input_features): the run must list
+    those cameras, the suite must render them, and the state width must be the run's unless state_proj is learnt
+    anew; each mismatch is one line naming the field to set."""
+    lerobot_dir = tmp_path / "smolvla_lerobot"
+    policy.vla.save_pretrained(lerobot_dir)  # reads observation.images.corner and a 39-element observation.state
+    suite = make_suite(EnvConfig())
+    check_lerobot_features(tiny_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}), suite)  # matches: no error
+
+    def refused(config: PolicyConfig, pattern: str) -> None:
+        with pytest.raises(ConfigError, match=pattern) as caught:
+            check_lerobot_features(config, suite)
+        assert "\n" not in str(caught.value)
+
+    refused(tiny_config(cameras=["corner2"], smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
+            r"reads the cameras \['corner'\] .* policy\.cameras is \['corner2'\]: set policy\.cameras: \['corner'\]")  # fmt: skip
+    saved = json.loads((lerobot_dir / "config.json").read_text())
+    saved["input_features"]["observation.images.wrist_image"] = saved["input_features"]["observation.images.corner"]
+    saved["input_features"]["observation.state"]["shape"] = [8]
+    (lerobot_dir / "config.json").write_text(json.dumps(saved))
+    refused(tiny_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
+            r"policy\.smolvla\.lerobot_checkpoint reads observation\.images\.\{wrist_image\}, which metaworld does not render")  # fmt: skip
+    del saved["input_features"]["observation.images.wrist_image"]
+    (lerobot_dir / "config.json").write_text(json.dumps(saved))
+    refused(tiny_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
+            r"reads a 8-element observation\.state but the run's state has 39 .*\.reinit_state_proj: true")  # fmt: skip
+    check_lerobot_features(tiny_config(smolvla={"lerobot_checkpoint": str(lerobot_dir), "reinit_state_proj": True}), suite)
+    with pytest.raises(ConfigError, match=r"policy\.cameras \['ceiling'\] are not cameras of metaworld task pick-place-v3"):
+        suite.check(tiny_config(cameras=["ceiling"]))

@@ -129,7 +129,7 @@ def lerobot_config_fields(config: PolicyConfig) -> dict[str, Any]:
     VLAFlowPolicy.train() does), and the features (policy.cameras' frames, the state, the action)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
-    section = getattr(config, {"pi05": "pi0"}.get(config.type, config.type))
+    section = getattr(config, config.vla_section())
     frame = (3, config.image_size, config.image_size)
     images = {f"observation.images.{camera}": PolicyFeature(FeatureType.VISUAL, frame) for camera in config.cameras}
     return {

@@ -155,6 +155,10 @@ class Suite(ABC):
     def sizes(self, task: str) -> tuple[int, int]:
         """(state elements, action elements) of `task`'s own envs."""
 
+    @abstractmethod
+    def cameras(self, task: str) -> list[str]:
+        """The camera names `task`'s envs can render (what policy.cameras may list)."""
+
     def expert(self, task: str) -> Expert | None:
         """The task's scripted expert for behaviour cloning, or None when the suite has none."""
         return None
@@ -208,6 +212,11 @@ class Suite(ABC):
             if self.config.max_episode_steps > limit:
                 raise ConfigError(f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit "
                                   f"for {task} ({limit}): the env would end episodes there anyway")  # fmt: skip
+        if policy.image_size > 0:
+            for task in tasks:
+                unknown = [camera for camera in policy.cameras if camera not in self.cameras(task)]
+                if unknown:
+                    raise ConfigError(f"policy.cameras {unknown} are not cameras of {self.name} task {task}: it has {self.cameras(task)}")
         what = f"{self.name} task {tasks[0]}" if len(tasks) == 1 else f"the {len(tasks)} tasks of {self.config.task} (with their one-hot)"
         for name, value, expected, kind in (("obs_dim", policy.obs_dim, state_dim, "state"),
                                             ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action")):  # fmt: skip

@@ -105,6 +105,10 @@ class GymSuite(Suite):
         self._spec(task)
         return self.gym.instruction or _words(task)
 
+    def cameras(self, task: str) -> list[str]:
+        self._spec(task)
+        return [self.gym.camera]
+
     def episode_limit(self, task: str) -> int:
         # gymnasium.make takes max_episode_steps among its keyword arguments, over the registered one.
         limit = self.gym.kwargs.get("max_episode_steps", self._spec(task).max_episode_steps)

@@ -59,6 +59,7 @@ class TaskSpec:
 DEFAULT_TASK = "pick-place-v3"
 METAWORLD_MAX_PATH_LENGTH = 500  # Metaworld v3's max_path_length: its envs truncate every episode there
 METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM = 39, 4  # MT1's fully observable state; end-effector xyz and gripper
+METAWORLD_CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "gripperPOV", "behindGripper")  # every task's scene
 
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
@@ -580,6 +581,10 @@ class MetaworldSuite(Suite):
     def episode_limit(self, task: str) -> int:
         _task_spec(task)
         return METAWORLD_MAX_PATH_LENGTH
+
+    def cameras(self, task: str) -> list[str]:
+        _task_spec(task)
+        return list(METAWORLD_CAMERAS)
 
     def sizes(self, task: str) -> tuple[int, int]:
         _task_spec(task)
