@@ -143,7 +143,8 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
         "eval_episodes": len(successes),
         "eval_success_rate": rate,
         "eval_success_95ci": [low, high],
-        "eval_layouts": f"{env_cfg.task} benchmark seeds {env_cfg.eval_benchmark_seeds}, first {len(successes)}",
+        "eval_layouts": f"{env_cfg.task} benchmark seeds {env_cfg.eval_benchmark_seeds}, first {len(successes) // len(tasks)}"
+        + (f" of each of {len(tasks)} tasks" if len(tasks) > 1 else ""),
         "seconds": {"demos": demo_seconds, "train": train_seconds, "total": time.perf_counter() - start},
         "config": {"policy": dataclasses.asdict(config.policy), "env": dataclasses.asdict(env_cfg), "pretrain": dataclasses.asdict(cfg)},
     }

@@ -86,6 +86,7 @@ def test_bc_learns_every_task_and_reports_each(two_task_checkpoint) -> None:
     _, report = two_task_checkpoint
     assert report["demos"] == 2 * 2  # pretrain.num_demos of each task
     assert set(report["per_task"]) == {"reach-v3", "pick-place-v3"} and report["eval_episodes"] == 2 * 4
+    assert report["eval_layouts"] == "reach-v3,pick-place-v3 benchmark seeds [1, 6], first 4 of each of 2 tasks"
     for rate, low, high in report["per_task"].values():
         assert low <= rate <= high
     assert report["eval_success_rate"] == pytest.approx(np.mean([rate for rate, _, _ in report["per_task"].values()]))
