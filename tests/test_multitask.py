@@ -4,6 +4,7 @@ task's one-hot, BC learns every task, and evaluation, metrics and gauges speak p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import ray
 
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, EnvConfig, PolicyConfig
+from common.config_loading import load_config
 from common.metrics import eval_metrics
 from common.policy import FlowPolicy
 from common.rollout import env_tasks
@@ -161,3 +163,14 @@ def test_a_two_task_run_reports_every_task(tmp_path, two_task_checkpoint, capsys
     assert "reach-v3" in printed and "pick-place-v3" in printed
     videos = sorted(path.name for path in (run_dir / "videos" / "iter_000001").glob("*.mp4"))
     assert {name.split("_")[0] for name in videos} == {"reach-v3", "pick-place-v3"}  # eval_videos per task
+
+
+@pytest.mark.parametrize(
+    ("name", "tasks"), [("mt10.yaml", list(TASK_SETS["MT10"])), ("smolvla_tiny_three_tasks.yaml", ["reach-v3", "push-v3", "pick-place-v3"])]
+)
+def test_the_shipped_multi_task_configs_pass_the_checks_before_a_run(name, tasks) -> None:
+    config = load_config(Path(__file__).parents[1] / "configs" / name)
+    layouts = preflight(config, address=None, resume=False)
+    assert make_suite(config.env).tasks() == tasks and [layout.task for layout in layouts] == [
+        t for t in tasks for _ in range(config.eval_episodes)
+    ]
