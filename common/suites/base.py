@@ -66,6 +66,17 @@ class SuiteEnv(gymnasium.Env):
     instruction: str  # the task in words, for language-conditioned policies
     frames: list[np.ndarray]
 
+    def reset_layout(self, options: dict[str, Any] | None) -> Layout | None:
+        """The layout reset's options ask for (None: the current one); a ValueError for an unknown option or a layout
+        of another task."""
+        options = dict(options or {})
+        layout = options.pop("layout", None)
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
+        if layout is not None and layout.task != self.task:
+            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
+        return layout
+
     @property
     @abstractmethod
     def num_cameras(self) -> int: ...

@@ -222,12 +222,7 @@ class GymTaskEnv(SuiteEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         # The seed only seeds `self.np_random` (gymnasium's contract); the env is reset with the layout's seed.
         super().reset(seed=seed)
-        options = dict(options or {})
-        layout = options.pop("layout", self._layout)
-        if layout.task != self.task:
-            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
-        if options:
-            raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
+        layout = self.reset_layout(options) or self._layout
         observation, _ = self._env.reset(seed=layout_seed(layout))
         self._layout, self._started, self._view = layout, True, None
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False

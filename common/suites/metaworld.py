@@ -451,8 +451,7 @@ class MetaworldTaskEnv(SuiteEnv):
 
     def set_layout(self, layout: Layout) -> None:
         """Use `layout` from the next reset on."""
-        if layout.task != self.task:
-            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
+        self.reset_layout({"layout": layout})  # of this env's task
         tasks = benchmark_tasks(self.task, layout.benchmark_seed)
         if not 0 <= layout.index < len(tasks):
             raise ValueError(f"layout index must be in [0, {len(tasks)}), got {layout.index}")
@@ -464,12 +463,9 @@ class MetaworldTaskEnv(SuiteEnv):
         # The seed only seeds `self.np_random` (gymnasium's contract); the episode itself is a
         # deterministic function of the layout.
         super().reset(seed=seed)
-        options = options or {}
-        unknown = set(options) - {"layout"}
-        if unknown:
-            raise ValueError(f"unknown reset options {sorted(unknown)}; supported: ['layout']")
-        if "layout" in options:
-            self.set_layout(options["layout"])
+        layout = self.reset_layout(options)
+        if layout is not None:
+            self.set_layout(layout)
         state = self._reset_simulation() if self._reset_model_once else self._env.reset()[0]
         self._episode_steps = 0
         self._succeeded = False
