@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from bench import broadcast, env_step, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
+from bench import broadcast, env_step, libero_step, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
 from bench.report import ProcessTreeCPU, flatten
 from common.config import RunConfig
 
@@ -177,6 +177,14 @@ def test_env_step_smallest_compares_both_variants_on_both_kinds_of_actions(capsy
         assert results[f"expert_over_random_{variant}"] == pytest.approx(
             results[f"expert_{variant}_us_per_step"] / results[f"random_{variant}_us_per_step"], rel=1e-12
         )
+
+
+def test_libero_step_smallest_prices_a_state_step_each_render_and_a_reset(capsys):
+    results = libero_step.main(["--sizes", "32", "--decisions", "1", "--rounds", "1"])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert_positive(results["state_ms_per_step"], results["32px_render_ms"], results["32px_shadows_render_ms"], results["reset_ms"])
+    assert results["32px_ms_per_decision"] == pytest.approx(4 * results["32px_ms_per_step"], rel=1e-12)  # one render per 4 steps
+    assert results["32px_ms_per_decision"] > results["32px_render_ms"]
 
 
 def test_rllib_env_draws_a_training_layout_at_every_reset_from_its_seed():

@@ -465,5 +465,5 @@ def test_the_suite_declares_metaworlds_own_sizes_and_limit() -> None:
 
 def test_env_suite_names_a_registry_line() -> None:
     assert isinstance(make_suite(EnvConfig()), MetaworldSuite) and list(SUITE_CLASSES) == ["metaworld", "gym", "libero"]
-    with pytest.raises(ConfigError, match=r"env\.suite 'libero' is not one of \['gym', 'metaworld'\]"):
-        make_suite(EnvConfig(suite="libero"))
+    with pytest.raises(ConfigError, match=r"env\.suite 'maniskill' is not one of \['gym', 'libero', 'metaworld'\]"):
+        make_suite(EnvConfig(suite="maniskill"))

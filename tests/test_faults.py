@@ -313,7 +313,7 @@ BAD_INPUTS = [
     (["--set", "algorithm.lr_warmup_iters=-1"], r"algorithm\.lr_warmup_iters/critic_warmup_iters must be >= 0", None),
     (["--iterations", "2"], r"algorithm\.critic_warmup_iters \(3\) must be < iterations \(2\)", None),
     (["--set", "env.max_episode_steps=501"], r"env\.max_episode_steps \(501\) exceeds metaworld's episode limit for pick-place-v3", None),
-    (["--set", "env.suite=libero"], r"env\.suite 'libero' is not one of \['gym', 'metaworld'\]", None),
+    (["--set", "env.suite=maniskill"], r"env\.suite 'maniskill' is not one of \['gym', 'libero', 'metaworld'\]", None),
     (["--set", "env.suite=gym", "--set", "env.gym.success_key=''"], r"env\.gym\.success_key must be a non-empty string", None),
     (["--set", "policy.type=transformer"], r"policy\.type must be one of \['mlp_flow', 'pi0', 'pi05', 'smolvla'\]", None),
     (["--set", "actors.num_gpus=0.5"], r"actors\.num_gpus=0\.5 .* ask for GPUs but this machine has none", None),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av
 import mujoco
 import numpy as np
 import pytest
@@ -193,10 +194,13 @@ def test_cameras_are_drawn_on_demand_as_lerobot_presents_them(cameras_env, monke
     assert all(frame.std() > 20 and len(np.unique(frame.reshape(-1, 3), axis=0)) > 100 for frame in frames)  # a scene, not blank
 
     # robosuite's own renderer (the frames lerobot reads) gives the view upside down; lerobot turns it by 180 degrees.
-    # Its scene differs from MuJoCo's Renderer by a few edge pixels; any other orientation differs everywhere.
+    # Set up as robosuite's envs set it (no collision meshes) and as the suite draws (no shadows or reflections), it
+    # differs from MuJoCo's Renderer by a few edge pixels; any other orientation differs everywhere.
     sim = env._env.sim
     if sim._render_context_offscreen is None:
-        MjRenderContextOffscreen(sim, device_id=-1)
+        context = MjRenderContextOffscreen(sim, device_id=-1)
+        context.vopt.geomgroup[0] = 0
+        context.scn.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
     for frame, camera in zip(frames, ("agentview", "robot0_eye_in_hand")):
         raw = sim.render(width=64, height=48, camera_name=camera).astype(int)
         turned, *others = [np.abs(frame - view).mean() for view in (raw[::-1, ::-1], raw, raw[::-1], raw[:, ::-1])]
@@ -298,8 +302,8 @@ def test_importing_libero_never_asks_for_its_config(tmp_path):
 @pytest.mark.slow
 def test_two_iterations_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
     """learner.main with two actors: the tiny SmolVLA reads both 32 px cameras, the 8-d state and the task's
-    instruction, acts in 7-d, and the learner updates with the ratio exactly 1 before its first step. LIBERO has no
-    demonstrations offline, so the policy starts from random weights."""
+    instruction, acts in 7-d, the learner updates with the ratio exactly 1 before its first step, and the held-out
+    episode is evaluated and filmed. LIBERO has no demonstrations offline, so the policy starts from random weights."""
     import ray
 
     from learner.main import main
@@ -308,8 +312,8 @@ def test_two_iterations_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
     sets = ["env.suite=libero", f"env.task={SPATIAL_0}", "env.max_episode_steps=8", "policy.obs_dim=8", "policy.action_dim=7",
             "policy.cameras=[agentview, wrist]", "policy.smolvla.max_state_dim=8", "policy.smolvla.max_action_dim=7",
             "allow_random_init=true", "actors.envs_per_actor=1", "actors.decisions_per_rollout=3", "algorithm.minibatch_size=3",
-            "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0", "eval_every=2", "eval_episodes=1", "eval_videos=0",
-            "checkpoint_every=2", "actors.call_timeout_s=1200"]  # fmt: skip
+            "algorithm.update_epochs=1", "algorithm.critic_warmup_iters=0", "eval_every=2", "eval_episodes=1", "eval_videos=1",
+            "checkpoint_every=2"]  # fmt: skip
     argv = ["--config", str(TINY_CONFIG), "--num-actors", "2", "--iterations", "2", "--run-dir", str(run_dir)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -325,3 +329,7 @@ def test_two_iterations_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
     config = json.loads((run_dir / "run_config.json").read_text())
     assert (config["env"]["suite"], config["env"]["task"], config["policy"]["cameras"]) == ("libero", SPATIAL_0, ["agentview", "wrist"])
     assert (run_dir / "checkpoints" / "iter_000002" / "model.safetensors").is_file()
+    (video,) = (run_dir / "videos" / "iter_000002").glob("*.mp4")  # filmed from the agentview camera
+    with av.open(str(video)) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) > 1 and frames[0].std() > 10

