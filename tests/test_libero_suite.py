@@ -21,6 +21,7 @@ from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.suites import ImageConfig, Layout, make_suite
 from common.suites import libero as libero_suite
 from common.suites.libero import EPISODE_LIMITS, INSTALL, axis_angle, init_states
+from tests.test_gym_suite import one_line_error
 
 SPATIAL_0 = "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"
 DRAWER = "open_the_middle_drawer_of_the_cabinet"  # libero_goal: its goal is one joint's range
@@ -29,15 +30,6 @@ TINY_CONFIG = Path(__file__).parents[1] / "configs" / "smolvla_tiny_pick.yaml"
 
 def suite_of(task: str, **env):
     return make_suite(EnvConfig(suite="libero", task=task, **env))
-
-
-def one_line_error(error, call, *fragments):
-    with pytest.raises(error) as caught:
-        call()
-    message = str(caught.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 def sim_state(env) -> np.ndarray:
