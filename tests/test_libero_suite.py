@@ -59,7 +59,7 @@ def test_tasks_instructions_sizes_and_limits_are_liberos():
         assert {suite.sizes(task.name) for task in tasks} == {(8, 7)}
     assert suite.tasks()[0] == SPATIAL_0 and len(suite.tasks()) == 10
     assert suite.instruction(SPATIAL_0) == "pick up the black bowl between the plate and the ramekin and place it on the plate"
-    assert suite.expert(SPATIAL_0) is None
+    assert suite.expert(SPATIAL_0) is None and suite.cameras(SPATIAL_0) == ["agentview", "wrist"]
     suite.check(PolicyConfig(obs_dim=8 + 10, action_dim=7))  # a multi-task run's state ends in the task one-hot
     suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=7))
     assert suite_of(f"{SPATIAL_0}, {DRAWER}").tasks() == [SPATIAL_0, DRAWER]
@@ -245,6 +245,8 @@ def test_one_line_errors(cameras_env, monkeypatch):
     one_line_error(ConfigError, lambda: suite_of("libero_space").check(policy), "env.task:", "libero_spatial")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=39, action_dim=4)), "set policy.obs_dim=8")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=4)), "set policy.action_dim=7")
+    corner_policy = PolicyConfig(obs_dim=8, action_dim=7, image_size=32, cameras=["agentview", "corner"])
+    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(corner_policy), "policy.cameras ['corner']", "['agentview', 'wrist']")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0, max_episode_steps=281).check(policy), "env.max_episode_steps (281)", "(280)")
     suite = suite_of(SPATIAL_0)
     corner = [ImageConfig(32, 32, "corner")]

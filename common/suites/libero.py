@@ -185,6 +185,10 @@ class LiberoSuite(Suite):
     def episode_limit(self, task: str) -> int:
         return EPISODE_LIMITS[benchmark_of(task)]
 
+    def cameras(self, task: str) -> list[str]:
+        benchmark_of(task)
+        return list(CAMERAS)
+
     def sizes(self, task: str) -> tuple[int, int]:
         benchmark_of(task)
         return STATE_DIM, ACTION_DIM
@@ -235,7 +239,7 @@ class LiberoTaskEnv(SuiteEnv):
         for camera in [*cameras, *([film] if film is not None else [])]:
             if camera.camera not in CAMERAS:
                 raise ValueError(f"camera {camera.camera!r} is not one of LIBERO's cameras: {sorted(CAMERAS)}")
-        self._check(layout)
+        layout_seed(layout)  # refuses a seed or index outside the suite's
         self._layout = layout
         self._init_states = init_states(task)
 
@@ -258,11 +262,6 @@ class LiberoTaskEnv(SuiteEnv):
         self._succeeded = False
         self._needs_reset = True
 
-    def _check(self, layout: Layout) -> None:
-        if layout.task != self.task:
-            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
-        layout_seed(layout)  # refuses a seed or index outside the suite's
-
     @property
     def num_cameras(self) -> int:
         return len(self._cameras)
@@ -283,12 +282,8 @@ class LiberoTaskEnv(SuiteEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         # The seed only seeds `self.np_random` (gymnasium's contract); the episode is a function of the layout.
         super().reset(seed=seed)
-        options = dict(options or {})
-        layout = options.pop("layout", self._layout)
-        if options:
-            raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
-        self._check(layout)
-        observation = self._start(layout)
+        layout = self.reset_layout(options) or self._layout
+        observation = self._start(layout)  # its layout_seed refuses a seed or index outside the suite's
         self._layout, self._started = layout, True
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
         self.frames = []
