@@ -247,11 +247,18 @@ def test_one_line_errors(cameras_env, monkeypatch):
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=39, action_dim=4)), "set policy.obs_dim=8")
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=4)), "set policy.action_dim=7")
     corner_policy = PolicyConfig(obs_dim=8, action_dim=7, image_size=32, cameras=["agentview", "corner"])
-    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(corner_policy), "policy.cameras ['corner']", "['agentview', 'wrist', 'image', 'image2']")
+    one_line_error(
+        ConfigError,
+        lambda: suite_of(SPATIAL_0).check(corner_policy),
+        "policy.cameras ['corner']",
+        "['agentview', 'wrist', 'image', 'image2']",
+    )
     one_line_error(ConfigError, lambda: suite_of(SPATIAL_0, max_episode_steps=281).check(policy), "env.max_episode_steps (281)", "(280)")
     suite = suite_of(SPATIAL_0)
     corner = [ImageConfig(32, 32, "corner")]
-    one_line_error(ValueError, lambda: suite.make_env(SPATIAL_0, cameras=corner), "camera 'corner'", "['agentview', 'wrist', 'image', 'image2']")
+    one_line_error(
+        ValueError, lambda: suite.make_env(SPATIAL_0, cameras=corner), "camera 'corner'", "['agentview', 'wrist', 'image', 'image2']"
+    )
     one_line_error(ValueError, lambda: cameras_env.reset(options={"layout": Layout(SPATIAL_0, 0, 50)}), "index in [0, 50)")
     one_line_error(ValueError, lambda: cameras_env.reset(options={"layout": Layout(DRAWER, 0, 0)}), f"a layout of {DRAWER}")
     one_line_error(ValueError, lambda: cameras_env.reset(options={"goal": 1}), "unknown reset options ['goal']")

@@ -61,7 +61,7 @@ from common.suites.gym_env import layout_seed
 
 # LIBERO's robomimic asks for any torchvision, which pip meets with the newest (replacing torch to suit it) unless one
 # matching the installed torch is there or named (docs/libero.md).
-INSTALL = "pip install -e \".[libero]\" beside the smolvla or lerobot extra (docs/libero.md)"
+INSTALL = 'pip install -e ".[libero]" beside the smolvla or lerobot extra (docs/libero.md)'
 
 # The most steps an episode may have, per benchmark: lerobot's LIBERO env (TASK_SUITE_MAX_STEPS).
 EPISODE_LIMITS = {"libero_spatial": 280, "libero_object": 280, "libero_goal": 300, "libero_10": 520, "libero_90": 400}
