@@ -77,16 +77,59 @@ class SuiteEnv(gymnasium.Env):
             raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
         return layout
 
+    # The run's episode rules (env.reward, env.stop_on_success, env.max_episode_steps) and the episode's progress, which
+    # every suite's env keeps under these names; _checked_action and _episode_rules apply them alike.
+    _reward_mode: str
+    _stop_on_success: bool
+    _max_episode_steps: int
+    _episode_steps: int
+    _succeeded: bool
+    _needs_reset: bool
+
+    def _checked_action(self, action: np.ndarray, dtype: type) -> np.ndarray:
+        """A step's action, clipped to [-1, 1] in `dtype`; a RuntimeError when no episode runs, a ValueError for a
+        wrong shape."""
+        if self._needs_reset:
+            raise RuntimeError("call reset() before step(): the episode has ended, has not started, or its layout changed")
+        action = np.clip(np.asarray(action, dtype=dtype), -1.0, 1.0)
+        if action.shape != self.action_space.shape:
+            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        return action
+
+    def _episode_rules(self, success: bool, env_reward: float, env_ended: bool = False, env_cut: bool = False) -> tuple[float, bool, bool]:
+        """One more step of the episode, that reported `success`: its (reward, terminated, truncated). "success" rewards
+        pay 1.0 on the step where success first holds, "dense" ones are the env's own; the episode ends on success
+        with env.stop_on_success, when the env itself ends (env_ended) or cuts it (env_cut), and after
+        env.max_episode_steps steps."""
+        self._episode_steps += 1
+        first_success = success and not self._succeeded
+        self._succeeded |= success
+        reward = float(env_reward) if self._reward_mode == "dense" else float(first_success)
+        terminated = env_ended or (success and self._stop_on_success)
+        truncated = env_cut or self._episode_steps >= self._max_episode_steps
+        self._needs_reset = terminated or truncated
+        return reward, terminated, truncated
+
+    _cameras: list  # what each suite renders its cameras with, one per ImageConfig it was built with
+    _layout: Layout  # the layout the next reset starts (set_layout, reset's option)
+
     @property
-    @abstractmethod
-    def num_cameras(self) -> int: ...
+    def num_cameras(self) -> int:
+        return len(self._cameras)
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def render_cameras(self) -> np.ndarray:
+        """The current scene from every camera the env was built with: (C, H, W, 3) uint8, right way up."""
+        if not self._cameras:
+            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+        return self._render_cameras()
 
     @abstractmethod
-    def render_cameras(self) -> np.ndarray: ...
-
-    @property
-    @abstractmethod
-    def layout(self) -> Layout: ...
+    def _render_cameras(self) -> np.ndarray:
+        """render_cameras() of an env that has cameras."""
 
 
 class Expert(Protocol):
@@ -162,13 +205,21 @@ class Suite(ABC):
     def episode_limit(self, task: str) -> int:
         """The most steps an episode of `task` can have: env.max_episode_steps may not exceed it."""
 
-    @abstractmethod
+    # The sizes and cameras of a suite whose tasks all share them; a suite whose tasks differ overrides sizes() and
+    # cameras() instead.
+    state_size: int
+    action_size: int
+    camera_names: tuple[str, ...]
+
     def sizes(self, task: str) -> tuple[int, int]:
         """(state elements, action elements) of `task`'s own envs."""
+        self.instruction(task)  # refuses an unknown task
+        return self.state_size, self.action_size
 
-    @abstractmethod
     def cameras(self, task: str) -> list[str]:
         """The camera names `task`'s envs can render (what policy.cameras may list)."""
+        self.instruction(task)
+        return list(self.camera_names)
 
     def expert(self, task: str) -> Expert | None:
         """The task's scripted expert for behaviour cloning, or None when the suite has none."""

@@ -193,18 +193,7 @@ class GymTaskEnv(SuiteEnv):
             raise ValueError(f"env.task {self.task}: its state observation is {space}, not a Box (env.gym.state_key {key!r})")
         return space
 
-    @property
-    def num_cameras(self) -> int:
-        return len(self._cameras)
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def render_cameras(self) -> np.ndarray:
-        """The current state from every camera of `cameras`: (C, H, W, 3) uint8."""
-        if not self._cameras:
-            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+    def _render_cameras(self) -> np.ndarray:
         view = self._render()
         return np.stack([resize_frame(view, camera.width, camera.height) for camera in self._cameras])
 
@@ -230,26 +219,15 @@ class GymTaskEnv(SuiteEnv):
         return self._state(observation), {"layout": self._layout}
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
-        if self._needs_reset:
-            raise RuntimeError("call reset() before step(): the episode has ended or has not started")
-        action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
-        if action.shape != self.action_space.shape:
-            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        action = self._checked_action(action, np.float64)
         env_action = self._action_low + (action + 1.0) * 0.5 * (self._action_high - self._action_low)
         space = self._env.action_space
         observation, env_reward, env_terminated, env_truncated, info = self._env.step(env_action.astype(space.dtype).reshape(space.shape))
-        self._episode_steps += 1
         self._view = None
-
         if self._gym.success_key not in info:
             raise ValueError(f"env.gym.success_key {self._gym.success_key!r} is not in {self.task}'s step info; its keys: {sorted(info)}")
         success = bool(info[self._gym.success_key])
-        first_success = success and not self._succeeded
-        self._succeeded |= success
-        reward = float(env_reward) if self._reward_mode == "dense" else float(first_success)
-        terminated = bool(env_terminated) or (success and self._stop_on_success)
-        truncated = bool(env_truncated) or self._episode_steps >= self._max_episode_steps
-        self._needs_reset = terminated or truncated
+        reward, terminated, truncated = self._episode_rules(success, env_reward, bool(env_terminated), bool(env_truncated))
         if self._film is not None:
             self.frames.append(resize_frame(self._render(), self._film.width, self._film.height))
         return self._state(observation), reward, terminated, truncated, {**info, "success": success}

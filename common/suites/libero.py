@@ -177,6 +177,7 @@ class LiberoSuite(Suite):
     name = "libero"
     layouts_per_seed = LAYOUTS_PER_SEED
     film_camera = "agentview"
+    state_size, action_size, camera_names = STATE_DIM, ACTION_DIM, tuple(CAMERAS)
 
     def __init__(self, config: EnvConfig) -> None:
         super().__init__(config)
@@ -187,14 +188,6 @@ class LiberoSuite(Suite):
 
     def episode_limit(self, task: str) -> int:
         return EPISODE_LIMITS[benchmark_of(task)]
-
-    def cameras(self, task: str) -> list[str]:
-        benchmark_of(task)
-        return list(CAMERAS)
-
-    def sizes(self, task: str) -> tuple[int, int]:
-        benchmark_of(task)
-        return STATE_DIM, ACTION_DIM
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> LiberoTaskEnv:
         return LiberoTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
@@ -265,18 +258,7 @@ class LiberoTaskEnv(SuiteEnv):
         self._succeeded = False
         self._needs_reset = True
 
-    @property
-    def num_cameras(self) -> int:
-        return len(self._cameras)
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def render_cameras(self) -> np.ndarray:
-        """The current scene from every camera of `cameras`: (C, H, W, 3) uint8."""
-        if not self._cameras:
-            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+    def _render_cameras(self) -> np.ndarray:
         if not self._started:
             raise RuntimeError("call reset() before rendering: there is no state to draw yet")
         data = self._env.sim.data._data
@@ -312,21 +294,10 @@ class LiberoTaskEnv(SuiteEnv):
         return observation
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
-        if self._needs_reset:
-            raise RuntimeError("call reset() before step(): the episode has ended or has not started")
-        action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
-        if action.shape != self.action_space.shape:
-            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        action = self._checked_action(action, np.float64)
         observation, env_reward, _, info = self._env.step(action)
-        self._episode_steps += 1
-
         success = bool(self._env.check_success())
-        first_success = success and not self._succeeded
-        self._succeeded |= success
-        reward = float(env_reward) if self._reward_mode == "dense" else float(first_success)
-        terminated = success and self._stop_on_success
-        truncated = self._episode_steps >= self._max_episode_steps
-        self._needs_reset = terminated or truncated
+        reward, terminated, truncated = self._episode_rules(success, env_reward)
         if self._film is not None:
             self.frames.append(self._film.render(self._env.sim.data._data))
         return self._state(observation), reward, terminated, truncated, {**info, "success": success}

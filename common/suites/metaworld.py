@@ -435,19 +435,8 @@ class MetaworldTaskEnv(SuiteEnv):
         self._succeeded = False
         self._needs_reset = True
 
-    @property
-    def num_cameras(self) -> int:
-        return len(self._cameras)
-
-    def render_cameras(self) -> np.ndarray:
-        """The current scene from every camera of `cameras`: (C, H, W, 3) uint8, right way up."""
-        if not self._cameras:
-            raise RuntimeError("render_cameras() needs cameras: build the env with cameras=[ImageConfig(...)]")
+    def _render_cameras(self) -> np.ndarray:
         return np.stack([camera.render(self._env.data) for camera in self._cameras])
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
 
     def set_layout(self, layout: Layout) -> None:
         """Use `layout` from the next reset on."""
@@ -473,21 +462,10 @@ class MetaworldTaskEnv(SuiteEnv):
         return self._observation(state), {"layout": self._layout}
 
     def step(self, action: np.ndarray) -> tuple[GymObservation, float, bool, bool, dict]:
-        if self._needs_reset:
-            raise RuntimeError("call reset() before step(): the episode has ended or the layout changed")
-        action = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
-        if action.shape != self.action_space.shape:
-            raise ValueError(f"action must have shape {self.action_space.shape}, got {action.shape}")
+        action = self._checked_action(action, np.float32)
         state, dense_reward, _, _, mw_info = self._env.step(action)
-        self._episode_steps += 1
-
         success = bool(mw_info["success"])
-        first_success = success and not self._succeeded
-        self._succeeded |= success
-        reward = float(dense_reward) if self._reward_mode == "dense" else float(first_success)
-        terminated = success and self._stop_on_success
-        truncated = self._episode_steps >= self._max_episode_steps
-        self._needs_reset = terminated or truncated
+        reward, terminated, truncated = self._episode_rules(success, dense_reward)
         return self._observation(state), reward, terminated, truncated, {**mw_info, "success": success}
 
     def _reset_simulation(self) -> np.ndarray:
@@ -569,6 +547,7 @@ class MetaworldSuite(Suite):
     name = "metaworld"
     layouts_per_seed = LAYOUTS_PER_BENCHMARK
     task_sets = TASK_SETS
+    state_size, action_size, camera_names = METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM, METAWORLD_CAMERAS
     film_camera = "corner4"  # the view that keeps gripper, object and goal large and in frame
 
     def instruction(self, task: str) -> str:
@@ -577,14 +556,6 @@ class MetaworldSuite(Suite):
     def episode_limit(self, task: str) -> int:
         _task_spec(task)
         return METAWORLD_MAX_PATH_LENGTH
-
-    def cameras(self, task: str) -> list[str]:
-        _task_spec(task)
-        return list(METAWORLD_CAMERAS)
-
-    def sizes(self, task: str) -> tuple[int, int]:
-        _task_spec(task)
-        return METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> MetaworldTaskEnv:
         if film is not None:
