@@ -130,11 +130,21 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
     return _save_success_plot(fig, ax, path, title, "success rate")
 
 
+def task_key(task: str, name: str) -> str:
+    """The key of a multi-task run's per-task evaluation metric, e.g. eval/task/reach-v3/success_rate."""
+    return f"eval/task/{task}/{name}"
+
+
+def evaluated_tasks(rows: list[dict]) -> list[str]:
+    """The tasks that the rows' per-task evaluation keys (task_key) name, in order of first appearance."""
+    return list(dict.fromkeys(key.split("/")[2] for row in rows for key in row if key.startswith("eval/task/")))
+
+
 def plot_task_curves(rows: list[dict], path: str | Path, title: str, initial_eval: dict | None = None) -> Path | None:
     """Held-out success of each task of a multi-task run (eval/task/<task>/success_rate) against env steps, one line
     per task, as a PNG; None when the rows hold no per-task evaluation."""
     points = ([(0.0, initial_eval)] if initial_eval else []) + [(r.get("rollout/total_env_steps", 0), r) for r in rows]
-    tasks = list(dict.fromkeys(key.split("/")[2] for _, r in points for key in r if key.startswith("eval/task/")))
+    tasks = evaluated_tasks([r for _, r in points])
     if not tasks:
         return None
     import matplotlib
@@ -144,7 +154,7 @@ def plot_task_curves(rows: list[dict], path: str | Path, title: str, initial_eva
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for task in tasks:
-        curve = [(steps, r[f"eval/task/{task}/success_rate"]) for steps, r in points if f"eval/task/{task}/success_rate" in r]
+        curve = [(steps, r[task_key(task, "success_rate")]) for steps, r in points if task_key(task, "success_rate") in r]
         ax.plot(*np.array(curve, dtype=float).T, "o-", markersize=3, label=task)
     return _save_success_plot(fig, ax, path, title, "held-out success (deterministic)")
 
@@ -195,7 +205,7 @@ def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
     tasks = np.array([layout.task for layout in layouts])
     if len(set(tasks.tolist())) > 1:
         for task in dict.fromkeys(tasks.tolist()):
-            result |= interval(f"eval/task/{task}/", successes[tasks == task])
+            result |= interval(task_key(task, ""), successes[tasks == task])
     return result
 
 

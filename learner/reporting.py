@@ -17,7 +17,7 @@ import ray
 import yaml
 
 from common.config import RunConfig
-from common.metrics import MetricsLog, console_line, eval_metrics, plot_learning_curve, plot_task_curves
+from common.metrics import MetricsLog, console_line, eval_metrics, evaluated_tasks, plot_learning_curve, plot_task_curves, task_key
 from common.policy import WEIGHTS_FILE, file_sha256
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
@@ -309,10 +309,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"after RL       : {format_eval(final)}")
     if "success_gain" in summary:
         print(f"gain           : {summary['success_gain']:+.3f} on the same {int(final['eval/episodes'])} held-out layouts")
-    for task in dict.fromkeys(key.split("/")[2] for key in final or {} if key.startswith("eval/task/")):
-        before = f"{initial[f'eval/task/{task}/success_rate']:.2f} -> " if initial and f"eval/task/{task}/success_rate" in initial else ""
-        low, high = final[f"eval/task/{task}/success_low"], final[f"eval/task/{task}/success_high"]
-        print(f"  {task:<26}: {before}{final[f'eval/task/{task}/success_rate']:.2f} [{low:.2f}, {high:.2f}]")
+    for task in evaluated_tasks([final] if final else []):
+        rate, low, high = (final[task_key(task, name)] for name in ("success_rate", "success_low", "success_high"))
+        before = f"{initial[task_key(task, 'success_rate')]:.2f} -> " if initial and task_key(task, "success_rate") in initial else ""
+        print(f"  {task:<26}: {before}{rate:.2f} [{low:.2f}, {high:.2f}]")
     print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         print(f"per-task curves: {summary['task_curves']}")

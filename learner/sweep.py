@@ -25,7 +25,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import load_config
-from common.metrics import MetricsLog, plot_seed_curves
+from common.metrics import MetricsLog, evaluated_tasks, plot_seed_curves, task_key
 from learner.main import run
 from learner.ray_runtime import actor_request, learner_request, start_local_ray
 from learner.startup import resolve_init_checkpoint
@@ -145,7 +145,7 @@ def task_table(rows: list[dict[str, Any]]) -> str:
     """Markdown for a multi-task sweep ("" otherwise): one row per task, its held-out success before and after RL for
     each seed that finished (with the Wilson interval), and the mean gain over those seeds."""
     done = [row for row in rows if row["status"] == "ok"]
-    tasks = list(dict.fromkeys(key.split("/")[2] for row in done for key in row["final"] if key.startswith("eval/task/")))
+    tasks = evaluated_tasks([row["final"] for row in done])
     if not tasks:
         return ""
     head = "| task | " + " | ".join(f"seed {row['seed']}: BC -> RL" for row in done) + " | mean gain |"
@@ -153,8 +153,8 @@ def task_table(rows: list[dict[str, Any]]) -> str:
     for task in tasks:
         cells, gains = [], []
         for row in done:
-            before, after = (row[when][f"eval/task/{task}/success_rate"] for when in ("initial", "final"))
-            low, high = row["final"][f"eval/task/{task}/success_low"], row["final"][f"eval/task/{task}/success_high"]
+            before, after = (row[when][task_key(task, "success_rate")] for when in ("initial", "final"))
+            low, high = (row["final"][task_key(task, name)] for name in ("success_low", "success_high"))
             cells.append(f"{before:.2f} -> {after:.2f} ({low:.2f}-{high:.2f})")
             gains.append(after - before)
         lines.append(f"| {task} | " + " | ".join(cells) + f" | {100 * np.mean(gains):+.1f} points |")

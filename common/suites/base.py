@@ -73,9 +73,14 @@ class SuiteEnv(gymnasium.Env):
         layout = options.pop("layout", None)
         if options:
             raise ValueError(f"unknown reset options {sorted(options)}; supported: ['layout']")
-        if layout is not None and layout.task != self.task:
-            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
+        if layout is not None:
+            self.check_layout(layout)
         return layout
+
+    def check_layout(self, layout: Layout) -> None:
+        """A ValueError for a layout of another task than this env's."""
+        if layout.task != self.task:
+            raise ValueError(f"a layout of {layout.task} given to an env of {self.task}")
 
     # The run's episode rules (env.reward, env.stop_on_success, env.max_episode_steps) and the episode's progress, which
     # every suite's env keeps under these names; _checked_action and _episode_rules apply them alike.
@@ -190,6 +195,7 @@ class Suite(ABC):
 
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
+        self._tasks: list[str] | None = None  # tasks() once resolved
 
     task_sets: dict[str, tuple[str, ...]] = {}  # named sets of tasks (Metaworld's MT10, MT50)
 
@@ -227,13 +233,15 @@ class Suite(ABC):
 
     def tasks(self) -> list[str]:
         """The run's tasks, from env.task: one task, a named set (task_sets), or tasks separated by commas. A
-        ValueError names an unknown or repeated one."""
-        names = list(self.task_sets.get(self.config.task, [name.strip() for name in self.config.task.split(",")]))
-        for name in names:
-            self.instruction(name)
-        if len(set(names)) != len(names):
-            raise ValueError(f"{self.config.task!r} names a task twice")
-        return names
+        ValueError names an unknown or repeated one. Resolved once: every env the suite builds asks for them."""
+        if self._tasks is None:
+            names = list(self.task_sets.get(self.config.task, [name.strip() for name in self.config.task.split(",")]))
+            for name in names:
+                self.instruction(name)
+            if len(set(names)) != len(names):
+                raise ValueError(f"{self.config.task!r} names a task twice")
+            self._tasks = names
+        return list(self._tasks)
 
     def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
                  film: ImageConfig | None = None) -> SuiteEnv:  # fmt: skip

@@ -440,7 +440,7 @@ class MetaworldTaskEnv(SuiteEnv):
 
     def set_layout(self, layout: Layout) -> None:
         """Use `layout` from the next reset on."""
-        self.reset_layout({"layout": layout})  # of this env's task
+        self.check_layout(layout)
         tasks = benchmark_tasks(self.task, layout.benchmark_seed)
         if not 0 <= layout.index < len(tasks):
             raise ValueError(f"layout index must be in [0, {len(tasks)}), got {layout.index}")
