@@ -1,7 +1,8 @@
 """The run configuration's schema: nested dataclasses, one per section, each field documented where it is declared.
 
 `validate()` names the bad field and says how to fix it. Reading YAML files and `--set` overrides into these
-dataclasses (unknown keys are errors) lives in common.config_loading.
+dataclasses (unknown keys are errors) lives in common.config_loading. A policy backend's own section lives beside its
+model (common.policy.<backend>_config) and is a field of PolicyConfig here.
 """
 
 from __future__ import annotations
@@ -15,109 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.policy.pi0_config import Pi0Config
+from common.policy.smolvla_config import SmolVLAConfig
+from common.validation import ConfigError as ConfigError  # raised by every section's validate(); imported from here
+from common.validation import require, require_choice, require_positive
+
 
 def cache_dir(kind: str) -> Path:
     """Where the project keeps what it builds once per machine and reuses (BC checkpoints, benchmark layouts, tiny
     local models): $XDG_CACHE_HOME/flowrl/<kind>, ~/.cache/flowrl/<kind> without it."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / kind
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field (dotted path) and the fix."""
-
-
-@dataclass
-class SmolVLAConfig:
-    """policy.smolvla: the SmolVLA backend (common.policy.smolvla); read only when policy.type is "smolvla"."""
-
-    # Local directory holding the SmolVLM backbone's config, processor and tokenizer (a SmolVLA checkpoint
-    # names a hub id, e.g. HuggingFaceTB/SmolVLM2-500M-Video-Instruct: this path replaces it; nothing is
-    # downloaded). "": the tiny SmolVLM built offline for policy.image_size (common.policy.tiny_vlm).
-    vlm_path: str = ""
-    # A lerobot SmolVLA checkpoint directory (its config.json + model.safetensors, e.g. a local copy of
-    # lerobot/smolvla_base) whose weights initialise the model; every tensor must be in it. "": random init.
-    lerobot_checkpoint: str = ""
-    # lerobot's SmolVLA architecture (its defaults are smolvla_base's).
-    num_vlm_layers: int = 16  # first layers of the VLM's text model kept; <= its number of layers
-    num_expert_layers: int = -1  # <= 0: as many as num_vlm_layers
-    self_attn_every_n_layers: int = 2
-    expert_width_multiplier: float = 0.75
-    max_state_dim: int = 32  # the state is zero-padded to this width; >= policy.obs_dim
-    # Load lerobot_checkpoint with state_proj freshly initialised at max_state_dim (the file's may be another
-    # width): smolvla_base's is 32 wide, Metaworld's state 39. Every other tensor still comes from the file.
-    reinit_state_proj: bool = False
-    max_action_dim: int = 32  # actions are zero-padded to this width; >= policy.action_dim
-    tokenizer_max_length: int = 48  # instruction tokens, padded/truncated to this length
-    # What trains (requires_grad; only these are broadcast to actors). The VLM is frozen unless asked.
-    train_action_proj: bool = True  # action_in_proj and action_out_proj
-    train_time_mlp: bool = True  # action_time_mlp_in/out
-    train_expert: bool = False  # the whole action expert transformer
-    train_noise_head: bool = True  # ReinFlow noise head
-    train_critic: bool = True
-    train_state_proj: bool = False  # feeds the VLM prefix: training it re-encodes every minibatch
-    train_vlm: bool = False  # the VLM backbone (vision + text): re-encodes every minibatch
-
-    def validate(self, path: str = "policy.smolvla") -> None:
-        _positive(self, path, "num_vlm_layers", "self_attn_every_n_layers", "max_state_dim", "max_action_dim", "tokenizer_max_length")
-        width = self.expert_width_multiplier
-        _require(0 < width <= 1, f"{path}.expert_width_multiplier must be in (0, 1], got {width}")
-        _require(
-            not self.lerobot_checkpoint or bool(self.vlm_path),
-            f"{path}.lerobot_checkpoint is set but {path}.vlm_path is empty: a SmolVLA checkpoint names its VLM by hub "
-            "id; set vlm_path to a local directory holding that backbone's config, processor and tokenizer",
-        )
-
-
-# lerobot's Gemma sizes for pi0 / pi0.5 (its get_gemma_config: PaliGemma's gemma_2b, the expert's gemma_300m), plus
-# "tiny" (64 wide) and "tiny_expert" (32 wide): two-layer Gemmas with a one-layer SigLIP, built offline for CPU tests
-# (common.policy.pi0.TINY_GEMMA).
-PI_GEMMA_VARIANTS = ("gemma_2b", "gemma_300m", "tiny", "tiny_expert")
-
-
-@dataclass
-class Pi0Config:
-    """policy.pi0: the pi0 and pi0.5 backends (common.policy.pi0, lerobot's PI0Policy / PI05Policy); read only when
-    policy.type is "pi0" or "pi05". Needs lerobot 0.6 (Python >= 3.12; docs/pi0.md)."""
-
-    # Local directory holding a PaliGemma tokenizer (e.g. a copy of google/paligemma-3b-pt-224's tokenizer files).
-    # "": a character tokenizer written offline at the model's vocabulary size (common.policy.pi0.pi_tokenizer_dir);
-    # it runs the model at its real cost, but pretrained weights read a real tokenizer's ids.
-    tokenizer_path: str = ""
-    # A lerobot pi0 / pi0.5 checkpoint directory (its config.json + model.safetensors, e.g. a local copy of
-    # lerobot/pi0_base or lerobot/pi05_base) whose weights initialise the model; every tensor must be in it. "": random init.
-    lerobot_checkpoint: str = ""
-    # lerobot's architecture (its defaults are pi0_base's and pi05_base's): the PaliGemma backbone and the action
-    # expert, each one of PI_GEMMA_VARIANTS (tiny ones for both, or for neither).
-    paligemma_variant: str = "gemma_2b"
-    action_expert_variant: str = "gemma_300m"
-    image_resolution: int = 224  # SigLIP's input side; frames are resized with padding to it, as lerobot does
-    max_state_dim: int = 32  # pi0: the state is zero-padded to this width (>= policy.obs_dim); pi0.5 writes it into the prompt
-    # pi0: load lerobot_checkpoint with state_proj freshly initialised at max_state_dim (pi0_base's is 32 wide,
-    # Metaworld's state 39). Every other tensor still comes from the file. pi0.5 has no state projection.
-    reinit_state_proj: bool = False
-    max_action_dim: int = 32  # actions are zero-padded to this width; >= policy.action_dim
-    # Prompt tokens, padded/truncated to this length. lerobot's defaults: 48 for pi0 (the instruction), 200 for pi0.5,
-    # whose prompt also spells out the discretised state ("Task: ..., State: 128 97 ...;\nAction: "); a prompt
-    # that does not fit is an error, never silently cut.
-    tokenizer_max_length: int = 48
-    # What trains (requires_grad; only these are broadcast to actors). By default the action expert's projections:
-    train_action_proj: bool = True  # action_in_proj and action_out_proj
-    train_time_mlp: bool = True  # pi0: action_time_mlp_in/out; pi0.5: time_mlp_in/out and the expert's adaRMS conditioning
-    train_state_proj: bool = True  # pi0 only: the state token of the expert's suffix (it does not feed the prefix)
-    train_noise_head: bool = True  # ReinFlow noise head
-    train_critic: bool = True
-    train_expert: bool = False  # the whole action expert transformer (its adaRMS layers go with train_time_mlp)
-    train_vlm: bool = False  # PaliGemma (SigLIP + Gemma): re-encodes every minibatch
-
-    def validate(self, path: str = "policy.pi0") -> None:
-        _positive(self, path, "image_resolution", "max_state_dim", "max_action_dim", "tokenizer_max_length")
-        _choice(self, path, "paligemma_variant", PI_GEMMA_VARIANTS)
-        _choice(self, path, "action_expert_variant", PI_GEMMA_VARIANTS)
-        _require(
-            self.paligemma_variant.startswith("tiny") == self.action_expert_variant.startswith("tiny"),
-            f"{path}.paligemma_variant and {path}.action_expert_variant must both be tiny ones or neither (the expert attends to "
-            f"the backbone's keys, so their head sizes must agree), got {self.paligemma_variant!r} and {self.action_expert_variant!r}",
-        )
 
 
 # Policy backend name -> "module:Class" (common.policy.base.policy_class imports it on first use, so the MLP path
@@ -162,29 +70,29 @@ class PolicyConfig:
     pi0: Pi0Config = field(default_factory=Pi0Config)  # policy.type pi0 and pi05
 
     def validate(self, path: str = "policy") -> None:
-        _positive(self, path, "obs_dim", "action_dim", "chunk_size", "num_steps", "hidden_dim", "num_layers", "time_embed_dim")
-        _require(self.image_size >= 0, f"{path}.image_size must be >= 0 (0: no images), got {self.image_size}")
-        _require(
+        require_positive(self, path, "obs_dim", "action_dim", "chunk_size", "num_steps", "hidden_dim", "num_layers", "time_embed_dim")
+        require(self.image_size >= 0, f"{path}.image_size must be >= 0 (0: no images), got {self.image_size}")
+        require(
             self.image_size == 0 or (len(self.cameras) > 0 and len(set(self.cameras)) == len(self.cameras)),
             f"{path}.cameras must list distinct camera names (e.g. [corner]) when image_size > 0, got {self.cameras}",
         )
-        _require(0.0 <= self.dropout < 1.0, f"{path}.dropout must be in [0, 1), got {self.dropout}")
-        _require(
+        require(0.0 <= self.dropout < 1.0, f"{path}.dropout must be in [0, 1), got {self.dropout}")
+        require(
             0.0 < self.sigma_min <= self.sigma_max,
             f"{path}.sigma_min/sigma_max must satisfy 0 < sigma_min <= sigma_max, got {self.sigma_min}, {self.sigma_max}",
         )
-        _require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
-        _choice(self, path, "log_prob_normalization", ("mean", "sum"))
-        _require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
+        require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
+        require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
+        require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
         self.smolvla.validate(f"{path}.smolvla")
         self.pi0.validate(f"{path}.pi0")
         vla = self.vla_section()
         if vla:
-            _require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type {self.type} (it reads camera frames), got 0")
+            require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type {self.type} (it reads camera frames), got 0")
             section = getattr(self, vla)
             # pi0.5 writes the state into its prompt: no state width to fit
             state_dim = self.obs_dim if self.type != "pi05" else 0
-            _require(
+            require(
                 state_dim <= section.max_state_dim and self.action_dim <= section.max_action_dim,
                 f"{path}.obs_dim ({self.obs_dim}) / action_dim ({self.action_dim}) must not exceed {path}.{vla}.max_state_dim "
                 f"({section.max_state_dim}) / max_action_dim ({section.max_action_dim}): raise those, or use fewer state dims",
@@ -230,8 +138,8 @@ class GymSuiteConfig:
 
     def validate(self, path: str = "env.gym") -> None:
         for name in ("success_key", "camera"):
-            _require(isinstance(getattr(self, name), str) and getattr(self, name), f"{path}.{name} must be a non-empty string")
-        _require(isinstance(self.kwargs, dict), f"{path}.kwargs must be a mapping, got {self.kwargs!r}")
+            require(isinstance(getattr(self, name), str) and getattr(self, name), f"{path}.{name} must be a non-empty string")
+        require(isinstance(self.kwargs, dict), f"{path}.kwargs must be a mapping, got {self.kwargs!r}")
 
 
 @dataclass
@@ -252,16 +160,16 @@ class EnvConfig:
     gym: GymSuiteConfig = field(default_factory=GymSuiteConfig)
 
     def validate(self, path: str = "env") -> None:
-        _require(isinstance(self.suite, str) and self.suite, f"{path}.suite must name a suite (common.suites), got {self.suite!r}")
-        _positive(self, path, "max_episode_steps")
-        _choice(self, path, "reward", ("success", "dense"))
-        _require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
+        require(isinstance(self.suite, str) and self.suite, f"{path}.suite must name a suite (common.suites), got {self.suite!r}")
+        require_positive(self, path, "max_episode_steps")
+        require_choice(self, path, "reward", ("success", "dense"))
+        require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
         for name in ("train_benchmark_seeds", "eval_benchmark_seeds"):
             seeds = getattr(self, name)
-            _require(len(seeds) > 0, f"{path}.{name} must not be empty")
-            _require(min(seeds) >= 0 and len(set(seeds)) == len(seeds), f"{path}.{name} must be distinct seeds >= 0, got {seeds}")
+            require(len(seeds) > 0, f"{path}.{name} must not be empty")
+            require(min(seeds) >= 0 and len(set(seeds)) == len(seeds), f"{path}.{name} must be distinct seeds >= 0, got {seeds}")
         overlap = (set(self.train_benchmark_seeds) | {self.demo_benchmark_seed}) & set(self.eval_benchmark_seeds)
-        _require(
+        require(
             not overlap,
             f"{path}.eval_benchmark_seeds {sorted(overlap)} also used for training or demonstrations: "
             "held-out evaluation needs layouts never trained on",
@@ -308,14 +216,14 @@ class ActorsConfig:
     cuda_graphs: bool = True
 
     def validate(self, path: str = "actors") -> None:
-        _positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
-        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
+        require_positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
+        require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
-        _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
-        _positive(self, path, "call_timeout_s", "min_alive")
-        _require(self.min_alive <= self.num_actors, f"{path}.min_alive ({self.min_alive}) must be <= {path}.num_actors ({self.num_actors})")
-        _choice(self, path, "precision", ("float32", "bfloat16"))
-        _require(0 <= self.policy_lag <= MAX_POLICY_LAG, f"{path}.policy_lag must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
+        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        require_positive(self, path, "call_timeout_s", "min_alive")
+        require(self.min_alive <= self.num_actors, f"{path}.min_alive ({self.min_alive}) must be <= {path}.num_actors ({self.num_actors})")
+        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        require(0 <= self.policy_lag <= MAX_POLICY_LAG, f"{path}.policy_lag must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
 
 
 @dataclass
@@ -385,23 +293,23 @@ class AlgorithmConfig:
         return [size + 1] * larger + [size] * (count - larger)
 
     def validate(self, path: str = "algorithm") -> None:
-        _require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
-        _require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
-        _require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
-        _require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
-        _positive(self, path, "update_epochs", "num_minibatches", "grad_accum", "max_grad_norm")
-        _require(self.minibatch_size is None or self.minibatch_size > 0, f"{path}.minibatch_size must be > 0 or null")
-        _require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
-        _require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
-        _choice(self, path, "lr_schedule", ("cosine", "constant"))
-        _require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
-        _require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
-        _choice(self, path, "algo", ("ppo", "grpo"))
-        _require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
-        _require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
-        _choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
-        _choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
-        _require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+        require(0 < self.gamma <= 1, f"{path}.gamma must be in (0, 1], got {self.gamma}")
+        require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        require(0 < self.clip_eps < 1, f"{path}.clip_eps must be in (0, 1), got {self.clip_eps}")
+        require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip must be > 0 or null")
+        require_positive(self, path, "update_epochs", "num_minibatches", "grad_accum", "max_grad_norm")
+        require(self.minibatch_size is None or self.minibatch_size > 0, f"{path}.minibatch_size must be > 0 or null")
+        require(self.actor_lr >= 0 and self.critic_lr >= 0, f"{path}.actor_lr/critic_lr must be >= 0")
+        require(self.target_kl is None or self.target_kl > 0, f"{path}.target_kl must be > 0 or null")
+        require_choice(self, path, "lr_schedule", ("cosine", "constant"))
+        require(0 <= self.lr_final_frac <= 1, f"{path}.lr_final_frac must be in [0, 1]")
+        require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
+        require_choice(self, path, "algo", ("ppo", "grpo"))
+        require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
+        require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
+        require_choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
+        require_choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
+        require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
 
 
 @dataclass
@@ -435,16 +343,16 @@ class LearnerConfig:
     call_timeout_update_factor: float = 10.0
 
     def validate(self, path: str = "learner") -> None:
-        _require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
+        require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
-        _require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
-        _choice(self, path, "precision", ("float32", "bfloat16"))
-        _positive(self, path, "nonfinite_backoff_after")
-        _require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
-        _require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
-        _positive(self, path, "call_timeout_s")
+        require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
+        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        require_positive(self, path, "nonfinite_backoff_after")
+        require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
+        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        require_positive(self, path, "call_timeout_s")
         factor = self.call_timeout_update_factor
-        _require(factor >= 0, f"{path}.call_timeout_update_factor must be >= 0 (0: a fixed call_timeout_s), got {factor}")
+        require(factor >= 0, f"{path}.call_timeout_update_factor must be >= 0 (0: a fixed call_timeout_s), got {factor}")
 
 
 @dataclass
@@ -464,22 +372,22 @@ class PretrainConfig:
     seed: int = 0
 
     def validate(self, path: str = "pretrain") -> None:
-        _positive(self, path, "train_steps", "batch_size")
-        _require(
+        require_positive(self, path, "train_steps", "batch_size")
+        require(
             self.num_demos is None or 1 <= self.num_demos <= 50,
             f"{path}.num_demos must be in [1, 50] (one benchmark seed holds 50 layouts) or null (chosen per task), got {self.num_demos}",
         )
-        _require(
+        require(
             0 <= self.target_success_min < self.target_success_max <= 1,
             f"{path}.target_success_min/max must satisfy 0 <= min < max <= 1, got {self.target_success_min}, {self.target_success_max}",
         )
-        _require(
+        require(
             self.num_demos is not None or self.eval_episodes >= 20,
             f"{path}.num_demos null picks the count from held-out success: {path}.eval_episodes must be >= 20 (100 recommended)",
         )
-        _require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")
-        _require(self.lr > 0, f"{path}.lr must be > 0")
-        _require(self.eval_episodes >= 0, f"{path}.eval_episodes must be >= 0")
+        require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")
+        require(self.lr > 0, f"{path}.lr must be > 0")
+        require(self.eval_episodes >= 0, f"{path}.eval_episodes must be >= 0")
 
 
 @dataclass
@@ -513,35 +421,35 @@ class RunConfig:
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
                 value.validate(f.name)
-        _positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
-        _require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
-        _require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
-        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
-        _require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
+        require_positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
+        require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
+        require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")
         algorithm = self.algorithm
         for name in ("lr_warmup_iters", "critic_warmup_iters") if algorithm.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
             warmup = getattr(algorithm, name)
-            _require(warmup < self.iterations, f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
+            require(warmup < self.iterations, f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
                                                "only warm up")  # fmt: skip
         decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
-        _require(
+        require(
             algorithm.minibatch_size is None or algorithm.minibatch_size <= decisions,
             f"algorithm.minibatch_size ({algorithm.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
             "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
         )
         smallest = min(algorithm.minibatch_sizes(decisions))
-        _require(
+        require(
             algorithm.grad_accum <= smallest,
             f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
             "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
         )
         if algorithm.algo == "grpo":
-            _require(
+            require(
                 self.actors.envs_per_actor % algorithm.group_size == 0,
                 f"actors.envs_per_actor ({self.actors.envs_per_actor}) must be a multiple of algorithm.group_size "
                 f"({algorithm.group_size}) with algorithm.algo=grpo: a group's rollouts live in one actor's envs",
             )
-            _require(
+            require(
                 self.actors.decisions_per_rollout * self.policy.chunk_size >= self.env.max_episode_steps,
                 f"actors.decisions_per_rollout * policy.chunk_size ({self.actors.decisions_per_rollout * self.policy.chunk_size}) "
                 f"must be >= env.max_episode_steps ({self.env.max_episode_steps}) with algorithm.algo=grpo, or no failed "
@@ -556,27 +464,10 @@ class RunConfig:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _positive(obj: Any, path: str, *names: str) -> None:
-    prefix = f"{path}." if path else ""
-    for name in names:
-        value = getattr(obj, name)
-        _require(value > 0, f"{prefix}{name} must be > 0, got {value}")
-
-
 def _ray_resources(path: str, num_gpus: float, resources: dict[str, float]) -> None:
     """Ray accepts fractions below 1 and whole numbers above; CPU/GPU have their own fields."""
     for name, amount in {"num_gpus": num_gpus, **{f"resources.{k}": v for k, v in resources.items()}}.items():
-        _require(amount >= 0 and (amount <= 1 or float(amount).is_integer()),
+        require(amount >= 0 and (amount <= 1 or float(amount).is_integer()),
                  f"{path}.{name} must be >= 0 and, above 1, a whole number (Ray's rule), got {amount}")  # fmt: skip
     reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
-    _require(not reserved, f"{path}.resources must not name {reserved}: use {path}.num_cpus / {path}.num_gpus")
-
-
-def _choice(obj: Any, path: str, name: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(obj, name)
-    _require(value in allowed, f"{path}.{name} must be one of {allowed}, got {value!r}")
+    require(not reserved, f"{path}.resources must not name {reserved}: use {path}.num_cpus / {path}.num_gpus")

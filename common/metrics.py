@@ -184,8 +184,8 @@ def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, flo
     denom = 1 + z**2 / n
     centre = (p + z**2 / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom
-    # The interval always holds p; at p = 0 or 1 rounding would put its bound 1e-16 inside, excluding p.
-    return p, float(min(centre - half, p)), float(max(centre + half, p))
+    # The interval always holds p and stays in [0, 1]; at p = 0 or 1 rounding puts its bound 1e-16 to either side.
+    return p, float(max(0.0, min(centre - half, p))), float(min(1.0, max(centre + half, p)))
 
 
 def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
-from common.config import ConfigError, RunConfig, cache_dir
+from common.config import ConfigError, PretrainConfig, RunConfig, cache_dir
 from common.config_loading import load_config
 from common.demonstrations import Episode, collect_demonstrations
 from common.metrics import success_interval
@@ -36,6 +37,7 @@ from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.rollout import camera_configs, evaluate_layouts, make_envs, task_positions
 from common.suites import make_suite
+from common.suites.base import Layout, Suite
 
 REPORT_FILE = "pretrain.json"
 # Bump when the BC recipe or the policy's parameter layout changes, so cached checkpoints are rebuilt.
@@ -80,35 +82,25 @@ def demonstration_dataset(
     return Observation(states, frames, ids, mask), chunks
 
 
-def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Collect demonstrations, train, evaluate, and save a checkpoint to out_dir (written atomically).
-
-    One trainer for every backend: the demonstrations carry what the policy reads (camera frames from
-    policy.cameras, rendered at every step, and the task's instruction, tokenized once by the policy), and the
-    flow-matching loss trains the backend's `behaviour_cloning_parameters()`. The noise head and critic get no
-    gradient here; RL trains them.
-    """
-    cfg, env_cfg = config.pretrain, config.env
-    if cfg.num_demos is None:
-        raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
-    torch.manual_seed(cfg.seed)
-    start = time.perf_counter()
-    policy = build_policy(config.policy)
-    cameras = camera_configs(policy.config)
-    suite = make_suite(env_cfg)
-    tasks = suite.tasks()
-    instructions = {task: suite.instruction(task) for task in tasks}
+def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list) -> tuple[Observation, Tensor, list[Episode]]:
+    """pretrain.num_demos scripted episodes of each of the run's tasks, as the policy reads them (camera frames from
+    `cameras`, each task's instruction tokenized by the policy): the dataset's observations, the (M, H, A) chunks
+    in env units, and the episodes."""
+    cfg, tasks = config.pretrain, suite.tasks()
     episodes = []
-    for task in tasks:  # pretrain.num_demos of each task
-        demo_layouts = suite.layouts(task, [env_cfg.demo_benchmark_seed])[: cfg.num_demos]
+    for task in tasks:
+        demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[: cfg.num_demos]
         episodes += collect_demonstrations(suite, task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
-    tokens = policy.tokenize(list(instructions.values()))  # one call: every row padded alike
+    tokens = policy.tokenize([suite.instruction(task) for task in tasks])  # one call: every row padded alike
     by_task = None if tokens is None else {task: (tokens[0][[i]], tokens[1][[i]]) for i, task in enumerate(tasks)}
-    obs, chunks_np = demonstration_dataset(episodes, config.policy.chunk_size, by_task)
-    chunks = torch.from_numpy(chunks_np)
-    demo_seconds = time.perf_counter() - start
+    obs, chunks = demonstration_dataset(episodes, config.policy.chunk_size, by_task)
+    return obs, torch.from_numpy(chunks), episodes
 
-    states, flat_actions = torch.from_numpy(obs.state), chunks.reshape(-1, config.policy.action_dim)
+
+def fit_flow_matching(policy: FlowPolicy, obs: Observation, chunks: Tensor, cfg: PretrainConfig, progress: bool) -> list[float]:
+    """Behaviour cloning: the policy's normalisation from the dataset, then cfg.train_steps AdamW steps of the
+    flow-matching loss on the backend's behaviour_cloning_parameters(). Returns every step's loss."""
+    states, flat_actions = torch.from_numpy(obs.state), chunks.reshape(-1, chunks.shape[-1])
     policy.set_normalization(states.mean(0), states.std(0), flat_actions.mean(0), flat_actions.std(0))
     optimizer = torch.optim.AdamW(policy.behaviour_cloning_parameters(), lr=cfg.lr, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.train_steps)
@@ -127,12 +119,41 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
         if step % 100 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-100:]):.4f}")
     policy.eval()
-    train_seconds = time.perf_counter() - start - demo_seconds
+    return losses
 
+
+def evaluate_by_task(policy: FlowPolicy, suite: Suite, layouts: list[Layout], cameras: list) -> np.ndarray:
+    """Deterministic success (bool, one per layout) of the policy on held-out layouts, ten envs of a task at a time."""
+    successes = np.zeros(len(layouts), dtype=bool)
+    for task, positions in task_positions(layouts).items():
+        successes[positions] = evaluate_layouts(policy, make_envs(suite, [task] * 10, cameras), [layouts[i] for i in positions])
+    return successes
+
+
+def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """Collect demonstrations, train, evaluate, and save a checkpoint to out_dir (written atomically).
+
+    One trainer for every backend: the demonstrations carry what the policy reads (camera frames from
+    policy.cameras, rendered at every step, and the task's instruction, tokenized once by the policy), and the
+    flow-matching loss trains the backend's `behaviour_cloning_parameters()`. The noise head and critic get no
+    gradient here; RL trains them.
+    """
+    cfg, env_cfg = config.pretrain, config.env
+    if cfg.num_demos is None:
+        raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    policy = build_policy(config.policy)
+    cameras = camera_configs(policy.config)
+    suite = make_suite(env_cfg)
+    tasks = suite.tasks()
+    obs, chunks, episodes = demonstrations(config, suite, policy, cameras)
+    demo_seconds = time.perf_counter() - start
+    losses = fit_flow_matching(policy, obs, chunks, cfg, progress)
+    train_seconds = time.perf_counter() - start - demo_seconds
     eval_layouts = suite.held_out(cfg.eval_episodes)
-    successes = np.zeros(len(eval_layouts), dtype=bool)
-    for task, positions in task_positions(eval_layouts).items():
-        successes[positions] = evaluate_layouts(policy, make_envs(suite, [task] * 10, cameras), [eval_layouts[i] for i in positions])
+    successes = evaluate_by_task(policy, suite, eval_layouts, cameras)
+
     rate, low, high = success_interval(successes)
     report = {
         "demos": len(episodes),
@@ -151,7 +172,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     if cameras:
         report["frames"] = f"{len(cameras)} camera(s) {policy.config.cameras}, {policy.config.image_size}x{policy.config.image_size} uint8"
     if obs.tokens is not None:
-        report["instruction"] = instructions[tasks[0]] if len(tasks) == 1 else instructions
+        report["instruction"] = suite.instruction(tasks[0]) if len(tasks) == 1 else {task: suite.instruction(task) for task in tasks}
     if len(tasks) > 1:
         report["per_task"] = {task: success_interval(successes[positions]) for task, positions in task_positions(eval_layouts).items()}
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, Pi0Config, PolicyConfig
+from common.config import ConfigError, PolicyConfig
 from common.policy.lerobot_compat import LEROBOT_LINE, SUPPORTED_LEROBOT
+from common.policy.pi0_config import Pi0Config
 
 if LEROBOT_LINE < (0, 6):
     pytest.skip(

@@ -141,7 +141,7 @@ def test_k3_estimates_kl_policy_to_reference_and_reversed_does_not() -> None:
     )
 
 
-@pytest.mark.parametrize(("successes", "episodes"), [(0, 20), (1, 20), (37, 100), (61, 100), (99, 100), (100, 100), (3, 7)])
+@pytest.mark.parametrize(("successes", "episodes"), [(0, 10), (0, 20), (1, 20), (37, 100), (61, 100), (99, 100), (100, 100), (10, 10), (3, 7)])
 def test_success_interval_is_scipys_wilson_interval(successes: int, episodes: int) -> None:
     """The held-out success interval against scipy's Wilson score interval at the same z (1.96) as the evaluation's."""
     from scipy.stats import binomtest, norm
@@ -154,4 +154,4 @@ def test_success_interval_is_scipys_wilson_interval(successes: int, episodes: in
     expected = binomtest(successes, episodes).proportion_ci(confidence_level=2 * norm.cdf(1.96) - 1, method="wilson")
     assert rate == successes / episodes
     assert low == pytest.approx(expected.low, abs=1e-12) and high == pytest.approx(expected.high, abs=1e-12)
-    assert low <= rate <= high and (low > 0) == (successes > 0) and (high < 1) == (successes < episodes)
+    assert 0 <= low <= rate <= high <= 1 and (low > 0) == (successes > 0) and (high < 1) == (successes < episodes)

@@ -21,13 +21,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, EnvConfig, PolicyConfig, SmolVLAConfig
+from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
 from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
+from common.policy.smolvla_config import SmolVLAConfig
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
 from common.policy.vla_common import lerobot_flow_time

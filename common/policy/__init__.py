@@ -1,47 +1,23 @@
-"""Flow policies: the backend-independent interface (base) and one module per backend.
+"""Flow policies: the backend-independent interface (base) and one module per backend, each with its config section
+in a torch-free module of its own (smolvla_config, pi0_config).
 
 `from common.policy import FlowPolicy, build_policy, ...` is the public surface; backends are looked up by
-`policy.type` through `POLICY_TYPES` and imported only when used.
+`policy.type` through `POLICY_TYPES` and imported only when used. The names below are resolved on first access, so
+that importing a backend's config section (as common.config does) imports neither torch nor any model.
 """
 
-from common.policy.base import (
-    CHECKSUMS_FILE,
-    CONFIG_FILE,
-    OBS_CLIP,
-    OBS_STD_FLOOR,
-    POLICY_TYPES,
-    WEIGHTS_FILE,
-    CheckpointError,
-    CheckpointWriteError,
-    FlowPolicy,
-    build_policy,
-    concat_features,
-    file_sha256,
-    index_features,
-    policy_class,
-    read_policy_config,
-    verify_checksums,
-    write_directory_atomically,
-)
-from common.policy.mlp import MLPFlowPolicy
+import importlib
+from typing import Any
 
-__all__ = [
-    "CHECKSUMS_FILE",
-    "CONFIG_FILE",
-    "POLICY_TYPES",
-    "WEIGHTS_FILE",
-    "CheckpointError",
-    "CheckpointWriteError",
-    "FlowPolicy",
-    "MLPFlowPolicy",
-    "OBS_CLIP",
-    "OBS_STD_FLOOR",
-    "build_policy",
-    "concat_features",
-    "index_features",
-    "policy_class",
-    "read_policy_config",
-    "verify_checksums",
-    "write_directory_atomically",
-    "file_sha256",
-]
+_BASE_NAMES = ("CHECKSUMS_FILE", "CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError",
+               "CheckpointWriteError", "FlowPolicy", "build_policy", "concat_features", "file_sha256", "index_features",
+               "policy_class", "read_policy_config", "verify_checksums", "write_directory_atomically")  # fmt: skip
+_PUBLIC = {**dict.fromkeys(_BASE_NAMES, "common.policy.base"), "MLPFlowPolicy": "common.policy.mlp"}  # name -> its module
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
