@@ -41,17 +41,19 @@ POLICY_TYPES: dict[str, str] = {
 
 @dataclass
 class PolicyConfig:
-    """The flow policy: architecture, denoising chain and noise bounds."""
+    """The flow policy: the fields every backend reads (sizes, the denoising chain, noise bounds, cameras), the MLP
+    backend's own architecture (the default backend, whose fields are read at this level), and one section per VLA
+    backend, declared beside its model."""
 
     type: str = "mlp_flow"  # backend registered in POLICY_TYPES
     obs_dim: int = 39
     action_dim: int = 4  # A
     chunk_size: int = 4  # H: actions per decision, executed whole
     num_steps: int = 4  # K: Euler steps of the denoising chain
-    hidden_dim: int = 256
-    num_layers: int = 3
-    time_embed_dim: int = 32
-    dropout: float = 0.0  # > 0 only to reproduce the train-mode failure; kept off for RL
+    hidden_dim: int = 256  # the MLP's width; a VLA's noise head and critic width
+    num_layers: int = 3  # the MLP's velocity network depth
+    time_embed_dim: int = 32  # the MLP's sinusoidal time embedding
+    dropout: float = 0.0  # the MLP's; > 0 only to reproduce the train-mode failure, kept off for RL
     # Noise injected at every Euler step, in normalised action units, bounded by a tanh into
     # [log sigma_min^2, log sigma_max^2] (ReinFlow). Bounds are fixed, not learned.
     sigma_min: float = 0.05

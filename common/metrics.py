@@ -15,9 +15,10 @@ from common.trajectory import RolloutBatch
 
 
 def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, float]:
-    """Statistics of one iteration's rollouts (several actors' batches concatenated)."""
+    """Statistics of one iteration's rollouts (several actors' batches concatenated); in a multi-task run also each
+    task's episodes and success rate (rollout/task/<task>/...)."""
     finished = len(batch.episode_successes)
-    return {
+    metrics = {
         "rollout/env_steps": float(batch.env_steps),
         "rollout/decisions": float(batch.num_decisions * batch.num_envs),
         "faults/dropped_decisions": float((~batch.valid).sum()),  # of episodes an env ended with NaN/Inf output
@@ -33,6 +34,11 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         "time/actors_policy_cpu_seconds": batch.policy_cpu_seconds,
         "time/actors_env_cpu_seconds": batch.env_cpu_seconds,
     }
+    tasks = np.array(batch.episode_tasks)
+    for task in sorted(set(batch.episode_tasks)) if len(set(batch.episode_tasks)) > 1 else ():
+        metrics[task_key(task, "episodes", "rollout")] = float((tasks == task).sum())
+        metrics[task_key(task, "success_rate", "rollout")] = float(batch.episode_successes[tasks == task].mean())
+    return metrics
 
 
 CONSOLE_FIELDS = (
@@ -130,9 +136,10 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
     return _save_success_plot(fig, ax, path, title, "success rate")
 
 
-def task_key(task: str, name: str) -> str:
-    """The key of a multi-task run's per-task evaluation metric, e.g. eval/task/reach-v3/success_rate."""
-    return f"eval/task/{task}/{name}"
+def task_key(task: str, name: str, section: str = "eval") -> str:
+    """The key of a multi-task run's per-task metric, e.g. eval/task/reach-v3/success_rate (held-out evaluation) or
+    rollout/task/reach-v3/success_rate (the iteration's training episodes)."""
+    return f"{section}/task/{task}/{name}"
 
 
 def evaluated_tasks(rows: list[dict]) -> list[str]:

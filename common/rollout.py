@@ -153,7 +153,7 @@ def collect_rollout(
     start = time.perf_counter()
     token_ids, token_mask = instruction_tokens(policy, vec_env.envs)
     per_step: dict[str, list[np.ndarray]] = {}
-    returns, successes, lengths = [], [], []
+    returns, successes, lengths, tasks = [], [], [], []
     env_steps = 0
     valid = np.ones((num_decisions, vec_env.num_envs), dtype=bool)
     episode_start = np.zeros(vec_env.num_envs, dtype=np.int64)  # first decision of each env's current episode
@@ -180,6 +180,7 @@ def collect_rollout(
         returns += step.episode_returns
         successes += step.episode_successes
         lengths += step.episode_lengths
+        tasks += step.episode_tasks
         env_steps += int(step.steps.sum())
         obs = step.obs
     batch = RolloutBatch(
@@ -188,6 +189,7 @@ def collect_rollout(
         episode_returns=np.asarray(returns, dtype=np.float32),
         episode_successes=np.asarray(successes, dtype=bool),
         episode_lengths=np.asarray(lengths, dtype=np.int64),
+        episode_tasks=tuple(tasks),
         weight_version=weight_version,
         actor_index=actor_index,
         sample_seconds=time.perf_counter() - start,

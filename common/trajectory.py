@@ -51,6 +51,9 @@ class RolloutBatch:
     # actor's work goes, whatever the machine's load. Summed over the actors by concat.
     policy_cpu_seconds: float = 0.0
     env_cpu_seconds: float = 0.0
+    # (E,) the task of each episode in episode_returns/successes/lengths: per-task rollout statistics of a multi-task
+    # run. Names, not an array: a record of what ran, not a quantity the update reads.
+    episode_tasks: tuple[str, ...] = ()
 
     PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
                     "values", "log_probs", "log_probs_per_element", "valid")  # fmt: skip
@@ -87,6 +90,8 @@ class RolloutBatch:
             self.observations(), self.observations(after_chunk=True)  # dtypes: uint8 frames, int64 tokens, bool mask
         except ValueError as exc:
             raise ValueError(f"rollout from actor {self.actor_index}: {exc}") from exc
+        if self.episode_tasks and len(self.episode_tasks) != len(self.episode_successes):
+            raise ValueError(f"RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, expected {len(self.episode_successes)}")
         if finite:
             check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
 
@@ -113,6 +118,7 @@ class RolloutBatch:
             actor_precision=", ".join(sorted({b.actor_precision for b in batches})),
             policy_cpu_seconds=sum(b.policy_cpu_seconds for b in batches),
             env_cpu_seconds=sum(b.env_cpu_seconds for b in batches),
+            episode_tasks=sum((b.episode_tasks for b in batches), ()),
         )
 
     def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ class ChunkStep:
     episode_returns: list[float]  # Undiscounted returns of the episodes that ended in this chunk.
     episode_successes: list[bool]
     episode_lengths: list[int]
+    episode_tasks: list[str]  # the task each of those episodes ran
 
 
 @dataclass
@@ -129,6 +130,7 @@ class ChunkedVectorEnv:
         episode_returns: list[float] = []
         episode_successes: list[bool] = []
         episode_lengths: list[int] = []
+        episode_tasks: list[str] = []
         for i, outcome in enumerate(outcomes):
             self._episode_returns[i] += outcome.reward_sum
             self._episode_lengths[i] += outcome.steps
@@ -138,6 +140,7 @@ class ChunkedVectorEnv:
                     episode_returns.append(float(self._episode_returns[i]))
                     episode_successes.append(bool(self._episode_successes[i]))
                     episode_lengths.append(int(self._episode_lengths[i]))
+                    episode_tasks.append(self.envs[i].task)
                 self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
                 obs.state[i] = self._reset_env(self.envs[i])
                 if obs.images is not None:
@@ -157,6 +160,7 @@ class ChunkedVectorEnv:
             episode_returns=episode_returns,
             episode_successes=episode_successes,
             episode_lengths=episode_lengths,
+            episode_tasks=episode_tasks,
         )
 
     def close(self) -> None:

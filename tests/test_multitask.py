@@ -13,7 +13,7 @@ import ray
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
-from common.metrics import eval_metrics
+from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy
 from common.rollout import env_tasks
 from common.suites import Layout, make_suite
@@ -96,13 +96,20 @@ def test_bc_learns_every_task_and_reports_each(two_task_checkpoint) -> None:
 
 def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoint) -> None:
     checkpoint, _ = two_task_checkpoint
-    config = two_task_config(tmp_path)
+    config = two_task_config(tmp_path, **{"env.max_episode_steps": 16})  # every env ends episodes within the 32-step rollout
     actor = RolloutActor(config, 0, checkpoint)
     assert [env.task for env in actor.vec_env.envs] == ["reach-v3", "pick-place-v3"]
     learner = Learner(config, FlowPolicy.from_pretrained(checkpoint))
     actor.load_weights(learner.broadcast())
     batch = actor.sample(None, iteration=0)
     np.testing.assert_array_equal(batch.obs[:, :, -2:], np.broadcast_to([[1.0, 0.0], [0.0, 1.0]], batch.obs[:, :, -2:].shape))
+    ended = (batch.terminated | batch.truncated).sum(axis=0)  # episodes each env ended: env 0 runs reach, env 1 pick-place
+    assert sorted(batch.episode_tasks) == sorted(["reach-v3"] * ended[0] + ["pick-place-v3"] * ended[1]) and ended.min() > 0
+    rollout = rollout_metrics(batch, learner_version=0)
+    env_task = ["reach-v3", "pick-place-v3"]
+    per_task = {task: (rollout[f"rollout/task/{task}/episodes"], rollout[f"rollout/task/{task}/success_rate"]) for task in env_task}
+    assert [count for count, _ in per_task.values()] == list(ended)
+    assert sum(count * rate for count, rate in per_task.values()) / sum(ended) == pytest.approx(rollout["rollout/success_rate"])
     metrics = learner.update(batch)
     assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
 
