@@ -10,8 +10,10 @@ The run config gives the env rules (task, episode length, held-out benchmark see
   run_dir/run_config.json   for a run's checkpoint, the run's own;
   otherwise                 the defaults, with the checkpoint's own policy section and, for a BC checkpoint, the
                             env section its pretrain.json records (the rules it was evaluated under).
-The episodes are the first --episodes layouts of the held-out pool (Suite.layouts(env.task,
-env.eval_benchmark_seeds), where a run's evaluation starts), or with --seed S as many drawn from it by a generator
+--task replays another of the suite's tasks (env.task replaced); for a multi-task policy it picks one of the run's
+own tasks, whose task input the policy was trained with (env.task kept, only that task's layouts replayed).
+The episodes are the first --episodes layouts of the held-out pool (Suite.layouts(task,
+env.eval_benchmark_seeds) for each task replayed, where a run's evaluation starts), or with --seed S as many drawn from it by a generator
 seeded with S. Each is run alone (a batch of one) with deterministic sampling, so it is a function of checkpoint,
 config and layout; a run's evaluation batched it with others (actors.envs_per_actor), and a policy whose float sums
 depend on the batch can, rarely, end that episode otherwise: a run's own videos (common.recording) are filmed in
@@ -59,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> RunConfig:
-    """The config to replay `checkpoint` under (module docstring), with `task` as env.task when given."""
+    """The config to replay `checkpoint` under (module docstring), with `task` as env.task when given and the config
+    is a single-task one (a multi-task config keeps its task list: the policy's task input depends on it)."""
     run_file = checkpoint.parent.parent / RUN_CONFIG_FILE
     if config_file is not None:
         config = load_config(config_file)
@@ -69,15 +72,18 @@ def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> R
         report = checkpoint / REPORT_FILE
         env = json.loads(report.read_text())["config"]["env"] if report.is_file() else {}
         config = from_dict(RunConfig, {"env": env, "policy": dataclasses.asdict(read_policy_config(checkpoint))})
-    if task is not None:
-        config = dataclasses.replace(config, env=dataclasses.replace(config.env, task=task))
     config.validate()
+    if task is not None and len(make_suite(config.env).tasks()) == 1:
+        config = dataclasses.replace(config, env=dataclasses.replace(config.env, task=task))
+        config.validate()
     return config
 
 
-def chosen_layouts(config: RunConfig, episodes: int, seed: int | None) -> list[Layout]:
+def chosen_layouts(config: RunConfig, episodes: int, seed: int | None, task: str | None) -> list[Layout]:
+    """The layouts to replay, from the held-out pool of `task` (None: of every task of the config)."""
     suite = make_suite(config.env)
-    pool = [layout for task in suite.tasks() for layout in suite.layouts(task, config.env.eval_benchmark_seeds)]
+    tasks = suite.tasks() if task is None else [task]
+    pool = [layout for name in tasks for layout in suite.layouts(name, config.env.eval_benchmark_seeds)]
     if not 1 <= episodes <= len(pool):
         raise ValueError(f"--episodes must be in [1, {len(pool)}] (the held-out layouts of env.eval_benchmark_seeds), got {episodes}")
     if seed is None:
@@ -104,11 +110,14 @@ def check_input(args: argparse.Namespace) -> tuple[list[tuple[Path, RunConfig]],
             make_suite(config.env).instruction(args.task)
         except ValueError as exc:
             raise ValueError(f"--task: {exc}") from None
+        tasks = make_suite(config.env).tasks()
+        if args.task not in tasks:
+            raise ValueError(f"--task {args.task} is not one of the multi-task policy's tasks {tasks} (env.task {config.env.task})")
     replays = [(checkpoint, config)]
     if args.compare is not None:
         other = policy_directory(Path(args.compare))
         replays.append((other, dataclasses.replace(run_config(other, args.config, None), env=config.env)))
-    return replays, chosen_layouts(config, args.episodes, args.seed)
+    return replays, chosen_layouts(config, args.episodes, args.seed, args.task)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = [checkpoint for checkpoint, _ in replays]
     try:
         for number, layout in enumerate(chosen, 1):
-            print(f"[replay] episode {number}/{len(chosen)}: {replays[0][1].env.task} layout {layout_id(layout)} "
+            print(f"[replay] episode {number}/{len(chosen)}: {layout.task} layout {layout_id(layout)} "
                   f"({' vs '.join(map(label, checkpoints))})", file=sys.stderr, flush=True)  # fmt: skip
             recordings = [actor.record_episodes(None, [layout], args.size, camera=args.camera)[0] for actor in actors]
             print(summary(recordings, checkpoints, write(Path(args.out), recordings, checkpoints)), flush=True)

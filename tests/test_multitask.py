@@ -181,3 +181,14 @@ def test_the_shipped_multi_task_configs_pass_the_checks_before_a_run(name, tasks
     assert make_suite(config.env).tasks() == tasks and [layout.task for layout in layouts] == [
         t for t in tasks for _ in range(config.eval_episodes)
     ]
+
+
+def test_one_task_of_a_multi_task_policy_replays_with_its_task_input(tmp_path, two_task_checkpoint, capsys) -> None:
+    from learner.replay import main as replay
+
+    checkpoint, _ = two_task_checkpoint
+    out = tmp_path / "videos"
+    assert replay([str(checkpoint), "--task", "pick-place-v3", "--episodes", "1", "--size", "32", "--out", str(out)]) == 0
+    assert [path.name.split("_")[0] for path in out.iterdir()] == ["pick-place-v3"]
+    assert replay([str(checkpoint), "--task", "push-v3", "--out", str(out)]) == 2
+    assert "--task push-v3 is not one of the multi-task policy's tasks ['reach-v3', 'pick-place-v3']" in capsys.readouterr().err
