@@ -141,7 +141,10 @@ def test_k3_estimates_kl_policy_to_reference_and_reversed_does_not() -> None:
     )
 
 
-@pytest.mark.parametrize(("successes", "episodes"), [(0, 10), (0, 20), (1, 20), (37, 100), (61, 100), (99, 100), (100, 100), (10, 10), (3, 7)])
+CASES = [(0, 10), (0, 20), (1, 20), (37, 100), (61, 100), (99, 100), (100, 100), (10, 10), (3, 7)]  # (successes, episodes)
+
+
+@pytest.mark.parametrize(("successes", "episodes"), CASES)
 def test_success_interval_is_scipys_wilson_interval(successes: int, episodes: int) -> None:
     """The held-out success interval against scipy's Wilson score interval at the same z (1.96) as the evaluation's."""
     from scipy.stats import binomtest, norm
