@@ -26,10 +26,12 @@ from learner.monitoring import GaugeExporter, per_actor_metrics
 class LearnerActor:
     """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
 
-    def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None):
+    def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
+                 state_bounds: list[list[float]] | None = None):  # fmt: skip
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
-        privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS)."""
+        privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS).
+        state_bounds: (low, high) of the suite's state, for a random init to normalise to (learner.startup.start_learner)."""
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, niceness)
@@ -40,6 +42,8 @@ class LearnerActor:
             policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
         else:
             policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
+            if state_bounds is not None:  # the suite's (low, high): no demonstration has set the state's statistics
+                policy.set_state_bounds(*(torch.tensor(bound, dtype=torch.float32) for bound in state_bounds))
         # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
         policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.learner = Learner(config, policy)

@@ -153,6 +153,9 @@ def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]
 
 
 def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> Any:
+    """The learner actor, fine-tuning `checkpoint` or continuing from `resume_dir`; with neither (a random init), given
+    the suite's state bounds to normalise to, when it knows them."""
+    bounds = make_suite(config.env).state_bounds() if checkpoint is None and resume_dir is None else None
     return (
         ray.remote(LearnerActor)
         .options(**request.options(bundle_index=LEARNER_BUNDLE))
@@ -161,6 +164,7 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
             None if checkpoint is None else str(checkpoint),
             None if resume_dir is None else str(resume_dir),
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
+            state_bounds=None if bounds is None else [bound.tolist() for bound in bounds],
         )
     )
 

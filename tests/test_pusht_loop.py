@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from learner.main import main
 
@@ -40,6 +43,11 @@ def test_one_iteration_on_pusht_trains_evaluates_and_films(tmp_path) -> None:
     config = json.loads((run_dir / "run_config.json").read_text())
     assert (config["env"]["suite"], config["env"]["task"]) == ("gym", "gym_pusht/PushT-v0")
     assert (run_dir / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
+    # No demonstration set the state's statistics: the random init normalises PushT's pixel state over its bounds
+    start = load_file(run_dir / "checkpoints" / "random_init" / "model.safetensors")
+    high = torch.tensor([512.0, 512.0, 512.0, 512.0, 2 * math.pi])
+    torch.testing.assert_close(start["obs_mean"], high / 2)
+    torch.testing.assert_close(start["obs_std"], high / 2)
     (video,) = (run_dir / "videos" / "iter_000001").glob("*.mp4")
     assert video.name.startswith("gym_pusht-PushT-v0_1-00_")
     with av.open(str(video)) as container:

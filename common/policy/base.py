@@ -156,14 +156,18 @@ class FlowPolicy(nn.Module, ABC):
     def set_normalization(self, obs_mean: Tensor, obs_std: Tensor, action_mean: Tensor, action_std: Tensor) -> None:
         """Store normalisation statistics (saved with the weights).
 
-        Observation stds are floored at OBS_STD_FLOOR: a few demonstrations barely move some state
-        elements (the block's orientation quaternion varies by ~0.003), and dividing by that turned a
-        block knocked over during RL into features of ~650, gradient norms 10x the usual, and a run whose
-        held-out success fell from 0.43 to 0.26 (seed 2 before this fix)."""
+        Observation stds are floored at OBS_STD_FLOOR: a few demonstrations barely move some state elements (a
+        block's orientation quaternion), and dividing by so small a spread turns a block knocked over during RL into
+        features in the hundreds that swamp every layer and gradient."""
         self.obs_mean.copy_(obs_mean)
         self.obs_std.copy_(obs_std.clamp_min(OBS_STD_FLOOR))
         self.action_mean.copy_(action_mean)
         self.action_std.copy_(action_std.clamp_min(1e-3))
+
+    def set_state_bounds(self, low: Tensor, high: Tensor) -> None:
+        """Normalise the state to [-1, 1] over its bounds (obs_dim,): what a policy that no demonstration has set
+        statistics for reads, so that states in hundreds of units (pixels) do not all saturate at the clip."""
+        self.set_normalization((low + high) / 2, (high - low) / 2, self.action_mean, self.action_std)
 
     def normalized_state(self, obs: Observation) -> Tensor:
         """(B, obs_dim), clipped like gymnasium's NormalizeObservation users do: states unseen in the

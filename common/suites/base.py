@@ -260,6 +260,22 @@ class Suite(ABC):
             raise ValueError(f"the tasks of {self.config.task!r} have states of different sizes {sorted(widths)}")
         return widths.pop() + (len(tasks) if len(tasks) > 1 else 0)
 
+    def task_state_bounds(self, task: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The task's state bounds (low, high), when the suite knows finite ones; None: it does not."""
+        return None
+
+    def state_bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The bounds of the state a policy of the run reads (the task one-hot's [0, 1] included), when every task has
+        finite ones: a randomly initialised policy normalises to them (FlowPolicy.set_state_bounds)."""
+        tasks = self.tasks()
+        bounds = [self.task_state_bounds(task) for task in tasks]
+        if any(bound is None for bound in bounds):
+            return None
+        low, high = np.min([low for low, _ in bounds], axis=0), np.max([high for _, high in bounds], axis=0)
+        if len(tasks) > 1:
+            low, high = np.concatenate([low, np.zeros(len(tasks))]), np.concatenate([high, np.ones(len(tasks))])
+        return low, high
+
     def layouts(self, task: str, benchmark_seeds: Sequence[int]) -> list[Layout]:
         """All layouts of `task` for each seed, seed-major (nothing is simulated here)."""
         self.instruction(task)  # refuses an unknown task

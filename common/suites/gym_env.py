@@ -89,7 +89,7 @@ class GymSuite(Suite):
             except ImportError as exc:
                 raise ValueError(f"env.gym.module {self.gym.module!r} cannot be imported ({exc}): install the package that "
                                  f"registers env.task {config.task!r}") from None  # fmt: skip
-        self._sizes: dict[str, tuple[int, int]] = {}
+        self._spaces: dict[str, tuple[spaces.Box, spaces.Box]] = {}  # task -> its state and action spaces
 
     def _spec(self, task: str) -> gymnasium.envs.registration.EnvSpec:
         if task not in gymnasium.registry:
@@ -115,11 +115,19 @@ class GymSuite(Suite):
         return NO_EPISODE_LIMIT if limit is None else int(limit)
 
     def sizes(self, task: str) -> tuple[int, int]:
-        if task not in self._sizes:
+        state, action = self._task_spaces(task)
+        return state.shape[0], action.shape[0]
+
+    def task_state_bounds(self, task: str) -> tuple[np.ndarray, np.ndarray] | None:
+        state, _ = self._task_spaces(task)
+        return (state.low, state.high) if np.isfinite(state.low).all() and np.isfinite(state.high).all() else None
+
+    def _task_spaces(self, task: str) -> tuple[spaces.Box, spaces.Box]:
+        if task not in self._spaces:
             env = self.build_env(task, (), Layout(task, self.config.train_benchmark_seeds[0], 0), None)
-            self._sizes[task] = (env.observation_space.shape[0], env.action_space.shape[0])
+            self._spaces[task] = (env.observation_space, env.action_space)
             env.close()
-        return self._sizes[task]
+        return self._spaces[task]
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> GymTaskEnv:
         return GymTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
