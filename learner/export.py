@@ -4,13 +4,13 @@ CHECKPOINT is a policy directory written by save_pretrained (a BC checkpoint, or
 a run directory or its checkpoints/ directory (then the run's latest checkpoint, as learner.replay resolves it). It is
 loaded strictly (FlowPolicy.from_pretrained: checksums, every tensor), and its backend writes what lerobot's own
 loaders read (FlowPolicy.to_lerobot): lerobot's policy config and weights, and its processor pipelines carrying the
-project's normalisation. What the backend keeps to itself (SmolVLA's noise head and critic) is left out. DIR is
+project's normalisation. What the backend keeps to itself (the VLAs' noise head and critic) is left out. DIR is
 written whole or not at all (write_directory_atomically, with a checksums.json); an existing DIR is replaced only
 with --overwrite.
 
-Nothing here depends on the backend: a backend exports when it names its lerobot policy type (FlowPolicy.lerobot_type)
-and implements to_lerobot; the MLP has no lerobot counterpart and is refused. Bad input is one line on stderr and exit
-status 2, before anything is written.
+Nothing here depends on the backend: a backend exports when it names the lerobot policy type of each policy.type it
+serves (FlowPolicy.lerobot_types: SmolVLA's "smolvla", pi0's "pi0" and "pi05") and implements to_lerobot; the MLP has
+no lerobot counterpart and is refused. Bad input is one line on stderr and exit status 2, before anything is written.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
 def load(checkpoint: Path) -> FlowPolicy:
     """The checkpoint's policy, loaded strictly, after checking that its backend has a lerobot counterpart."""
     config = read_policy_config(checkpoint)  # verifies the checksums
-    if policy_class(config.type).lerobot_type is None:
+    if config.type not in policy_class(config.type).lerobot_types:
         raise ValueError(
             f"{checkpoint} holds a policy.type {config.type!r} policy, which has no lerobot counterpart: "
             "there is nothing to export to lerobot (the VLA backends export)"

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import Tensor
 
 from common.config import PolicyConfig, RunConfig
 from common.flow import sample_chain, transition
@@ -32,6 +33,7 @@ from common.policy import OBS_CLIP, build_policy, write_directory_atomically
 from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
+from common.policy.vla_common import VLAFlowPolicy
 from learner.checkpoints import TRAINER_STATE_FILE
 from learner.export import main
 from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
@@ -55,10 +57,14 @@ ACTION_TOLERANCE = 3e-5  # env units; a chunk sampled with the padded elements f
 
 
 def trained_policy(seed: int) -> SmolVLAFlowPolicy:
-    """A tiny SmolVLA with two cameras, padded state and actions, a backbone of another image size, per-element
-    normalisation and every weight moved off its initialisation (a tensor lerobot left at init would show)."""
+    """A tiny SmolVLA with two cameras, padded state and actions, a backbone of another image size, and moved_off_init."""
     vlm_path = str(tiny_vlm_dir(TinyVLMSpec(image_size=VLM_IMAGE_SIZE)))
-    policy = tiny_policy(seed, cameras=CAMERAS, smolvla={**SMOLVLA, "vlm_path": vlm_path})
+    return moved_off_init(tiny_policy(seed, cameras=CAMERAS, smolvla={**SMOLVLA, "vlm_path": vlm_path}), seed)
+
+
+def moved_off_init(policy: VLAFlowPolicy, seed: int) -> VLAFlowPolicy:
+    """`policy` with per-element normalisation and every weight moved off its initialisation (a tensor lerobot left at
+    init would show)."""
     generator = torch.Generator().manual_seed(seed)
     policy.set_normalization(
         0.5 * torch.randn(39, generator=generator),
@@ -116,6 +122,75 @@ def within_clip(policy: SmolVLAFlowPolicy, obs: Observation, seed: int) -> Obser
     return dataclasses.replace(obs, state=policy.obs_mean + policy.obs_std * (6.0 * uniform - 3.0))
 
 
+def check_tensors_are_the_projects(policy: VLAFlowPolicy, out: Path, loaded: torch.nn.Module) -> None:
+    """The exported file holds lerobot's model alone (no noise head, critic or project buffers), and the model lerobot
+    loaded is tensor by tensor the project's, bar action_in_proj's columns for the padded action elements, which are 0
+    (lerobot_sampling_copy)."""
+    ours, theirs = policy.vla.state_dict(), loaded.state_dict()
+    assert set(load_file(str(out / "model.safetensors"))) <= set(ours)
+    assert set(theirs) == set(ours)
+    for name, tensor in ours.items():
+        expected = tensor.clone()
+        if name == "model.action_in_proj.weight":
+            assert expected[:, policy.action_dim :].abs().max() > 0  # trained, so zeroing them is a change
+            expected[:, policy.action_dim :] = 0.0
+        assert torch.equal(theirs[name], expected), name
+
+
+def check_normaliser_statistics(policy: VLAFlowPolicy, preprocessor, postprocessor, state: dict[str, torch.Tensor]) -> None:
+    """lerobot's normaliser and unnormaliser hold the project's action mean and std exactly, and the normaliser `state`
+    ({statistic: tensor}) for the state."""
+    (normalizer,) = [step for step in preprocessor.steps if type(step).__name__ == "NormalizerProcessorStep"]
+    (unnormalizer,) = [step for step in postprocessor.steps if type(step).__name__ == "UnnormalizerProcessorStep"]
+    for step in (normalizer, unnormalizer):
+        stats = step.state_dict()
+        assert torch.equal(stats[f"{ACTION}.mean"], policy.action_mean) and torch.equal(stats[f"{ACTION}.std"], policy.action_std)
+    assert {key for key in normalizer.state_dict() if key.startswith(f"{OBS_STATE}.")} == {f"{OBS_STATE}.{name}" for name in state}
+    for name, expected in state.items():
+        assert torch.equal(normalizer.state_dict()[f"{OBS_STATE}.{name}"], expected), name
+
+
+def instructions_of(batch_size: int) -> list[str]:
+    """The instructions tiny_observations tokenizes, in turn."""
+    return [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch_size)]
+
+
+def noise_of(policy: VLAFlowPolicy, batch_size: int, start: str) -> Tensor:
+    """lerobot's initial noise over every padded action element: "zero" (the project's deterministic policy, a_0 = 0)
+    or a Gaussian draw."""
+    shape = (batch_size, policy.chunk_size, policy.settings.max_action_dim)
+    return torch.zeros(shape) if start == "zero" else torch.randn(shape, generator=torch.Generator().manual_seed(23))
+
+
+def check_lerobot_chunk_is_the_projects(
+    policy: VLAFlowPolicy, loaded, postprocessor, obs: Observation, batch: dict, start: str, tolerance: float
+) -> tuple[Tensor, Tensor]:
+    """lerobot's sampler on its preprocessed `batch`, then its postprocessor, from noise_of(start), give the project's
+    chain on `obs` from the same start (its first action_dim) mapped to env units, within `tolerance` -> (lerobot's
+    normalised chunk, the noise it started from)."""
+    noise = noise_of(policy, obs.state.shape[0], start)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        if start == "zero":
+            chunk = sample_chain(policy, features, obs.state.shape[0], deterministic=True).chain[:, -1]
+        else:
+            chunk = noise[..., : policy.action_dim]
+            for k in range(policy.num_steps):
+                chunk, _ = transition(policy, features, chunk, k)
+        # For contrast: the same weights without lerobot_sampling_copy follow another chain in lerobot's sampler.
+        unneutralised = policy.vla.model.sample_actions(*policy.lerobot_inputs(obs), noise=noise.clone())[..., : policy.action_dim]
+    assert (unneutralised - chunk).abs().max() > 10 * tolerance
+
+    lerobot_chunk = loaded.predict_action_chunk(batch, noise=noise.clone())
+    env_actions = postprocessor(lerobot_chunk)
+    assert env_actions.shape == (obs.state.shape[0], policy.chunk_size, policy.action_dim)
+    unclipped = chunk * policy.action_std + policy.action_mean
+    assert unclipped.std() > 0.1  # a real chunk, not constants on both sides
+    torch.testing.assert_close(env_actions, unclipped, atol=tolerance, rtol=0)
+    torch.testing.assert_close(env_actions.clamp(-1.0, 1.0), policy.to_env_action(chunk), atol=tolerance, rtol=0)
+    return lerobot_chunk, noise
+
+
 def test_lerobot_reads_every_tensor_and_the_normalisation_of_the_export(exported) -> None:
     policy, _, out = exported
     names = set(os.listdir(out))
@@ -133,27 +208,8 @@ def test_lerobot_reads_every_tensor_and_the_normalisation_of_the_export(exported
     assert {k: (f.type.name, tuple(f.shape)) for k, f in config.output_features.items()} == {ACTION: ("ACTION", (ACTION_DIM,))}
     assert (config.chunk_size, config.num_steps, config.max_state_dim, config.max_action_dim) == (4, 3, 42, 6)
 
-    # The file holds lerobot's model alone: no noise head, critic or project buffers.
-    ours, theirs = policy.vla.state_dict(), loaded.state_dict()
-    assert set(load_file(str(out / "model.safetensors"))) <= set(ours)
-    # Tensor by tensor the project's, bar action_in_proj's columns for the padded action elements, which are 0
-    # (lerobot_sampling_copy).
-    assert set(theirs) == set(ours)
-    for name, tensor in ours.items():
-        expected = tensor.clone()
-        if name == "model.action_in_proj.weight":
-            assert expected[:, ACTION_DIM:].abs().max() > 0  # trained, so zeroing them is a change
-            expected[:, ACTION_DIM:] = 0.0
-        assert torch.equal(theirs[name], expected), name
-
-    # The normaliser statistics are the project's buffers, exactly.
-    (normalizer,) = [step for step in preprocessor.steps if type(step).__name__ == "NormalizerProcessorStep"]
-    (unnormalizer,) = [step for step in postprocessor.steps if type(step).__name__ == "UnnormalizerProcessorStep"]
-    for step in (normalizer, unnormalizer):
-        stats = step.state_dict()
-        assert torch.equal(stats[f"{ACTION}.mean"], policy.action_mean) and torch.equal(stats[f"{ACTION}.std"], policy.action_std)
-    assert torch.equal(normalizer.state_dict()[f"{OBS_STATE}.mean"], policy.obs_mean)
-    assert torch.equal(normalizer.state_dict()[f"{OBS_STATE}.std"], policy.obs_std)
+    check_tensors_are_the_projects(policy, out, loaded)
+    check_normaliser_statistics(policy, preprocessor, postprocessor, {"mean": policy.obs_mean, "std": policy.obs_std})
 
 
 @pytest.mark.parametrize("start", ["zero", "gaussian"])
@@ -163,37 +219,14 @@ def test_lerobot_pipeline_gives_the_projects_env_actions(exported, start) -> Non
     "gaussian" starts both from the same draw, the padded elements of lerobot's included."""
     policy, _, out = exported
     loaded, preprocessor, postprocessor = load_lerobot(out)
-    batch_size, padded_shape = 3, (3, policy.chunk_size, SMOLVLA["max_action_dim"])
-    instructions = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch_size)]
-    obs = within_clip(policy, observations(policy, batch_size, seed=21), seed=22)
-    noise = torch.zeros(padded_shape) if start == "zero" else torch.randn(padded_shape, generator=torch.Generator().manual_seed(23))
-
-    with torch.no_grad():
-        features = policy.encode(obs)
-        if start == "zero":
-            chunk = sample_chain(policy, features, batch_size, deterministic=True).chain[:, -1]
-        else:
-            chunk = noise[..., :ACTION_DIM]
-            for k in range(policy.num_steps):
-                chunk, _ = transition(policy, features, chunk, k)
-        # For contrast: the same weights without lerobot_sampling_copy follow another chain in lerobot's sampler.
-        unneutralised = policy.vla.model.sample_actions(*policy.lerobot_inputs(obs), noise=noise.clone())[..., :ACTION_DIM]
-    assert (unneutralised - chunk).abs().max() > 10 * ACTION_TOLERANCE
-
-    batch = preprocessor(lerobot_observation(obs, instructions))
+    obs = within_clip(policy, observations(policy, 3, seed=21), seed=22)
+    batch = preprocessor(lerobot_observation(obs, instructions_of(3)))
     assert torch.equal(batch[OBS_LANGUAGE_TOKENS], obs.tokens) and torch.equal(batch[OBS_LANGUAGE_ATTENTION_MASK], obs.token_mask)
     torch.testing.assert_close(batch[OBS_STATE], policy.normalized_state(obs), atol=1e-6, rtol=0)  # lerobot adds 1e-8 to std
-    lerobot_chunk = loaded.predict_action_chunk(batch, noise=noise.clone())
-    env_actions = postprocessor(lerobot_chunk)
-
-    assert env_actions.shape == (batch_size, policy.chunk_size, ACTION_DIM)
-    unclipped = chunk * policy.action_std + policy.action_mean
-    assert unclipped.std() > 0.1  # a real chunk, not constants on both sides
-    torch.testing.assert_close(env_actions, unclipped, atol=ACTION_TOLERANCE, rtol=0)
-    torch.testing.assert_close(env_actions.clamp(-1.0, 1.0), policy.to_env_action(chunk), atol=ACTION_TOLERANCE, rtol=0)
+    lerobot_chunk, noise = check_lerobot_chunk_is_the_projects(policy, loaded, postprocessor, obs, batch, start, ACTION_TOLERANCE)
     # select_action serves the same chunk one action at a time.
     loaded.reset()
-    torch.testing.assert_close(loaded.select_action(batch, noise=noise.clone()), lerobot_chunk[:, 0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(loaded.select_action(batch, noise=noise), lerobot_chunk[:, 0], atol=1e-6, rtol=0)
 
 
 def test_states_beyond_the_projects_clip_are_not_clipped_by_lerobot(exported) -> None:

@@ -74,9 +74,9 @@ class FlowPolicy(nn.Module, ABC):
     # A common.decision_graph.DecisionGraph that replays whole chunk decisions on a GPU (set by the rollout actor with
     # actors.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
     decision_graph: Any = None
-    # The lerobot policy type this backend writes with to_lerobot (python -m learner.export), or None: a backend
-    # with no lerobot counterpart (the MLP) has nothing to export.
-    lerobot_type: ClassVar[str | None] = None
+    # policy.type -> the lerobot policy type to_lerobot writes it as (python -m learner.export), for each type this
+    # backend serves that has a lerobot counterpart; empty for a backend with none (the MLP): nothing to export.
+    lerobot_types: ClassVar[dict[str, str]] = {}
 
     @property
     def chunk_size(self) -> int:
@@ -89,6 +89,11 @@ class FlowPolicy(nn.Module, ABC):
     @property
     def num_steps(self) -> int:
         return self.config.num_steps
+
+    @property
+    def lerobot_type(self) -> str | None:
+        """The lerobot policy type to_lerobot writes this policy as, or None where it has no lerobot counterpart."""
+        return self.lerobot_types.get(self.config.type)
 
     @property
     def obs_device(self) -> torch.device:
@@ -200,7 +205,7 @@ class FlowPolicy(nn.Module, ABC):
         """Write this policy into the empty `directory` as a checkpoint of lerobot's `lerobot_type` policy, everything
         lerobot's own loaders read (the policy class's from_pretrained, make_pre_post_processors), the project's
         normalisation included -> {what a group of files holds: their names}. A backend with a lerobot counterpart
-        overrides this and sets lerobot_type."""
+        overrides this and lists its types in lerobot_types."""
         raise CheckpointError(f"policy.type {self.config.type!r} has no lerobot counterpart: there is nothing to export to lerobot")
 
     def save_pretrained(self, directory: str | Path) -> Path:

@@ -57,9 +57,9 @@ if LEROBOT_LINE < (0, 6):
 
 from lerobot.lerobot_types import TransitionKey  # noqa: E402
 from lerobot.policies.common.vla_utils import prepare_attention_masks_4d  # noqa: E402
-from lerobot.policies.pi0 import modeling_pi0  # noqa: E402
+from lerobot.policies.pi0 import modeling_pi0, processor_pi0  # noqa: E402
 from lerobot.policies.pi0.configuration_pi0 import PI0Config  # noqa: E402
-from lerobot.policies.pi05 import modeling_pi05  # noqa: E402
+from lerobot.policies.pi05 import modeling_pi05, processor_pi05  # noqa: E402
 from lerobot.policies.pi05.configuration_pi05 import PI05Config  # noqa: E402
 from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep  # noqa: E402
 from lerobot.utils.constants import OBS_STATE  # noqa: E402
@@ -86,10 +86,24 @@ LEROBOT_ARCHITECTURE_FIELDS = {
     "pi05": ("paligemma_variant", "action_expert_variant", "max_action_dim"),
 }
 LEROBOT_CLASSES = {"pi0": (PI0Config, modeling_pi0.PI0Policy, modeling_pi0), "pi05": (PI05Config, modeling_pi05.PI05Policy, modeling_pi05)}
+LEROBOT_PROCESSORS = {"pi0": processor_pi0, "pi05": processor_pi05}  # the modules of lerobot's processor factories
 
 
 def is_tiny(config: PolicyConfig) -> bool:
     return config.pi0.paligemma_variant.startswith("tiny")
+
+
+@contextlib.contextmanager
+def swapped_attributes(owner: Any, stand_ins: dict[str, Any]) -> Iterator[None]:
+    """While open, each name of `stand_ins` on `owner` (a lerobot module or class) is its stand-in; restored on exit."""
+    real = {name: getattr(owner, name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        setattr(owner, name, stand_in)
+    try:
+        yield
+    finally:
+        for name, original in real.items():
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -115,13 +129,22 @@ def tiny_gemma_sizes(module: ModuleType, vocab_size: int) -> Iterator[None]:
         config.vocab_size = vocab_size
         return real["PiGemmaForCausalLM"](config=config)
 
-    for name, stand_in in zip(names, (gemma_config, paligemma, expert)):
-        setattr(module, name, stand_in)
-    try:
+    with swapped_attributes(module, dict(zip(names, (gemma_config, paligemma, expert)))):
         yield
-    finally:
-        for name, original in real.items():
-            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def local_tokenizer_step(module: ModuleType, tokenizer_path: Path) -> Iterator[None]:
+    """While open, lerobot's pi0 / pi0.5 processor factory in `module` builds its tokenizer step on the local
+    `tokenizer_path`: the factory names PaliGemma's tokenizer on the hub, which the step loads as it is built. The
+    step saves the name it loaded, so the written pipeline reads the same local directory."""
+    step = module.TokenizerProcessorStep
+
+    def local(**kwargs: Any) -> Any:
+        return step(**{**kwargs, "tokenizer_name": str(tokenizer_path)})
+
+    with swapped_attributes(module, {"TokenizerProcessorStep": local}):
+        yield
 
 
 def write_pi_tokenizer(directory: str | Path, vocab_size: int | None = PALIGEMMA_VOCAB) -> Path:
@@ -179,6 +202,7 @@ class PiFlowPolicy(VLAFlowPolicy):
     """lerobot's PI0Policy (policy.type pi0) or PI05Policy (pi05), attribute `vla`, plus a ReinFlow noise head and a
     critic head; settings in policy.pi0."""
 
+    lerobot_types = {"pi0": "pi0", "pi05": "pi05"}
     section = "pi0"
     prefix_groups = ("vlm",)  # encode() runs PaliGemma alone: pi0's state_proj feeds the expert's suffix
 
@@ -307,6 +331,27 @@ class PiFlowPolicy(VLAFlowPolicy):
         if self.is_pi05:
             return model.denoise_step(features.prefix_pad_mask, cache, action, lerobot_t)
         return model.denoise_step(features.suffix_state, features.prefix_pad_mask, cache, action, lerobot_t)
+
+    # -- export to lerobot (VLAFlowPolicy.to_lerobot) -------------------------------------------------
+
+    def lerobot_summary(self) -> str:
+        pi = self.config.pi0
+        return f"PaliGemma {pi.paligemma_variant}, expert {pi.action_expert_variant}, tokenizer {resolve_tokenizer_path(self.config)}"
+
+    def lerobot_state_normalisation(self) -> tuple[str, dict[str, np.ndarray]]:
+        """pi0: as every backend (its state_proj reads the normalised state). pi0.5's prompt spells out a state lerobot's
+        normaliser maps into [-1, 1] (pi05_prompt): here the normalised state over OBS_CLIP, which is lerobot's MIN_MAX
+        with min and max at the mean -+ OBS_CLIP std."""
+        if not self.is_pi05:
+            return super().lerobot_state_normalisation()
+        mean, spread = self.obs_mean.detach().cpu().numpy(), OBS_CLIP * self.obs_std.detach().cpu().numpy()
+        return "MIN_MAX", {"min": mean - spread, "max": mean + spread}
+
+    def lerobot_processors(self, lerobot_config: Any, stats: dict[str, dict[str, np.ndarray]]) -> tuple[Any, Any]:
+        """As lerobot builds them, the tokenizer step reading this policy's tokenizer (policy.pi0.tokenizer_path, or the
+        offline one) where lerobot's names PaliGemma's on the hub."""
+        with local_tokenizer_step(LEROBOT_PROCESSORS[self.config.type], resolve_tokenizer_path(self.config)):
+            return super().lerobot_processors(lerobot_config, stats)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tokenizer_path: str | None = None, **overrides: Any) -> PiFlowPolicy:

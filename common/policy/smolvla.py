@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from common.config import PolicyConfig
 from common.observation import Observation
-from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from common.policy.base import CheckpointError
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 
@@ -45,7 +45,6 @@ install_cpu_torchvision_shim()
 
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LerobotSmolVLAConfig  # noqa: E402
 from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: E402
-from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE  # noqa: E402
 
 from common.policy.lerobot_compat import denoise_cache, embed_whole_frames, make_att_2d_masks, pad_vector, resize_with_pad  # noqa: E402
 from common.policy.vla_common import (  # noqa: E402
@@ -95,7 +94,7 @@ def build_lerobot_config(config: PolicyConfig, vlm_path: Path) -> LerobotSmolVLA
 class SmolVLAFlowPolicy(VLAFlowPolicy):
     """lerobot's SmolVLAPolicy (attribute `vla`) plus a ReinFlow noise head and a critic head."""
 
-    lerobot_type = "smolvla"
+    lerobot_types = {"smolvla": "smolvla"}
     section = "smolvla"
     prefix_groups = ("vlm", "state_proj")  # encode() runs the VLM over images, instruction and the projected state
 
@@ -193,39 +192,8 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         model = self.vla.model
         return model.denoise_step(features.prefix_pad_mask, denoise_cache(model.vlm_with_expert, features.kv()), action, lerobot_t)
 
-    def to_lerobot(self, directory: Path) -> dict[str, list[str]]:
-        """lerobot's SmolVLAPolicy checkpoint of this policy: its config (the backbone at this policy's local VLM
-        directory) and weights as lerobot saves them, padded action elements neutralised (lerobot_sampling_copy),
-        the noise head and critic left out; and its processor pipelines as lerobot builds them, with the
-        project's state and action mean and std as the statistics of lerobot's MEAN_STD normaliser (frames are
-        not normalised, on either side). lerobot's pipeline then maps env-unit state to the state this policy
-        reads, and its normalised chunk to env units, as normalized_state and to_env_action do, except for their
-        clips (normalised state to +-OBS_CLIP, actions to [-1, 1]), which lerobot's normaliser does not apply."""
-        from lerobot.policies.factory import make_pre_post_processors  # imports every lerobot policy's config: only here
-
-        vla = lerobot_sampling_copy(self.vla, self.config.action_dim)
-        vla.save_pretrained(directory)
-        stats = {
-            OBS_STATE: {"mean": self.obs_mean.detach().cpu().numpy(), "std": self.obs_std.detach().cpu().numpy()},
-            ACTION: {"mean": self.action_mean.detach().cpu().numpy(), "std": self.action_std.detach().cpu().numpy()},
-        }
-        preprocessor, postprocessor = make_pre_post_processors(vla.config, dataset_stats=stats)
-        for pipeline in (preprocessor, postprocessor):
-            pipeline.save_pretrained(directory)
-        written = sorted(path.name for path in Path(directory).iterdir())
-        cameras = ", ".join(f"{OBS_IMAGES}.{camera}" for camera in self.config.cameras)
-        side = self.config.image_size
-        return {
-            f"SmolVLAConfig: backbone {vla.config.vlm_model_name}; {OBS_STATE} ({self.config.obs_dim},), {cameras} (3, {side}, {side}), "
-            f"{ACTION} ({self.config.action_dim},); chunk {self.config.chunk_size}, {self.config.num_steps} steps": [CONFIG_FILE],
-            f"SmolVLAPolicy weights, {len(vla.state_dict())} tensors (the noise head and critic left out)": [WEIGHTS_FILE],
-            "preprocessor: the backbone's tokenizer; the project's state (and action) mean and std": [
-                name for name in written if name.startswith(preprocessor.name)
-            ],
-            "postprocessor: the project's action mean and std, to env units": [
-                name for name in written if name.startswith(postprocessor.name)
-            ],
-        }
+    def lerobot_summary(self) -> str:
+        return f"backbone and tokenizer {self.vla.config.vlm_model_name}"
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, vlm_path: str | None = None, **overrides: Any) -> SmolVLAFlowPolicy:
@@ -233,18 +201,3 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         replaces the saved backbone directory (which only supplies the VLM's config and tokenizer: its
         weights are in the checkpoint)."""
         return cls.load_with_local_path(directory, "vlm_path", vlm_path, **overrides)
-
-
-def lerobot_sampling_copy(vla: SmolVLAPolicy, action_dim: int) -> SmolVLAPolicy:
-    """A copy of `vla` whose padded action elements (action_dim onward, up to max_action_dim) do not reach the
-    expert: action_in_proj's columns for them are zero.
-
-    The project's chain holds those elements at zero (velocity pads a_t with zeros and reads back the first
-    action_dim), so these columns never touch what it computes. lerobot's sample_actions integrates all
-    max_action_dim elements, from noise it draws for all of them, and feeds them back through action_in_proj: with
-    the columns as trained, its first action_dim would follow another chain. Without them it is the project's
-    (what lerobot integrates in the padded elements is sliced off its output)."""
-    vla = copy.deepcopy(vla)
-    with torch.no_grad():
-        vla.model.action_in_proj.weight[:, action_dim:] = 0.0
-    return vla

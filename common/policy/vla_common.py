@@ -6,13 +6,15 @@ Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an a
   prefix_features    one prefix pass (common.policy.lerobot_compat.fill_prefix_cache) -> VLAFeatures
   lerobot_flow_time  the ONE map between the project's flow time and lerobot's
   VLAFlowPolicy      velocity (the model's denoise_step on a fresh cache per call), the ReinFlow noise head on
-                     the expert hidden state, the critic, trainable-flag groups, eval-mode guard, persistence
+                     the expert hidden state, the critic, trainable-flag groups, eval-mode guard, persistence, and the
+                     export back to a lerobot checkpoint (to_lerobot, python -m learner.export)
   load_lerobot_checkpoint  a lerobot checkpoint directory loaded strictly (every tensor from the file)
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -280,6 +282,62 @@ class VLAFlowPolicy(FlowPolicy):
         (directory / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
         return directory
 
+    # -- export to lerobot (python -m learner.export) -------------------------------------------------
+
+    @abstractmethod
+    def lerobot_summary(self) -> str:
+        """What lerobot's config names besides the features, for the export's listing: the backbone and its tokenizer."""
+
+    def lerobot_state_normalisation(self) -> tuple[str, dict[str, np.ndarray]]:
+        """(lerobot's NormalizationMode name, its statistics) under which lerobot's normaliser turns env-unit state into
+        the state this model reads: by default MEAN_STD with the project's mean and std (normalized_state, bar its clip)."""
+        return "MEAN_STD", {"mean": self.obs_mean.detach().cpu().numpy(), "std": self.obs_std.detach().cpu().numpy()}
+
+    def lerobot_processors(self, lerobot_config: Any, stats: dict[str, dict[str, np.ndarray]]) -> tuple[Any, Any]:
+        """lerobot's preprocessor and postprocessor pipelines for `lerobot_config` with dataset statistics `stats`, as its
+        make_pre_post_processors builds them."""
+        from lerobot.policies.factory import make_pre_post_processors  # imports every lerobot policy's config: only here
+
+        return make_pre_post_processors(lerobot_config, dataset_stats=stats)
+
+    def to_lerobot(self, directory: Path) -> dict[str, list[str]]:
+        """lerobot's policy checkpoint of this policy: its config and weights as lerobot saves them, padded action elements
+        neutralised (lerobot_sampling_copy), the noise head and critic left out; and its processor pipelines as lerobot
+        builds them, with the project's normalisation as the statistics of lerobot's normaliser: the action's mean and
+        std (MEAN_STD), the state's as lerobot_state_normalisation says; frames are not normalised, on either side.
+        lerobot's pipeline then maps env-unit state to the state this policy reads, and its normalised chunk to env
+        units, as normalized_state and to_env_action do, except for their clips (normalised state to +-OBS_CLIP,
+        actions to [-1, 1]), which lerobot's normaliser does not apply."""
+        from lerobot.configs.types import NormalizationMode
+        from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE
+
+        vla = lerobot_sampling_copy(self.vla, self.config.action_dim)
+        state_mode, state_stats = self.lerobot_state_normalisation()
+        vla.config.normalization_mapping = {
+            "VISUAL": NormalizationMode.IDENTITY,
+            "STATE": NormalizationMode[state_mode],
+            "ACTION": NormalizationMode.MEAN_STD,
+        }
+        vla.save_pretrained(directory)
+        action_stats = {"mean": self.action_mean.detach().cpu().numpy(), "std": self.action_std.detach().cpu().numpy()}
+        preprocessor, postprocessor = self.lerobot_processors(vla.config, {OBS_STATE: state_stats, ACTION: action_stats})
+        for pipeline in (preprocessor, postprocessor):
+            pipeline.save_pretrained(directory)
+        written = sorted(path.name for path in Path(directory).iterdir())
+        cameras = ", ".join(f"{OBS_IMAGES}.{camera}" for camera in self.config.cameras)
+        side, config = self.config.image_size, self.config
+        return {
+            f"{type(vla.config).__name__}: {self.lerobot_summary()}; {OBS_STATE} ({config.obs_dim},), {cameras} (3, {side}, {side}), "
+            f"{ACTION} ({config.action_dim},); chunk {config.chunk_size}, {config.num_steps} steps": [CONFIG_FILE],
+            f"{type(vla).__name__} weights, {len(vla.state_dict())} tensors (the noise head and critic left out)": [WEIGHTS_FILE],
+            f"preprocessor: the tokenizer; the project's state ({state_mode}) and action (MEAN_STD) normalisation": [
+                name for name in written if name.startswith(preprocessor.name)
+            ],
+            "postprocessor: the project's action mean and std, to env units": [
+                name for name in written if name.startswith(postprocessor.name)
+            ],
+        }
+
     @classmethod
     def load_with_local_path(cls, directory: str | Path, field: str, path: str | None, **overrides: Any) -> VLAFlowPolicy:
         """from_pretrained with policy.<section>.<field> (a local directory the weights do not hold: a backbone's
@@ -288,6 +346,21 @@ class VLAFlowPolicy(FlowPolicy):
             saved = dataclasses.asdict(getattr(read_policy_config(directory), cls.section))
             overrides[cls.section] = {**saved, **overrides.get(cls.section, {}), field: path}
         return super().from_pretrained(directory, **overrides)
+
+
+def lerobot_sampling_copy(vla: nn.Module, action_dim: int) -> nn.Module:
+    """A copy of the lerobot policy `vla` whose padded action elements (action_dim onward, up to max_action_dim) do not
+    reach the expert: action_in_proj's columns for them are zero.
+
+    The project's chain holds those elements at zero (velocity pads a_t with zeros and reads back the first
+    action_dim), so these columns never touch what it computes. lerobot's sample_actions integrates all
+    max_action_dim elements, from noise it draws for all of them, and feeds them back through action_in_proj: with
+    the columns as trained, its first action_dim would follow another chain. Without them it is the project's
+    (what lerobot integrates in the padded elements is sliced off its output)."""
+    vla = copy.deepcopy(vla)
+    with torch.no_grad():
+        vla.model.action_in_proj.weight[:, action_dim:] = 0.0
+    return vla
 
 
 def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, architecture_fields: tuple[str, ...]) -> None:
