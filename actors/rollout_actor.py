@@ -58,11 +58,13 @@ class RolloutActor:
             autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
             self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)
         self.version = -1  # the checkpoint's own weights; any published version replaces them
+        # The suite's module first: it sets up what its simulator needs on import (MuJoCo's headless GL backend), and
+        # unpickling its tables imports the simulator, which would otherwise fix its GL backend without it.
+        self.suite = make_suite(config.env)
         if isinstance(benchmark_tables, list):
             import ray  # only the Ray-hosted actor is handed refs; the class itself runs without Ray
 
             benchmark_tables = {key: tasks for part in ray.get(benchmark_tables) for key, tasks in part.items()}
-        self.suite = make_suite(config.env)
         if benchmark_tables:
             self.suite.adopt_layout_tables(benchmark_tables)
         grpo = config.algorithm.algo == "grpo"
