@@ -212,3 +212,29 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     monkeypatch.setattr(ray, "remote", lambda *args, **kwargs: pytest.fail("started a task for tables this process holds"))
     (again,) = build_benchmark_tables(config)
     assert ray.get(again) == built
+
+
+def test_the_bare_main_command_runs_the_embedded_default(tmp_path) -> None:
+    """The first iterations of what a user runs first, `python -m learner.main --num-actors 10`: the embedded default
+    config (no --config, no --set), its BC checkpoint chosen by the success window (built on first use, then cached),
+    10 actors x 2 envs x 50 decisions into the default update (the critic alone for its 3 warm-up iterations, then the
+    actor too), 100 held-out layouts before and after."""
+    from common.config import RunConfig, cache_dir
+
+    run_dir = tmp_path / "run"
+    assert main(["--num-actors", "10", "--iterations", "4", "--run-dir", str(run_dir)]) == 0
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["ppo/actor_lr"] > 0 for row in rows] == [False, False, False, True]
+    for row in rows:
+        assert row["rollout/decisions"] == 1000 and (row["ppo/num_minibatches"], row["ppo/minibatch_size"]) == (2, 500)
+        assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5 and row["logprob/behaviour_gap_max"] < 1e-5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    recorded = summary["manifest"]["config"]
+    default = RunConfig().to_dict()
+    assert {k: v for k, v in recorded.items() if k not in ("iterations", "run_dir")} == {
+        k: v for k, v in default.items() if k not in ("iterations", "run_dir")
+    }  # fmt: skip
+    start = summary["manifest"]["init_checkpoint"]
+    assert start["path"].startswith(str(cache_dir("bc"))) and 0.2 <= start["pretrain"]["eval_success_rate"] <= 0.7
+    assert summary["initial_eval"]["eval/episodes"] == summary["final_eval"]["eval/episodes"] == 100
