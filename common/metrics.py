@@ -35,7 +35,8 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         "time/actors_env_cpu_seconds": batch.env_cpu_seconds,
     }
     tasks = np.array(batch.episode_tasks)
-    for task in sorted(set(batch.episode_tasks)) if len(set(batch.episode_tasks)) > 1 else ():
+    names = sorted(set(batch.episode_tasks))
+    for task in names if len(names) > 1 else ():
         metrics[task_key(task, "episodes", "rollout")] = float((tasks == task).sum())
         metrics[task_key(task, "success_rate", "rollout")] = float(batch.episode_successes[tasks == task].mean())
     return metrics

@@ -106,11 +106,12 @@ def check_input(args: argparse.Namespace) -> tuple[list[tuple[Path, RunConfig]],
     checkpoint = policy_directory(Path(args.checkpoint))
     config = run_config(checkpoint, args.config, args.task)
     if args.task is not None:
+        suite = make_suite(config.env)
         try:
-            make_suite(config.env).instruction(args.task)
+            suite.instruction(args.task)
         except ValueError as exc:
             raise ValueError(f"--task: {exc}") from None
-        tasks = make_suite(config.env).tasks()
+        tasks = suite.tasks()
         if args.task not in tasks:
             raise ValueError(f"--task {args.task} is not one of the multi-task policy's tasks {tasks} (env.task {config.env.task})")
     replays = [(checkpoint, config)]
