@@ -364,6 +364,10 @@ class PretrainConfig:
     # One expert episode per layout of env.demo_benchmark_seed. None: chosen per task so the BC policy's held-out
     # success lands in [target_success_min, target_success_max], leaving room for RL (learner.pretrain.DEMO_LADDER).
     num_demos: int | None = None
+    # Demonstrations of named tasks, in place of num_demos for them (a multi-task run, e.g. {reach-v3: 3}). With
+    # num_demos null, a multi-task run chooses each task's count itself: the fewest that put that task's held-out
+    # success in the window (ensure_bc_checkpoint), whatever this holds.
+    task_demos: dict[str, int] = field(default_factory=dict)
     target_success_min: float = 0.2
     target_success_max: float = 0.7
     demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
@@ -379,6 +383,8 @@ class PretrainConfig:
             self.num_demos is None or 1 <= self.num_demos <= 50,
             f"{path}.num_demos must be in [1, 50] (one benchmark seed holds 50 layouts) or null (chosen per task), got {self.num_demos}",
         )
+        for task, count in self.task_demos.items():
+            require(1 <= count <= 50, f"{path}.task_demos[{task!r}] must be in [1, 50] (one benchmark seed holds 50 layouts), got {count}")
         require(
             0 <= self.target_success_min < self.target_success_max <= 1,
             f"{path}.target_success_min/max must satisfy 0 <= min < max <= 1, got {self.target_success_min}, {self.target_success_max}",

@@ -138,11 +138,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
+# Fields whose values are mappings, not sections: flatten keeps each whole, as one field.
+MAPPING_FIELDS = ("resources", "task_demos")
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"algorithm": {"clip_eps": 0.02}} -> {"algorithm.clip_eps": 0.02}."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict) and not key.endswith("resources"):
+        if isinstance(value, dict) and not key.endswith(MAPPING_FIELDS):
             flat |= flatten(value, f"{prefix}{key}.")
         else:
             flat[f"{prefix}{key}"] = value

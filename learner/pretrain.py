@@ -82,14 +82,29 @@ def demonstration_dataset(
     return Observation(states, frames, ids, mask), chunks
 
 
+def check_task_demos(cfg: PretrainConfig, tasks: list[str]) -> None:
+    """pretrain.task_demos may name only the run's tasks (a typo would otherwise be ignored)."""
+    unknown = sorted(set(cfg.task_demos) - set(tasks))
+    if unknown:
+        raise ConfigError(f"pretrain.task_demos names {unknown}, not among the run's tasks {tasks}")
+
+
+def demo_counts(cfg: PretrainConfig, tasks: list[str]) -> dict[str, int]:
+    """How many demonstrations of each task BC trains on: pretrain.task_demos where it names the task, else
+    pretrain.num_demos."""
+    check_task_demos(cfg, tasks)
+    return {task: cfg.task_demos.get(task, cfg.num_demos) for task in tasks}
+
+
 def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list) -> tuple[Observation, Tensor, list[Episode]]:
     """pretrain.num_demos scripted episodes of each of the run's tasks, as the policy reads them (camera frames from
     `cameras`, each task's instruction tokenized by the policy): the dataset's observations, the (M, H, A) chunks
     in env units, and the episodes."""
     cfg, tasks = config.pretrain, suite.tasks()
+    counts = demo_counts(cfg, tasks)
     episodes = []
     for task in tasks:
-        demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[: cfg.num_demos]
+        demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[: counts[task]]
         episodes += collect_demonstrations(suite, task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
     tokens = policy.tokenize([suite.instruction(task) for task in tasks])  # one call: every row padded alike
     by_task = None if tokens is None else {task: (tokens[0][[i]], tokens[1][[i]]) for i, task in enumerate(tasks)}
@@ -139,14 +154,14 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     gradient here; RL trains them.
     """
     cfg, env_cfg = config.pretrain, config.env
-    if cfg.num_demos is None:
+    suite = make_suite(env_cfg)
+    tasks = suite.tasks()
+    if None in demo_counts(cfg, tasks).values():
         raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     policy = build_policy(config.policy)
     cameras = camera_configs(policy.config)
-    suite = make_suite(env_cfg)
-    tasks = suite.tasks()
     obs, chunks, episodes = demonstrations(config, suite, policy, cameras)
     demo_seconds = time.perf_counter() - start
     losses = fit_flow_matching(policy, obs, chunks, cfg, progress)
@@ -174,6 +189,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     if obs.tokens is not None:
         report["instruction"] = suite.instruction(tasks[0]) if len(tasks) == 1 else {task: suite.instruction(task) for task in tasks}
     if len(tasks) > 1:
+        report["demos_per_task"] = demo_counts(cfg, tasks)
         report["per_task"] = {task: success_interval(successes[positions]) for task, positions in task_positions(eval_layouts).items()}
 
     def write(directory: Path) -> None:
@@ -195,6 +211,8 @@ def bc_cache_key(config: RunConfig) -> str:
         del relevant["policy"][name]
     for name in ("target_success_min", "target_success_max"):
         del relevant["pretrain"][name]
+    if not relevant["pretrain"]["task_demos"]:  # the same key as before the field existed: cached checkpoints stay valid
+        del relevant["pretrain"]["task_demos"]
     relevant["recipe_version"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -205,11 +223,29 @@ DEMO_LADDER_UP = (5, 7, 10, 15, 20, 30, 50)
 DEMO_LADDER_DOWN = (3, 2, 1)
 
 
+# A multi-task run's counts for each task, fewest first: every candidate retrains the one policy on all tasks, so
+# counts only rise, and the fewest that reaches the window leaves that task the most room for RL.
+TASK_DEMO_LADDER = tuple(sorted(DEMO_LADDER_DOWN + DEMO_LADDER_UP))
+
+
+def with_demo_counts(config: RunConfig, counts: dict[str, int]) -> RunConfig:
+    """config with every task's demonstration count resolved, in one form per set of counts (so one cache entry):
+    num_demos the fewest, task_demos the tasks that get more."""
+    fewest = min(counts.values())
+    task_demos = {task: count for task, count in counts.items() if count != fewest}
+    return dataclasses.replace(config, pretrain=dataclasses.replace(config.pretrain, num_demos=fewest, task_demos=task_demos))
+
+
+def describe_counts(cfg: PretrainConfig) -> str:
+    extra = ", ".join(f"{task} {count}" for task, count in cfg.task_demos.items())
+    return f"{cfg.num_demos} demos" + (f" ({extra})" if extra else "")
+
+
 def cached_bc_checkpoint(config: RunConfig) -> tuple[Path, dict]:
     """The cached checkpoint for this exact config (num_demos resolved), built on first use; with its report."""
     path = cache_dir("bc") / bc_cache_key(config)
     if not (path / REPORT_FILE).is_file():
-        print(f"[pretrain] {config.env.task}, {config.pretrain.num_demos} demos: building {path} (once; about a minute)", flush=True)
+        print(f"[pretrain] {config.env.task}, {describe_counts(config.pretrain)}: building {path} (once; about a minute)", flush=True)
         report = pretrain(config, path)
         print(f"[pretrain] done: held-out success {report['eval_success_rate']:.2f} in {report['seconds']['total']:.0f}s", flush=True)
     return path, json.loads((path / REPORT_FILE).read_text())
@@ -218,12 +254,22 @@ def cached_bc_checkpoint(config: RunConfig) -> tuple[Path, dict]:
 def ensure_bc_checkpoint(config: RunConfig) -> Path:
     """The BC checkpoint to fine-tune, created on first use (so the main job is one command).
 
-    With pretrain.num_demos null, demonstration counts are tried along the ladders until the held-out success is
-    inside [target_success_min, target_success_max]; a task that never lands there gets the closest candidate and
-    a warning that says so (its report records every count tried)."""
+    Every task that pretrain.num_demos null leaves without a count (pretrain.task_demos gives some) gets one chosen
+    from held-out success: search_demo_count for a single-task run, search_task_demos for a multi-task one."""
+    tasks = make_suite(config.env).tasks()
+    counts = demo_counts(config.pretrain, tasks)
+    searched = [task for task, count in counts.items() if count is None]
+    if not searched:
+        return cached_bc_checkpoint(with_demo_counts(config, counts))[0]
+    if len(tasks) == 1:
+        return search_demo_count(config)
+    return search_task_demos(config, counts, searched)
+
+
+def search_demo_count(config: RunConfig) -> Path:
+    """A single task's count: tried along the ladders until the held-out success is inside [target_success_min,
+    target_success_max]; a task that never lands there gets the closest candidate and a warning that says so."""
     cfg = config.pretrain
-    if cfg.num_demos is not None:
-        return cached_bc_checkpoint(config)[0]
     low, high = cfg.target_success_min, cfg.target_success_max
     tried: dict[int, tuple[Path, float]] = {}
     ladder = DEMO_LADDER_UP
@@ -248,8 +294,35 @@ def ensure_bc_checkpoint(config: RunConfig) -> Path:
     warnings.warn(
         f"{config.env.task}: no demonstration count puts BC held-out success inside [{low}, {high}] ({summary}); "
         f"using {count} demos ({rate:.2f}). Set pretrain.num_demos to choose one yourself.",
-        stacklevel=2,
+        stacklevel=3,
     )
+    return path
+
+
+def search_task_demos(config: RunConfig, counts: dict[str, int | None], searched: list[str]) -> Path:
+    """Each searched task's count, along TASK_DEMO_LADDER: one BC policy on all tasks per candidate, and every task
+    still below target_success_min gets its next count, until none is. A task that ends outside the window (above
+    it at one demonstration, below it at the most, or past it in one step) is named in a warning."""
+    cfg = config.pretrain
+    low, high = cfg.target_success_min, cfg.target_success_max
+    rung = dict.fromkeys(searched, 0)
+    while True:
+        counts |= {task: TASK_DEMO_LADDER[index] for task, index in rung.items()}
+        path, report = cached_bc_checkpoint(with_demo_counts(config, counts))
+        rates = {task: report["per_task"][task][0] for task in counts}
+        rising = [task for task in rung if rates[task] < low and rung[task] + 1 < len(TASK_DEMO_LADDER)]
+        if not rising:
+            break
+        for task in rising:
+            rung[task] += 1
+        rung = {task: rung[task] for task in rising}  # a task that reached the window keeps its count
+    chosen = ", ".join(f"{task} {counts[task]} ({rates[task]:.2f})" for task in searched)
+    print(f"[pretrain] {config.env.task}: demonstrations per task (held-out success): {chosen}", flush=True)
+    outside = [task for task in searched if not low <= rates[task] <= high]
+    if outside:
+        summary = ", ".join(f"{task} {rates[task]:.2f} at {counts[task]} demos" for task in outside)
+        warnings.warn(f"{config.env.task}: BC held-out success outside [{low}, {high}] for {summary}. Set pretrain.task_demos "
+                      "to choose their counts yourself.", stacklevel=3)  # fmt: skip
     return path
 
 

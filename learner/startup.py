@@ -21,7 +21,7 @@ from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
-from learner.pretrain import ensure_bc_checkpoint
+from learner.pretrain import check_task_demos, ensure_bc_checkpoint
 from learner.ray_runtime import (
     FIRST_ACTOR_BUNDLE,
     LEARNER_BUNDLE,
@@ -49,6 +49,7 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     suite.check(config.policy)
     check_lerobot_features(config.policy, suite)
     tasks = suite.tasks()
+    check_task_demos(config.pretrain, tasks)
     eval_layouts = suite.held_out(config.eval_episodes)
     if len(eval_layouts) < config.eval_episodes * len(tasks):
         raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only "

@@ -45,6 +45,8 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("learner.call_timeout_s=0", r"learner\.call_timeout_s must be > 0"),
         ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
         ("nonsense", r"must look like section\.field=value"),
+        ("pretrain.task_demos={reach-v3: 0}", r"pretrain\.task_demos\['reach-v3'\] must be in \[1, 50\]"),
+        ("pretrain.task_demos=[3]", r"pretrain\.task_demos must be a mapping"),
     ],
 )
 def test_bad_values_name_the_field(override: str, message: str) -> None:
@@ -125,7 +127,7 @@ def _changed(value, hint):
     if isinstance(value, list):
         return [*value, "extra" if value and isinstance(value[0], str) else 99]
     if isinstance(value, dict):
-        return {**value, "extra": 1.0}
+        return {**value, "extra": 1 if typing.get_args(hint)[1] is int else 1.0}
     return value + "_changed"
 
 

@@ -14,14 +14,14 @@ from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
 from common.metrics import eval_metrics, rollout_metrics
-from common.policy import FlowPolicy
+from common.policy import FlowPolicy, build_policy
 from common.rollout import env_tasks
 from common.suites import Layout, make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
 from learner.learner import Learner
 from learner.main import main
 from learner.monitoring import GaugeExporter
-from learner.pretrain import pretrain
+from learner.pretrain import demonstrations, pretrain
 from learner.startup import preflight
 from tests.conftest import tiny_config
 
@@ -87,11 +87,22 @@ def test_the_state_ends_in_the_tasks_one_hot_and_the_rest_is_the_tasks_own() -> 
 def test_bc_learns_every_task_and_reports_each(two_task_checkpoint) -> None:
     _, report = two_task_checkpoint
     assert report["demos"] == 2 * 2  # pretrain.num_demos of each task
+    assert report["demos_per_task"] == {"reach-v3": 2, "pick-place-v3": 2}
     assert set(report["per_task"]) == {"reach-v3", "pick-place-v3"} and report["eval_episodes"] == 2 * 4
     assert report["eval_layouts"] == "reach-v3,pick-place-v3 benchmark seeds [1, 6], first 4 of each of 2 tasks"
     for rate, low, high in report["per_task"].values():
         assert low <= rate <= high
     assert report["eval_success_rate"] == pytest.approx(np.mean([rate for rate, _, _ in report["per_task"].values()]))
+
+
+def test_task_demos_sets_a_tasks_demonstrations_and_a_task_outside_the_run_is_refused(tmp_path) -> None:
+    config = two_task_config(tmp_path, **{"pretrain.num_demos": 1, "pretrain.task_demos": "{pick-place-v3: 3}"})
+    _, chunks, episodes = demonstrations(config, make_suite(config.env), build_policy(config.policy), [])
+    assert [(e.layout.task, e.layout.index) for e in episodes] == [("reach-v3", 0)] + [("pick-place-v3", i) for i in range(3)]
+    assert len(chunks) == sum(len(e.actions) for e in episodes)
+    stranger = two_task_config(tmp_path, **{"pretrain.task_demos": "{push-v3: 2}"})
+    with pytest.raises(ConfigError, match=r"pretrain\.task_demos names \['push-v3'\], not among the run's tasks"):
+        preflight(stranger, address=None, resume=False)
 
 
 def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoint) -> None:

@@ -80,3 +80,37 @@ def test_demo_count_search_lands_in_the_window(tmp_path, monkeypatch, success_by
     assert chosen == tmp_path / f"bc{expected}"
     assert calls == tried
     assert any("no demonstration count" in str(w.message) for w in caught) == warns
+
+
+def test_a_multi_task_run_raises_each_tasks_count_from_the_fewest_until_it_reaches_the_window(tmp_path, monkeypatch) -> None:
+    import warnings as warnings_module
+
+    import learner.pretrain as pretrain_module
+
+    tasks = ["reach-v3", "push-v3", "pick-place-v3", "door-open-v3"]
+    success = {"reach-v3": {1: 0.1, 2: 0.15, 3: 0.3}, "push-v3": {1: 0.9}, "pick-place-v3": {}}  # pick-place: 0 at every count
+    resolved = []
+
+    def fake_cached(config):
+        resolved.append(config.pretrain)
+        counts = pretrain_module.demo_counts(config.pretrain, tasks)
+        per_task = {task: [success[task].get(count, 0.0) if task in success else 0.5, 0.0, 1.0] for task, count in counts.items()}
+        return tmp_path / f"bc{len(resolved)}", {"per_task": per_task}
+
+    monkeypatch.setattr(pretrain_module, "cached_bc_checkpoint", fake_cached)
+    sets = {"env.task": ",".join(tasks), "policy.obs_dim": 43, "pretrain.num_demos": "null", "pretrain.eval_episodes": 100,
+            "pretrain.task_demos": "{door-open-v3: 7}"}  # fmt: skip
+    config = tiny_config(tmp_path, **sets)
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        chosen = pretrain_module.ensure_bc_checkpoint(config)
+    assert [(cfg.num_demos, cfg.task_demos) for cfg in resolved[:3]] == [
+        (1, {"door-open-v3": 7}),
+        (1, {"reach-v3": 2, "pick-place-v3": 2, "door-open-v3": 7}),
+        (1, {"reach-v3": 3, "pick-place-v3": 3, "door-open-v3": 7}),
+    ]
+    # reach stops at 3 (inside), push stays at 1 (above at the fewest), pick-place climbs to the last count
+    assert resolved[-1].task_demos == {"reach-v3": 3, "pick-place-v3": 50, "door-open-v3": 7}
+    assert len(resolved) == len(pretrain_module.TASK_DEMO_LADDER) and chosen == tmp_path / f"bc{len(resolved)}"
+    (warning,) = [str(w.message) for w in caught if "outside" in str(w.message)]
+    assert warning.split(" for ", 1)[1].startswith("push-v3 0.90 at 1 demos, pick-place-v3 0.00 at 50 demos. Set")
