@@ -365,8 +365,8 @@ class PretrainConfig:
     # success lands in [target_success_min, target_success_max], leaving room for RL (learner.pretrain.DEMO_LADDER).
     num_demos: int | None = None
     # Demonstrations of named tasks, in place of num_demos for them (a multi-task run, e.g. {reach-v3: 3}). With
-    # num_demos null, a multi-task run chooses each task's count itself: the fewest that put that task's held-out
-    # success in the window (ensure_bc_checkpoint), whatever this holds.
+    # num_demos null, a multi-task run chooses the count of each task not named here: the fewest that put that
+    # task's held-out success in the window (learner.pretrain.search_task_demos).
     task_demos: dict[str, int] = field(default_factory=dict)
     target_success_min: float = 0.2
     target_success_max: float = 0.7
