@@ -152,7 +152,10 @@ class EnvConfig:
     task: str = "pick-place-v3"
     max_episode_steps: int = 200  # at most the suite's own limit (Metaworld: 500)
     stop_on_success: bool = True
-    reward: str = "success"  # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward
+    # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward; "shaped": success
+    # plus potential-based shaping from the suite's dense reward (common.vector_env), which pays progress toward success
+    # without changing which policy is best.
+    reward: str = "success"
     # Initial states ("layouts") are fixed by a seed and an index (Metaworld: its benchmark seed, 50 layouts per seed).
     # Keep the three sets disjoint: demonstrations, RL training and held-out evaluation.
     demo_benchmark_seed: int = 0
@@ -164,7 +167,7 @@ class EnvConfig:
     def validate(self, path: str = "env") -> None:
         require(isinstance(self.suite, str) and self.suite, f"{path}.suite must name a suite (common.suites), got {self.suite!r}")
         require_positive(self, path, "max_episode_steps")
-        require_choice(self, path, "reward", ("success", "dense"))
+        require_choice(self, path, "reward", ("success", "dense", "shaped"))
         require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
         for name in ("train_benchmark_seeds", "eval_benchmark_seeds"):
             seeds = getattr(self, name)

@@ -21,7 +21,7 @@ class ChunkStep:
 
     next_obs: Observation  # (N, ...) after the chunk; the final one if the episode ended (state, and frames with cameras).
     obs: Observation  # (N, ...) for the next chunk; the reset one if the episode ended.
-    reward: np.ndarray  # (N,) float32, sum_i gamma**i * r_i over the executed steps.
+    reward: np.ndarray  # (N,) float32, sum_i gamma**i * r_i over the executed steps (shaped with env.reward "shaped").
     discount: np.ndarray  # (N,) float32, gamma**steps: the factor for the value of next_obs.
     steps: np.ndarray  # (N,) int, env steps executed (< H when the episode ended mid-chunk).
     terminated: np.ndarray  # (N,) bool
@@ -46,25 +46,38 @@ class ChunkOutcome:
     truncated: bool
     success: bool
     nonfinite: bool = False  # the env returned NaN/Inf (observation or reward): the episode was ended there
+    potential: float | None = None  # env.reward "shaped": the potential the episode's next step starts from
 
 
-def execute_chunk(env: SuiteEnv, actions: np.ndarray, gamma: float) -> ChunkOutcome:
-    """Steps `env` through `actions` (H, A), stopping at the end of the episode; does not reset."""
+def execute_chunk(env: SuiteEnv, actions: np.ndarray, gamma: float, potential: float | None = None) -> ChunkOutcome:
+    """Steps `env` through `actions` (H, A), stopping at the end of the episode; does not reset.
+
+    An env that reports `info["shaping_potential"]` (env.reward "shaped") has its rewards shaped, r + gamma * phi' - phi
+    (potential-based shaping: every path's discounted sum of it is gamma**T * phi_T - phi_0, so it pays progress
+    toward success without changing which policy is best). The potential ends at 0 when the episode terminates, so
+    success is not paid twice, and carries over a truncation, whose value the critic bootstraps. `potential` is the
+    one left by the episode's previous chunk, None at its start: its first step then pays no shaping. Undiscounted
+    returns (reward_sum) stay the env's own."""
     if len(actions) == 0:
         raise ValueError("actions must hold at least one step")
     discounted_reward = reward_sum = 0.0
     success = terminated = truncated = False
     for i, action in enumerate(actions):
         obs, reward, terminated, truncated, info = env.step(action)
-        if not (np.isfinite(obs).all() and np.isfinite(reward)):  # a broken simulation: end the episode here
+        next_potential = info.get("shaping_potential")
+        if not (np.isfinite(obs).all() and np.isfinite(reward) and np.isfinite(next_potential or 0.0)):  # a broken simulation: end it here
             final_obs = np.where(np.isfinite(obs), obs, 0.0).astype(obs.dtype)  # finite; its decisions are dropped anyway
             return ChunkOutcome(final_obs, discounted_reward, reward_sum, i + 1, False, True, success, nonfinite=True)
-        discounted_reward += gamma**i * reward
         reward_sum += reward
+        if next_potential is not None:
+            start = gamma * next_potential if potential is None else potential
+            potential = 0.0 if terminated else next_potential
+            reward = reward + gamma * potential - start
+        discounted_reward += gamma**i * reward
         success |= info["success"]
         if terminated or truncated:
             break
-    return ChunkOutcome(obs, discounted_reward, reward_sum, i + 1, terminated, truncated, success)
+    return ChunkOutcome(obs, discounted_reward, reward_sum, i + 1, terminated, truncated, success, potential=potential)
 
 
 class ChunkedVectorEnv:
@@ -106,6 +119,7 @@ class ChunkedVectorEnv:
         self._episode_returns = np.zeros(self.num_envs)
         self._episode_lengths = np.zeros(self.num_envs, dtype=np.int64)
         self._episode_successes = np.zeros(self.num_envs, dtype=bool)
+        self._potentials: list[float | None] = [None] * self.num_envs  # where each episode's shaping stands (execute_chunk)
 
     def reset(self, seed: int) -> Observation:
         """Starts a fresh episode in every env; returns the N observations."""
@@ -113,6 +127,7 @@ class ChunkedVectorEnv:
         self._episode_returns[:] = 0.0
         self._episode_lengths[:] = 0
         self._episode_successes[:] = False
+        self._potentials = [None] * self.num_envs
         states = np.stack([self._reset_env(env) for env in self.envs])
         return Observation(states, self._frames())
 
@@ -124,7 +139,8 @@ class ChunkedVectorEnv:
         if actions.ndim != 3 or actions.shape[1] == 0 or (actions.shape[0], actions.shape[2]) != expected:
             raise ValueError(f"actions must have shape (N={expected[0]}, H>=1, A={expected[1]}), got {actions.shape}")
 
-        outcomes = [execute_chunk(env, env_actions, self._gamma) for env, env_actions in zip(self.envs, actions, strict=True)]
+        outcomes = [execute_chunk(env, env_actions, self._gamma, potential)
+                    for env, env_actions, potential in zip(self.envs, actions, self._potentials, strict=True)]  # fmt: skip
         next_obs = Observation(np.stack([outcome.final_obs for outcome in outcomes]), self._frames())  # before any reset
         obs = Observation(**{name: array.copy() for name, array in next_obs.present().items()})
         episode_returns: list[float] = []
@@ -135,6 +151,7 @@ class ChunkedVectorEnv:
             self._episode_returns[i] += outcome.reward_sum
             self._episode_lengths[i] += outcome.steps
             self._episode_successes[i] |= outcome.success
+            self._potentials[i] = outcome.potential
             if outcome.terminated or outcome.truncated:
                 if not outcome.nonfinite:
                     episode_returns.append(float(self._episode_returns[i]))
@@ -142,6 +159,7 @@ class ChunkedVectorEnv:
                     episode_lengths.append(int(self._episode_lengths[i]))
                     episode_tasks.append(self.envs[i].task)
                 self._episode_returns[i], self._episode_lengths[i], self._episode_successes[i] = 0.0, 0, False
+                self._potentials[i] = None
                 obs.state[i] = self._reset_env(self.envs[i])
                 if obs.images is not None:
                     obs.images[i] = self.envs[i].render_cameras()

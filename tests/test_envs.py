@@ -272,6 +272,70 @@ def test_chunk_terminates_on_success_mid_chunk():
     np.testing.assert_array_equal(result.obs.state[0], demo.observations[0])
 
 
+def _shaped_chunks(task: str, layout: Layout, actions: np.ndarray, horizon: int, gamma: float, max_steps: int):
+    """The chunks ChunkedVectorEnv returns for `actions` (one episode) under env.reward "shaped", and the same
+    episode's per-step success rewards, dense rewards and success flags from plain dense and success envs."""
+    vec = ChunkedVectorEnv([MetaworldTaskEnv(task, max_episode_steps=max_steps, reward="shaped")], [layout], gamma)
+    vec.reset(seed=0)
+    chunks = []
+    while not (chunks and (chunks[-1].terminated[0] or chunks[-1].truncated[0])):
+        start = sum(int(chunk.steps[0]) for chunk in chunks)
+        chunks.append(vec.step_chunk(actions[None, start : start + horizon]))
+    dense = MetaworldTaskEnv(task, max_episode_steps=max_steps, reward="dense")
+    _, dense_rewards = _replay(dense, layout, actions[: sum(int(chunk.steps[0]) for chunk in chunks)])
+    _, success_rewards = _replay(MetaworldTaskEnv(task, max_episode_steps=max_steps), layout, actions[: len(dense_rewards)])
+    return vec, chunks, np.array(success_rewards), np.array(dense_rewards) / 10.0
+
+
+def _per_step_shaping(success_rewards, potentials, terminated: bool, gamma: float) -> np.ndarray:
+    """r_t + gamma * phi_(t+1) - phi_t, step by step: the first step pays no shaping, the potential after a
+    terminating step is 0."""
+    after = potentials.copy()
+    if terminated:
+        after[-1] = 0.0
+    before = np.concatenate([[gamma * potentials[0]], after[:-1]])
+    return success_rewards + gamma * after - before
+
+
+@pytest.mark.parametrize("ending", ["success", "time limit"])
+def test_shaped_rewards_are_success_plus_potential_differences(ending):
+    """env.reward "shaped": each chunk's reward is the discounted sum of the per-step shaped rewards, computed here from a
+    dense env's rewards; over the episode they telescope to the success rewards plus gamma**T * phi_T - gamma * phi_1
+    (phi_T = 0 when it terminates on success), and the episode's reported return stays the success one."""
+    task, gamma, horizon = "reach-v3", 0.97, 7
+    layout = Layout(task, 2, 5)
+    if ending == "success":
+        actions = np.array(collect_demonstrations(SUITE, task, [layout], action_noise=0.0, seed=0)[0].actions)
+        max_steps = 200
+    else:
+        actions = np.random.default_rng(1).uniform(-1, 1, (23, 4)).astype(np.float32)
+        max_steps = 23
+    vec, chunks, success_rewards, potentials = _shaped_chunks(task, layout, actions, horizon, gamma, max_steps)
+    terminated = bool(chunks[-1].terminated[0])
+    assert terminated == (ending == "success") and len(chunks) > 2 and len(success_rewards) % horizon
+    assert potentials.std() > 0.01  # the dense reward moves along the episode, so the shaping is not trivial
+
+    shaped = _per_step_shaping(success_rewards, potentials, terminated, gamma)
+    start = 0
+    for chunk in chunks:
+        steps = int(chunk.steps[0])
+        expected = sum(gamma**i * r for i, r in enumerate(shaped[start : start + steps]))
+        np.testing.assert_allclose(chunk.reward[0], expected, rtol=1e-5, atol=1e-6)
+        start += steps
+    discounts = np.cumprod([1.0] + [float(chunk.discount[0]) for chunk in chunks[:-1]])
+    total = sum(factor * float(chunk.reward[0]) for factor, chunk in zip(discounts, chunks))
+    steps = len(success_rewards)
+    last_potential = 0.0 if terminated else potentials[-1]
+    telescoped = sum(gamma**t * r for t, r in enumerate(success_rewards)) + gamma**steps * last_potential - gamma * potentials[0]
+    np.testing.assert_allclose(total, telescoped, rtol=1e-5, atol=1e-5)
+    assert chunks[-1].episode_returns == [float(success_rewards.sum())] == [1.0 if terminated else 0.0]
+
+    # The next episode starts afresh: its first step pays no shaping from the last one's potential.
+    assert vec._potentials == [None]
+    again = vec.step_chunk(np.zeros((1, 1, 4), np.float32))
+    assert again.reward[0] == 0.0 and vec._potentials[0] is not None
+
+
 def test_layout_draws_are_reproducible():
     pool = layouts(DEFAULT_TASK, [0])
 

@@ -57,7 +57,9 @@ class SuiteEnv(gymnasium.Env):
     - `reset(options={"layout": layout})` starts the episode `layout` names (without the option: the current layout)
       and returns the float32 state vector (observation_space.shape) and an info dict;
     - `step(action)` takes an action in [-1, 1]^A (action_space) and returns gymnasium's five values, with
-      `info["success"]` a bool; "success" rewards pay 1.0 on the step where success first holds;
+      `info["success"]` a bool; "success" rewards pay 1.0 on the step where success first holds; with env.reward
+      "shaped" the reward is the same and `info["shaping_potential"]` is the state's dense reward over the suite's
+      `dense_reward_scale`, in [0, 1], which the chunked stepping turns into shaping (common.vector_env);
     - `render_cameras()` renders the cameras the env was built with, on demand: (C, H, W, 3) uint8, right way up;
     - an env built with `film` keeps that camera's view after every step of the current episode in `frames`.
     """
@@ -103,7 +105,7 @@ class SuiteEnv(gymnasium.Env):
 
     def _episode_rules(self, success: bool, env_reward: float, env_ended: bool = False, env_cut: bool = False) -> tuple[float, bool, bool]:
         """One more step of the episode, that reported `success`: its (reward, terminated, truncated). "success" rewards
-        pay 1.0 on the step where success first holds, "dense" ones are the env's own; the episode ends on success
+        ("shaped" ones too) pay 1.0 on the step where success first holds, "dense" ones are the env's own; the episode ends on success
         with env.stop_on_success, when the env itself ends (env_ended) or cuts it (env_cut), and after
         env.max_episode_steps steps."""
         self._episode_steps += 1
@@ -192,6 +194,9 @@ class Suite(ABC):
     name: str  # its key in the registry
     layouts_per_seed: int  # initial states per seed
     film_camera: str  # the camera held-out episodes are filmed from (learner.replay, eval videos)
+    # The most a step's dense reward pays, when the suite knows it: env.reward "shaped" uses the dense reward over it
+    # as the potential and is refused for a suite without one.
+    dense_reward_scale: float | None = None
 
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
@@ -293,6 +298,9 @@ class Suite(ABC):
             state_dim = self.state_dim()
         except ValueError as exc:
             raise ConfigError(f"env.task: {exc}") from None
+        if self.config.reward == "shaped" and self.dense_reward_scale is None:
+            raise ConfigError(f"env.reward 'shaped' needs a suite whose dense reward has a known scale; {self.name} has none: "
+                              "use 'success' or 'dense'")  # fmt: skip
         for task in tasks:
             limit = self.episode_limit(task)
             if self.config.max_episode_steps > limit:

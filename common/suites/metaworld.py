@@ -121,7 +121,8 @@ TASKS: dict[str, TaskSpec] = {
 # Metaworld's own multi-task benchmarks, by their names in env.task.
 TASK_SETS = {"MT10": tuple(metaworld.env_dict.MT10_V3), "MT50": tuple(metaworld.env_dict.MT50_V3)}
 
-REWARD_MODES = ("success", "dense")
+REWARD_MODES = ("success", "dense", "shaped")
+DENSE_REWARD_SCALE = 10.0  # every v3 task pays at most 10 per step (at success)
 
 
 def _task_spec(task: str) -> TaskSpec:
@@ -378,7 +379,8 @@ class MetaworldTaskEnv(SuiteEnv):
     rendered after every step). `cameras` are rendered only on demand, by `render_cameras()`: a policy
     acting once per action chunk needs one frame per decision, not one per step.
     Rewards: "success" pays 1.0 on the step where success first becomes true (0 otherwise);
-    "dense" is Metaworld's shaped reward (0..10). Call `close()` to free the render context.
+    "dense" is Metaworld's shaped reward (0..10); "shaped" pays as "success" does and reports that reward over 10 as
+    info["shaping_potential"]. Call `close()` to free the render context.
     """
 
     metadata = {"render_modes": []}
@@ -466,7 +468,10 @@ class MetaworldTaskEnv(SuiteEnv):
         state, dense_reward, _, _, mw_info = self._env.step(action)
         success = bool(mw_info["success"])
         reward, terminated, truncated = self._episode_rules(success, dense_reward)
-        return self._observation(state), reward, terminated, truncated, {**mw_info, "success": success}
+        info = {**mw_info, "success": success}
+        if self._reward_mode == "shaped":
+            info["shaping_potential"] = float(dense_reward) / DENSE_REWARD_SCALE
+        return self._observation(state), reward, terminated, truncated, info
 
     def _reset_simulation(self) -> np.ndarray:
         """Metaworld's own reset (SawyerXYZEnv.reset) less its first reset_model(), for tasks whose TaskSpec says that
@@ -549,6 +554,7 @@ class MetaworldSuite(Suite):
     task_sets = TASK_SETS
     state_size, action_size, camera_names = METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM, METAWORLD_CAMERAS
     film_camera = "corner4"  # the view that keeps gripper, object and goal large and in frame
+    dense_reward_scale = DENSE_REWARD_SCALE
 
     def instruction(self, task: str) -> str:
         return _task_spec(task).instruction
