@@ -53,8 +53,8 @@ def execute_chunk(env: SuiteEnv, actions: np.ndarray, gamma: float, potential: f
     """Steps `env` through `actions` (H, A), stopping at the end of the episode; does not reset.
 
     An env that reports `info["shaping_potential"]` (env.reward "shaped") has its rewards shaped, r + gamma * phi' - phi
-    (potential-based shaping: every path's discounted sum of it is gamma**T * phi_T - phi_0, so it pays progress
-    toward success without changing which policy is best). The potential ends at 0 when the episode terminates, so
+    (potential-based shaping: an episode's discounted sum of it is gamma**T * phi_T less the start's potential, so it
+    pays progress toward success without changing which policy is best). The potential ends at 0 when the episode terminates, so
     success is not paid twice, and carries over a truncation, whose value the critic bootstraps. `potential` is the
     one left by the episode's previous chunk, None at its start: its first step then pays no shaping. Undiscounted
     returns (reward_sum) stay the env's own."""

@@ -273,8 +273,8 @@ def test_chunk_terminates_on_success_mid_chunk():
 
 
 def _shaped_chunks(task: str, layout: Layout, actions: np.ndarray, horizon: int, gamma: float, max_steps: int):
-    """The chunks ChunkedVectorEnv returns for `actions` (one episode) under env.reward "shaped", and the same
-    episode's per-step success rewards, dense rewards and success flags from plain dense and success envs."""
+    """The vector env and the chunks it returns for `actions` (one episode) under env.reward "shaped", with the same
+    episode's per-step success rewards and potentials (dense reward / 10), replayed on plain success and dense envs."""
     vec = ChunkedVectorEnv([MetaworldTaskEnv(task, max_episode_steps=max_steps, reward="shaped")], [layout], gamma)
     vec.reset(seed=0)
     chunks = []
@@ -282,7 +282,7 @@ def _shaped_chunks(task: str, layout: Layout, actions: np.ndarray, horizon: int,
         start = sum(int(chunk.steps[0]) for chunk in chunks)
         chunks.append(vec.step_chunk(actions[None, start : start + horizon]))
     dense = MetaworldTaskEnv(task, max_episode_steps=max_steps, reward="dense")
-    _, dense_rewards = _replay(dense, layout, actions[: sum(int(chunk.steps[0]) for chunk in chunks)])
+    _, dense_rewards = _replay(dense, layout, actions[: start + int(chunks[-1].steps[0])])
     _, success_rewards = _replay(MetaworldTaskEnv(task, max_episode_steps=max_steps), layout, actions[: len(dense_rewards)])
     return vec, chunks, np.array(success_rewards), np.array(dense_rewards) / 10.0
 
