@@ -13,6 +13,7 @@ uninterrupted run exactly.
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ import torch
 from common.config import RunConfig
 from common.decision_graph import DecisionGraph
 from common.policy import FlowPolicy
-from common.recording import VIDEO_SIZE, EpisodeRecording, record_layouts
+from common.recording import VIDEO_SIZE, EpisodeRecording, filmed_slots, record_layouts
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_tasks, evaluate_layouts, make_envs, task_positions
 from common.suites import ImageConfig, Layout, make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
@@ -34,6 +35,15 @@ from common.vector_env import ChunkedVectorEnv
 def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
     """A 63-bit seed that differs for every (run seed, iteration, actor)."""
     return int(np.random.SeedSequence([seed, iteration, actor_index]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def close_and_free(envs: list | dict) -> None:
+    """Close the envs in `envs` (a list, or a dict of them), empty it and free them now. A Metaworld env sits in
+    reference cycles (the methods patched onto it hold it), which only a full collection frees: without one, every set
+    of envs an actor drops stays in its memory until Python happens to run a collection."""
+    while envs:  # popped one by one, so that no name holds the last one during the collection
+        (envs.popitem()[1] if isinstance(envs, dict) else envs.pop()).close()
+    gc.collect()
 
 
 class RolloutActor:
@@ -77,16 +87,24 @@ class RolloutActor:
             self.vec_env = GroupVectorEnv(envs, train_layouts, config.algorithm.gamma, config.algorithm.group_size)
         else:
             self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.algorithm.gamma)
-        self._eval_envs: dict[str, list] = {}
+        self._eval_envs: tuple[str, list] | None = None  # (task, its envs): the last task evaluated
 
     def eval_envs(self, task: str) -> list:
         """actors.envs_per_actor envs of `task` for held-out episodes: the rollout envs when they all have that task
-        (a single-task run), else envs of its own, built at the first evaluation of the task."""
+        (a single-task run), else envs of its own. Only the last task's are kept: an actor of a many-task run would
+        otherwise hold envs_per_actor envs of every task (gigabytes for MT10), and building a task's envs again at
+        its next evaluation costs far less than its episodes."""
         if all(env.task == task for env in self.vec_env.envs):
             return self.vec_env.envs
-        if task not in self._eval_envs:
-            self._eval_envs[task] = make_envs(self.suite, [task] * self.config.actors.envs_per_actor, self.cameras)
-        return self._eval_envs[task]
+        if self._eval_envs is None or self._eval_envs[0] != task:
+            self._close_eval_envs()
+            self._eval_envs = (task, make_envs(self.suite, [task] * self.config.actors.envs_per_actor, self.cameras))
+        return self._eval_envs[1]
+
+    def _close_eval_envs(self) -> None:
+        if self._eval_envs is not None:
+            close_and_free(self._eval_envs[1])
+            self._eval_envs = None
 
     def load_weights(self, weights: WeightsPayload | None) -> None:
         """Load the call's weight version unless it is the one held. Not only newer ones: a learner restarted from a
@@ -158,21 +176,19 @@ class RolloutActor:
                 if not chosen:
                     continue
                 envs = self.eval_envs(task)
-                filmed = [self.suite.make_env(task, self.cameras, eval_layouts[share[0]], film) for _ in envs]
+                # Only the slots that run a chosen episode film: a render context each, of envs_per_actor slots.
+                filmed = {k: self.suite.make_env(task, self.cameras, eval_layouts[share[0]], film) for k in filmed_slots(len(envs), chosen)}
                 try:
                     taken = record_layouts(self.policy, envs, filmed, [eval_layouts[i] for i in share], chosen)
                 finally:
-                    for env in filmed:
-                        env.close()
+                    close_and_free(filmed)
                 recordings |= {share[k]: recording for k, recording in zip(chosen, taken, strict=True)}
         return [recordings[position] for position in sorted(recordings)]
 
     def close(self) -> None:
         """Free the envs' simulations and render contexts (a process that hosts the actor and goes on)."""
         self.vec_env.close()
-        for envs in self._eval_envs.values():
-            for env in envs:
-                env.close()
+        self._close_eval_envs()
 
     def pid(self) -> int:
         return os.getpid()

@@ -10,7 +10,7 @@ writes it. Ray-free: rollout actors, learner.replay and tests use it alike.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,19 +59,26 @@ class EpisodeRecording:
                                      for t in range(1, len(self.frames) + 1)])  # fmt: skip
 
 
-def record_layouts(policy: FlowPolicy, envs: list[SuiteEnv], filmed: list[SuiteEnv], layouts: Sequence[Layout],
+def filmed_slots(size: int, positions: Sequence[int]) -> list[int]:
+    """The env slots (position % size) that the `positions` of an evaluation in groups of `size` envs run in:
+    record_layouts needs a filmed env for each of these, and for no other."""
+    return sorted({position % size for position in positions})
+
+
+def record_layouts(policy: FlowPolicy, envs: list[SuiteEnv], filmed: Mapping[int, SuiteEnv], layouts: Sequence[Layout],
                    positions: Sequence[int] | None = None) -> list[EpisodeRecording]:  # fmt: skip
     """The episodes at `positions` (default: all) of `evaluate_layouts(policy, envs, layouts)`, filmed, in position order.
 
     evaluate_layouts runs layouts in groups of len(envs); each group holding a filmed position runs again whole,
     with filmed[k] in place of envs[k] for its filmed positions, so every outcome is the one that evaluation gives.
-    `filmed` needs len(envs) envs with the cameras of `envs`."""
+    `filmed` maps each of filmed_slots(len(envs), positions) to an env with the cameras of `envs`."""
     size = len(envs)
     wanted = sorted(set(range(len(layouts)) if positions is None else positions))
     if wanted and not 0 <= wanted[0] <= wanted[-1] < len(layouts):
         raise ValueError(f"positions must be in [0, {len(layouts)}), got {wanted}")
-    if len(filmed) < size:
-        raise ValueError(f"{len(filmed)} filmed env(s) for groups of {size}: pass one per env")
+    missing = [k for k in filmed_slots(size, wanted) if k not in filmed]
+    if missing:
+        raise ValueError(f"no filmed env for slot(s) {missing} of groups of {size}: pass one for each filmed slot")
     recordings = []
     for start in sorted({position - position % size for position in wanted}):
         group = list(layouts[start : start + size])

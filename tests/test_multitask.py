@@ -4,20 +4,21 @@ task's one-hot, BC learns every task, and evaluation, metrics and gauges speak p
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
-from actors.rollout_actor import RolloutActor
+from actors.rollout_actor import RolloutActor, close_and_free
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
 from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.rollout import env_tasks
 from common.suites import Layout, make_suite
-from common.suites.metaworld import TASK_SETS, TASKS
+from common.suites.metaworld import TASK_SETS, TASKS, MetaworldTaskEnv
 from learner.learner import Learner
 from learner.main import main
 from learner.monitoring import GaugeExporter
@@ -105,6 +106,17 @@ def test_task_demos_sets_a_tasks_demonstrations_and_a_task_outside_the_run_is_re
         preflight(stranger, address=None, resume=False)
 
 
+def test_envs_an_actor_drops_are_freed_at_once() -> None:
+    # An actor of a many-task run builds and drops each task's evaluation envs in turn; envs left to Python's
+    # occasional cycle collection would pile up (gigabytes over MT10's ten tasks).
+    envs = [MetaworldTaskEnv("push-v3") for _ in range(2)]
+    envs[0].reset()
+    envs[0].step(np.zeros(4, dtype=np.float32))
+    refs = [weakref.ref(env._env) for env in envs]  # Metaworld's env, which sits in the cycles
+    close_and_free(envs)
+    assert envs == [] and [ref() for ref in refs] == [None, None]
+
+
 def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoint) -> None:
     checkpoint, _ = two_task_checkpoint
     config = two_task_config(tmp_path, **{"env.max_episode_steps": 16})  # every env ends episodes within the 32-step rollout
@@ -126,10 +138,12 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
 
     held_out = make_suite(config.env).held_out(3)
     version, successes = actor.evaluate(None, held_out)
-    assert len(successes) == 6 and sorted(actor._eval_envs) == ["pick-place-v3", "reach-v3"]
+    assert len(successes) == 6 and actor._eval_envs[0] == "pick-place-v3"  # only the last task's envs are kept
     positions = [i for i, layout in enumerate(held_out) if layout.task == "reach-v3"]
-    again = actor.evaluate(None, [held_out[i] for i in positions])[1]
-    np.testing.assert_array_equal(again, successes[positions])
+    rebuilt = actor.evaluate(None, [held_out[i] for i in positions])[1]
+    reused = actor.evaluate(None, [held_out[i] for i in positions])[1]
+    np.testing.assert_array_equal(rebuilt, successes[positions])
+    np.testing.assert_array_equal(reused, successes[positions])
     metrics = eval_metrics(successes, held_out)
     assert metrics["eval/task/reach-v3/episodes"] == 3 and metrics["eval/task/pick-place-v3/episodes"] == 3
     assert metrics["eval/success_rate"] == pytest.approx(np.mean(successes))

@@ -18,7 +18,7 @@ import yaml
 from actors.rollout_actor import RolloutActor
 from common.config import EnvConfig
 from common.policy import FlowPolicy
-from common.recording import EpisodeRecording, record_layouts, recording_calls, save_evaluation_videos, select_episodes
+from common.recording import EpisodeRecording, filmed_slots, record_layouts, recording_calls, save_evaluation_videos, select_episodes
 from common.rollout import evaluate_layouts
 from common.suites.metaworld import FilmedTaskEnv, ImageConfig, Layout, MetaworldSuite, MetaworldTaskEnv
 from common.video import caption, side_by_side, write_mp4
@@ -122,25 +122,29 @@ def test_filmed_episodes_are_the_evaluated_ones_step_for_step(tmp_path, bc_check
     successes = evaluate_layouts(policy, plain, held_out)
     traces = {layout: trace for e in plain for layout, trace in e.traces.items()}
 
-    def filmed():
-        return [TracedFilmedEnv(env, env.task, [], ImageConfig(40, 40, "corner4"), held_out[0]) for _ in range(2)]
+    def filmed(slots):
+        return {k: TracedFilmedEnv(env, env.task, [], ImageConfig(40, 40, "corner4"), held_out[0]) for k in slots}
 
-    films = filmed()
+    films = filmed([0, 1])
     recordings = record_layouts(policy, plain, films, held_out)
     assert [r.layout for r in recordings] == held_out
     assert [r.success for r in recordings] == list(successes)
-    filmed_traces = {layout: trace for e in films for layout, trace in e.traces.items()}
+    filmed_traces = {layout: trace for e in films.values() for layout, trace in e.traces.items()}
     for recording in recordings:
         expected = np.stack(traces[recording.layout])
         np.testing.assert_array_equal(np.stack(filmed_traces[recording.layout]), expected)  # every state, bit for bit
         assert recording.steps == len(expected) - 1 and recording.frames.shape == (recording.steps, 40, 40, 3)
         assert recording.frames.dtype == np.uint8 and recording.frames.std() > 0
     # One position of a group is filmed in its evaluated batch: the same episode, the same frames.
-    more = filmed()
+    # Position 3 runs in slot 1 of its group of two: a filmed env for that slot alone films it, none for another.
+    assert filmed_slots(2, [3]) == [1]
+    with pytest.raises(ValueError, match=r"no filmed env for slot\(s\) \[1\]"):
+        record_layouts(policy, plain, filmed([0]), held_out, positions=[3])
+    more = filmed([1])
     again = record_layouts(policy, plain, more, held_out, positions=[3])
     assert len(again) == 1 and again[0].layout == held_out[3] and again[0].steps == recordings[3].steps
     np.testing.assert_array_equal(again[0].frames, recordings[3].frames)
-    for e in plain + films + more:
+    for e in plain + list(films.values()) + list(more.values()):
         e.close()
 
 
