@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from bench import broadcast, env_step, libero_step, overhead, recompute, rllib_ppo, smolvla_gpu, startup, throughput
+from bench import broadcast, env_step, libero_step, overhead, policy_load, recompute, rllib_ppo, smolvla_gpu, startup, throughput
 from bench.report import ProcessTreeCPU, flatten
 from common.config import RunConfig
 
@@ -262,3 +262,13 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     assert not [name for name in latency if name.startswith("graph_")]
     assert_positive(latency["eager_batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
+
+
+def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
+    """The tiny SmolVLA's checkpoint loaded twice by each path (built with its initialisation, and without): the same
+    tensors, the buffers no file holds included, and the speed-up is the quotient of the two times."""
+    assert policy_load.main(["--size", "tiny", "--repeats", "2"]) == 0
+    results = printed(capsys)
+    assert results["same_tensors"] is True and results["policy_type"] == "smolvla"
+    assert_positive(results["load_initialised_init_seconds"], results["load_skipped_init_seconds"], results["parameters"])
+    assert results["speedup"] == results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]

@@ -11,6 +11,7 @@ from common.config import PolicyConfig
 from common.diagnostics import RandomInitError
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, MLPFlowPolicy
+from common.policy.base import initialisation_skipped
 from learner.learner import require_pretrained
 
 
@@ -30,6 +31,23 @@ def test_round_trip_is_bit_exact(tmp_path) -> None:
         assert torch.equal(a, b), name
 
 
+def test_a_model_built_for_loading_draws_no_random_weights() -> None:
+    """initialisation_skipped leaves the weights unfilled (no random numbers drawn) and restores torch.nn.init on exit:
+    the next model built draws the weights it always drew."""
+    config = PolicyConfig(hidden_dim=32, num_layers=2)
+    rng = torch.get_rng_state()
+    with initialisation_skipped():
+        MLPFlowPolicy(config)
+        linear = torch.nn.Linear(3, 2)
+        assert torch.nn.init.normal_(linear.weight) is linear.weight
+    assert torch.equal(torch.get_rng_state(), rng)
+    torch.manual_seed(0)
+    reference = MLPFlowPolicy(config)
+    assert reference.state_dict()["velocity_net.0.weight"].abs().min() > 0
+    for (name, a), (_, b) in zip(small_policy().state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_missing_and_mismatched_checkpoints_are_named(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="config.json is missing"):
         FlowPolicy.from_pretrained(tmp_path)
@@ -39,7 +57,11 @@ def test_missing_and_mismatched_checkpoints_are_named(tmp_path) -> None:
     (tmp_path / "a" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="wrong_shape"):
         FlowPolicy.from_pretrained(tmp_path / "a")
-    (tmp_path / "a" / "model.safetensors").write_bytes(b"not a safetensors file")
+    weights = tmp_path / "a" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # its data cut short
+    with pytest.raises(CheckpointError, match="could not be read as safetensors"):
+        FlowPolicy.from_pretrained(tmp_path / "a")
+    weights.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="could not be read as safetensors"):
         FlowPolicy.from_pretrained(tmp_path / "a")
     config["type"] = "smolvla_typo"

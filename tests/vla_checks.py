@@ -185,13 +185,22 @@ def ppo_step_changes(policy: FlowPolicy, obs: Observation) -> tuple[set[str], se
 
 
 def check_round_trip_and_strict_refusal(policy: FlowPolicy, directory: Path, dropped: str, **load: str) -> None:
-    """save_pretrained then from_pretrained (with `load`'s keyword arguments) gives every tensor back; the same
-    directory without the tensor `dropped` is refused with its name."""
+    """save_pretrained then from_pretrained (with `load`'s keyword arguments) gives every tensor back, the buffers
+    the file does not hold and the weights transformers ties included (the model is built without initialising its
+    weights, and that draws no random numbers); the same directory without the tensor `dropped` is refused with its
+    name."""
     policy.save_pretrained(directory)
+    rng = torch.get_rng_state()
     loaded = type(policy).from_pretrained(directory, **load)
+    assert torch.equal(torch.get_rng_state(), rng)  # lerobot's and transformers' initialisation skipped
     assert loaded.loaded_from and not loaded.training
     for name, tensor in policy.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
+    buffers = dict(loaded.named_buffers())
+    assert buffers.keys() == dict(policy.named_buffers()).keys()
+    for name, buffer in policy.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    assert len(list(loaded.parameters())) == len(list(policy.parameters()))  # shared parameters stay shared
 
     weights = load_file(str(directory / "model.safetensors"))
     del weights[dropped]

@@ -28,8 +28,9 @@ import importlib
 import json
 import os
 import shutil
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -218,11 +219,13 @@ class FlowPolicy(nn.Module, ABC):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **overrides: Any) -> FlowPolicy:
-        """Load a policy saved by save_pretrained from a local directory (never from a hub)."""
+        """Load a policy saved by save_pretrained from a local directory (never from a hub). The model is built
+        without initialising its weights (initialisation_skipped): the file holds every tensor."""
         directory = Path(directory)
         config = read_policy_config(directory, **overrides)
         policy_cls = policy_class(config.type) if cls is FlowPolicy else cls
-        policy = policy_cls(config)
+        with initialisation_skipped():
+            policy = policy_cls(config)
         weights_path = directory / WEIGHTS_FILE
         if not weights_path.is_file():
             raise CheckpointError(f"{weights_path} is missing: not a policy checkpoint directory")
@@ -351,6 +354,42 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
         return load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"{path} could not be read as safetensors: {exc}") from exc
+
+
+# torch.nn.init's fills, which module constructors call (nn.Linear's kaiming_uniform_, nn.Embedding's normal_, ...).
+TORCH_INIT_FILLS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def initialisation_skipped() -> Iterator[None]:
+    """While open, modules are built with their weights as allocated, not filled: torch.nn.init's fills (wherever a
+    torch module imported them) and transformers' initialize_weights (when transformers is loaded) do nothing.
+    Buffers their constructors compute (rotary frequencies, position ids) are computed as ever, and transformers
+    still ties weights. For a model whose every tensor is then read from a file: a full-size pi0 spends most of its
+    construction on the CPU drawing random weights that the file replaces."""
+    import torch.nn.init as init
+
+    def unfilled(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return tensor
+
+    originals = {name: getattr(init, name) for name in TORCH_INIT_FILLS}
+    swapped: list[tuple[Any, str, Any]] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and (module_name == "torch.nn.init" or module_name.startswith("torch.nn.modules.")):
+            swapped += [(module, name, fill) for name, fill in originals.items() if getattr(module, name, None) is fill]
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is not None:
+        swapped.append((modeling_utils.PreTrainedModel, "initialize_weights", modeling_utils.PreTrainedModel.initialize_weights))
+    for owner, name, _ in swapped:
+        setattr(owner, name, unfilled)
+    try:
+        yield
+    finally:
+        for owner, name, original in swapped:
+            setattr(owner, name, original)
 
 
 def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:
