@@ -1,7 +1,8 @@
 """Loading a policy from its checkpoint, as every rollout actor and the learner do at start: built without
 initialising its weights (FlowPolicy.from_pretrained) against built with them and then overwritten (how a checkpoint
 was loaded before), side by side in one process, at a recipe's size with random weights. Both must give the same
-tensors, the buffers no file holds included.
+tensors, the buffers no file holds included. Then the time to read the stand-in as the recipe's lerobot checkpoint
+(policy.<section>.lerobot_checkpoint, as a run starting from one does), built the same way.
 
     python bench/policy_load.py --recipe configs/pi0_pick.yaml      # full-size pi0: 4B parameters, 16 GB in float32
     python bench/policy_load.py --recipe configs/smolvla_pick.yaml  # smolvla_base's shapes
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
 from bench.smolvla_gpu import RECIPE, write_inputs  # noqa: E402
-from common.policy import FlowPolicy  # noqa: E402
+from common.policy import FlowPolicy, build_policy  # noqa: E402
 from common.policy.base import WEIGHTS_FILE, policy_class, read_policy_config, read_safetensors  # noqa: E402
 
 
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                 took, digest = timed(load, checkpoint)
                 seconds[path].append(took)
                 digests.add(digest)
+        print("[policy_load] the stand-in as a lerobot checkpoint ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        build_policy(config.policy)  # reads policy.<section>.lerobot_checkpoint strictly
+        results["lerobot_checkpoint_load_seconds"] = time.perf_counter() - start
     results.update({f"load_{path}_init_seconds": min(times) for path, times in seconds.items()})
     results["speedup"] = results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]
     results["same_tensors"] = len(digests) == 1

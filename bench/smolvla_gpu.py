@@ -105,20 +105,13 @@ def write_inputs(work: Path, size: str, sets: list[str], recipe: Path) -> tuple[
         config = write_smolvla_stand_in(work, size, sets, recipe)
     else:
         config = write_pi_stand_in(work, size, sets, recipe)
-    # The strict load of the stand-in; pi0's is built on the GPU when there is one, as its stand-in is: the weights it
-    # draws before the file replaces them (the fresh state projection and heads keep theirs) take minutes on a CPU.
-    on_gpu = config.policy.type != "smolvla" and torch.cuda.is_available()
-    with torch.device("cuda") if on_gpu else contextlib.nullcontext():
-        policy = build_policy(config.policy)
+    policy = build_policy(config.policy)  # the strict load of the stand-in
     checkpoint = policy.save_pretrained(work / "checkpoint")
     counts = {
         "parameters": sum(p.numel() for p in policy.parameters()),
         "trainable_parameters": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "broadcast_mib": policy.broadcast_bytes() / 2.0**20,
     }
-    del policy
-    if on_gpu:
-        torch.cuda.empty_cache()
     return config, checkpoint, counts
 
 

@@ -269,6 +269,7 @@ def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, 
     # For contrast, lerobot's own loader (its VLM pointed at the local backbone) accepts the same file and
     # leaves the missing tensor at its random initialisation without a word.
     (lerobot_dir / "config.json").write_text(json.dumps({**config, "vlm_model_name": vlm_path}))
+    torch.manual_seed(5)  # not the seed `policy` drew its weights from
     silently_random = SmolVLAPolicy.from_pretrained(str(lerobot_dir))
     assert not torch.equal(silently_random.model.action_time_mlp_out.bias, policy.vla.model.action_time_mlp_out.bias)
     with pytest.raises(CheckpointError, match="max_action_dim=4"):

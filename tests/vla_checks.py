@@ -216,6 +216,9 @@ def check_reinit_state_proj(widened: FlowPolicy, file_state: dict[str, Tensor]) 
     reinitialised = {k for k in loaded if k.startswith("model.state_proj.")}
     assert reinitialised == {"model.state_proj.weight", "model.state_proj.bias"}
     assert loaded["model.state_proj.weight"].shape[1] == widened.settings.max_state_dim
+    bound = widened.settings.max_state_dim**-0.5  # nn.Linear's uniform initialisation, drawn after the model was built unfilled
+    for name in reinitialised:
+        assert loaded[name].abs().max() <= bound and loaded[name].std() > bound / 4, name
     assert not torch.equal(loaded["model.state_proj.bias"], file_state["model.state_proj.bias"])
     assert set(loaded) - reinitialised <= set(file_state)
     for name in set(loaded) - reinitialised:

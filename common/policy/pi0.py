@@ -216,7 +216,8 @@ class PiFlowPolicy(VLAFlowPolicy):
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_tokenizer_path(config)))
         _, policy_class, module = LEROBOT_CLASSES[config.type]
-        with tiny_gemma_sizes(module, len(self.tokenizer)) if is_tiny(config) else contextlib.nullcontext():
+        tiny = tiny_gemma_sizes(module, len(self.tokenizer)) if is_tiny(config) else contextlib.nullcontext()
+        with tiny, vla_common.building_lerobot_model(config, "pi0"):
             self.vla = policy_class(build_lerobot_config(config))
         paligemma = self.vla.model.paligemma_with_expert.paligemma
         vocab = paligemma.model.language_model.embed_tokens.num_embeddings

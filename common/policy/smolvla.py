@@ -50,6 +50,7 @@ from common.policy.lerobot_compat import denoise_cache, embed_whole_frames, make
 from common.policy.vla_common import (  # noqa: E402
     VLAFeatures,
     VLAFlowPolicy,
+    building_lerobot_model,
     lerobot_config_fields,
     load_lerobot_checkpoint,
     local_directory,
@@ -104,7 +105,8 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         if config.type != "smolvla":
             raise CheckpointError(f"SmolVLAFlowPolicy needs policy.type 'smolvla', got {config.type!r}")
         self.config = copy.deepcopy(config)  # its own: set_trainable changes it, never the caller's run config
-        self.vla = SmolVLAPolicy(build_lerobot_config(config, resolve_vlm_path(config)))
+        with building_lerobot_model(config, "smolvla"):
+            self.vla = SmolVLAPolicy(build_lerobot_config(config, resolve_vlm_path(config)))
         kept_layers = self.vla.model.vlm_with_expert.num_vlm_layers
         if kept_layers != config.smolvla.num_vlm_layers:  # lerobot slices [:n] and silently keeps fewer
             raise CheckpointError(

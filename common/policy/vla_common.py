@@ -30,7 +30,15 @@ from torch import Tensor, nn
 
 from common.config import PolicyConfig
 from common.observation import Observation
-from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, FlowPolicy, read_policy_config, read_safetensors
+from common.policy.base import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    FlowPolicy,
+    initialisation_skipped,
+    read_policy_config,
+    read_safetensors,
+)
 from common.policy.lerobot_compat import KVLayers, fill_prefix_cache, pad_vector
 from common.policy.mlp import mlp
 
@@ -363,6 +371,13 @@ def lerobot_sampling_copy(vla: nn.Module, action_dim: int) -> nn.Module:
     return vla
 
 
+def building_lerobot_model(config: PolicyConfig, section: str) -> contextlib.AbstractContextManager:
+    """Where a backend builds its lerobot model: with policy.<section>.lerobot_checkpoint named, every tensor of it comes
+    from that file (load_lerobot_checkpoint, which draws a re-initialised state projection itself), so the model is
+    built without initialising its weights (initialisation_skipped); without one, it keeps its random initialisation."""
+    return initialisation_skipped() if getattr(config, section).lerobot_checkpoint else contextlib.nullcontext()
+
+
 def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, architecture_fields: tuple[str, ...]) -> None:
     """Load the lerobot checkpoint directory policy.<section>.lerobot_checkpoint (config.json + model.safetensors,
     as lerobot's save_pretrained writes it) into `vla`, strictly.
@@ -376,9 +391,9 @@ def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, 
     keys win. Keys the model does not have are ignored.
 
     policy.<section>.reinit_state_proj: the one explicit exception. A base checkpoint's state projection is 32
-    wide (its max_state_dim) and Metaworld's state has 39 elements; with the flag, `model.state_proj.*` keeps its
-    fresh initialisation at policy.<section>.max_state_dim (the file's copy, of another width or absent, is
-    not read) and max_state_dim may differ from the file's. Every other tensor is still required from the
+    wide (its max_state_dim) and Metaworld's state has 39 elements; with the flag, `model.state_proj` is initialised
+    afresh (nn.Linear's initialisation, drawn here) at policy.<section>.max_state_dim (the file's copy, of another
+    width or absent, is not read) and max_state_dim may differ from the file's. Every other tensor is still required from the
     file. The robot state the checkpoint was trained on has other elements than Metaworld's, so its columns
     are not reused; behaviour cloning (learner/pretrain.py) trains the new projection.
     """
@@ -410,7 +425,7 @@ def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, 
         raise CheckpointError(f"{config_path}: architecture differs from policy.{section}; set {', '.join(mismatched)}{state_hint}")
     state = read_safetensors(weights_path)
     own = vla.state_dict()
-    fresh = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()  # keep their initialisation
+    fresh = {k for k in own if k.startswith(STATE_PROJ_PREFIX)} if reinit_state_proj else set()  # initialised below
     expected = set(own) - fresh
     if not expected <= set(state) and hasattr(vla, "_fix_pytorch_state_dict_keys"):
         # lerobot's renames of older files, then its "model." prefix, as its from_pretrained does
@@ -426,3 +441,5 @@ def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, 
             f"shape; lerobot would leave these at random init. missing={missing} wrong_shape={wrong_shape}"
         )
     vla.load_state_dict({**{k: own[k] for k in fresh}, **{k: state[k] for k in expected}}, strict=True)
+    if fresh:
+        vla.model.state_proj.reset_parameters()
