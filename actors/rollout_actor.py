@@ -24,6 +24,7 @@ import torch
 
 from common.config import RunConfig
 from common.decision_graph import DecisionGraph
+from common.file_digests import trust_digests
 from common.policy import FlowPolicy
 from common.recording import VIDEO_SIZE, EpisodeRecording, filmed_slots, record_layouts
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_tasks, evaluate_layouts, make_envs, task_positions
@@ -48,14 +49,18 @@ def close_and_free(envs: list | dict) -> None:
 
 class RolloutActor:
     def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
-                 benchmark_tables: dict | list | None = None, niceness: int | None = None):  # fmt: skip
+                 benchmark_tables: dict | list | None = None, niceness: int | None = None,
+                 known_digests: dict | None = None):  # fmt: skip
         """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a
         dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
         once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
         itself (about 0.7 s each). niceness: the process's scheduling niceness from now on, if higher than it is
-        (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged)."""
+        (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
+        known_digests: the driver's file digests (common.file_digests.known_digests), so that the checkpoint's
+        checksums, verified by the driver, are not hashed again where its files are unchanged."""
         if niceness is not None:
             os.setpriority(os.PRIO_PROCESS, 0, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
+        trust_digests(known_digests)
         torch.set_num_threads(1)  # many actors share the node's cores; one thread each avoids oversubscription
         self.config = config
         self.actor_index = actor_index

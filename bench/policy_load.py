@@ -2,7 +2,8 @@
 initialising its weights (FlowPolicy.from_pretrained) against built with them and then overwritten (how a checkpoint
 was loaded before), side by side in one process, at a recipe's size with random weights. Both must give the same
 tensors, the buffers no file holds included. Then the time to read the stand-in as the recipe's lerobot checkpoint
-(policy.<section>.lerobot_checkpoint, as a run starting from one does), built the same way.
+(policy.<section>.lerobot_checkpoint, as a run starting from one does), built the same way, and the time to verify
+the checkpoint's checksums by hashing its files against taking the digests a run's driver hands its processes.
 
     python bench/policy_load.py --recipe configs/pi0_pick.yaml      # full-size pi0: 4B parameters, 16 GB in float32
     python bench/policy_load.py --recipe configs/smolvla_pick.yaml  # smolvla_base's shapes
@@ -30,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
 from bench.smolvla_gpu import RECIPE, write_inputs  # noqa: E402
+from common.file_digests import forget_digests  # noqa: E402
 from common.policy import FlowPolicy, build_policy  # noqa: E402
-from common.policy.base import WEIGHTS_FILE, policy_class, read_policy_config, read_safetensors  # noqa: E402
+from common.policy.base import WEIGHTS_FILE, policy_class, read_policy_config, read_safetensors, verify_checksums  # noqa: E402
 
 
 def initialised_then_loaded(checkpoint: Path) -> FlowPolicy:
@@ -78,9 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for path, load in (("initialised", initialised_then_loaded), ("skipped", FlowPolicy.from_pretrained)):
                 print(f"[policy_load] {path} ...", file=sys.stderr, flush=True)
+                forget_digests()  # each path verifies the checksums, as a process loading the file the first time does
                 took, digest = timed(load, checkpoint)
                 seconds[path].append(took)
                 digests.add(digest)
+        for kept in (False, True):  # a process that hashes the files, then one that holds their digests (the driver's)
+            if not kept:
+                forget_digests()
+            start = time.perf_counter()
+            verify_checksums(checkpoint)
+            results[f"verify_checksums_{'digests_kept' if kept else 'hashed'}_seconds"] = time.perf_counter() - start
         print("[policy_load] the stand-in as a lerobot checkpoint ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         build_policy(config.policy)  # reads policy.<section>.lerobot_checkpoint strictly

@@ -48,7 +48,7 @@ from common.config import RunConfig  # noqa: E402
 from common.config_loading import load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
-from common.policy import FlowPolicy, build_policy  # noqa: E402
+from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
 from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
 
@@ -100,13 +100,13 @@ def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, 
 
 def write_inputs(work: Path, size: str, sets: list[str], recipe: Path) -> tuple[RunConfig, Path, dict[str, Any]]:
     """The offline backbone/tokenizer directory, a stand-in for the recipe's lerobot checkpoint, the run config that
-    loads it (strictly), and the policy saved as the run's checkpoint."""
+    loads it (strictly), and the policy saved as a run saves its checkpoints (with checksums, which every load verifies)."""
     if load_config(recipe).policy.type == "smolvla":
         config = write_smolvla_stand_in(work, size, sets, recipe)
     else:
         config = write_pi_stand_in(work, size, sets, recipe)
     policy = build_policy(config.policy)  # the strict load of the stand-in
-    checkpoint = policy.save_pretrained(work / "checkpoint")
+    checkpoint = write_directory_atomically(work / "checkpoint", policy.save_pretrained)
     counts = {
         "parameters": sum(p.numel() for p in policy.parameters()),
         "trainable_parameters": sum(p.numel() for p in policy.parameters() if p.requires_grad),

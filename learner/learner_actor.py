@@ -16,6 +16,7 @@ import ray
 import torch
 
 from common.config import RunConfig
+from common.file_digests import trust_digests
 from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.trajectory import RolloutBatch
@@ -27,11 +28,13 @@ class LearnerActor:
     """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
 
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
-                 state_bounds: list[list[float]] | None = None):  # fmt: skip
+                 state_bounds: list[list[float]] | None = None, known_digests: dict | None = None):  # fmt: skip
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
         privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS).
-        state_bounds: (low, high) of the suite's state, for a random init to normalise to (learner.startup.start_learner)."""
+        state_bounds: (low, high) of the suite's state, for a random init to normalise to (learner.startup.start_learner).
+        known_digests: the driver's file digests, as for actors.rollout_actor.RolloutActor."""
+        trust_digests(known_digests)
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, niceness)

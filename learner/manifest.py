@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.config import RunConfig
-from common.policy import WEIGHTS_FILE, file_sha256
+from common.file_digests import file_sha256
+from common.policy import WEIGHTS_FILE
 from common.suites import Layout
 from learner.pretrain import REPORT_FILE
 

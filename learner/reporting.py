@@ -17,8 +17,9 @@ import ray
 import yaml
 
 from common.config import RunConfig
+from common.file_digests import file_sha256
 from common.metrics import MetricsLog, console_line, eval_metrics, evaluated_tasks, plot_learning_curve, plot_task_curves, task_key
-from common.policy import WEIGHTS_FILE, file_sha256
+from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from learner.actor_pool import ActorPool, PendingEvaluation
 from learner.learner import update_shape

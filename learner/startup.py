@@ -16,8 +16,9 @@ import torch
 from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, PolicyConfig, RunConfig
 from common.diagnostics import check_ratio_sensitivity
+from common.file_digests import known_digests
 from common.flow import num_log_prob_elements
-from common.policy import WEIGHTS_FILE, build_policy, read_policy_config
+from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify_checksums
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
@@ -123,9 +124,14 @@ def check_actor_cpus(config: RunConfig, request: ResourceRequest) -> None:
 
 
 def resolve_init_checkpoint(config: RunConfig) -> Path | None:
-    """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use)."""
+    """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use); its
+    checksums verified here, before the learner and the actors start (they take the digests, start_learner)."""
     if config.init_checkpoint is None:
-        return None if config.allow_random_init else ensure_bc_checkpoint(config)
+        if config.allow_random_init:
+            return None
+        checkpoint = ensure_bc_checkpoint(config)
+        verify_checksums(checkpoint)
+        return checkpoint
     checkpoint = Path(config.init_checkpoint)
     check_checkpoint_matches(config, checkpoint)
     return checkpoint
@@ -166,6 +172,7 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
             None if resume_dir is None else str(resume_dir),
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
             state_bounds=None if bounds is None else [bound.tolist() for bound in bounds],
+            known_digests=known_digests(),
         )
     )
 
@@ -192,11 +199,12 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
 def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
     remote_actor = ray.remote(RolloutActor)
     tables = build_benchmark_tables(config)
+    digests = known_digests()  # the checkpoint's, verified by resolve_init_checkpoint or RunDirectory.resume
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
         return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(
-            config, index, checkpoint_dir, tables, niceness=ACTOR_NICENESS
+            config, index, checkpoint_dir, tables, niceness=ACTOR_NICENESS, known_digests=digests
         )
 
     pool = ActorPool(config, start, creation_refs=tables)

@@ -271,5 +271,6 @@ def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
     results = printed(capsys)
     assert results["same_tensors"] is True and results["policy_type"] == "smolvla"
     assert_positive(results["load_initialised_init_seconds"], results["load_skipped_init_seconds"], results["parameters"],
-                    results["lerobot_checkpoint_load_seconds"])  # fmt: skip
+                    results["lerobot_checkpoint_load_seconds"], results["verify_checksums_hashed_seconds"],
+                    results["verify_checksums_digests_kept_seconds"])  # fmt: skip
     assert results["speedup"] == results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 
-from common.policy import file_sha256
+from common.file_digests import file_sha256
 from learner.sweep import run_sweep, write_report
 from tests.conftest import tiny_config
 

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _BASE_NAMES = ("CHECKSUMS_FILE", "CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError",
-               "CheckpointWriteError", "FlowPolicy", "build_policy", "concat_features", "file_sha256", "index_features",
+               "CheckpointWriteError", "FlowPolicy", "build_policy", "concat_features", "index_features",
                "policy_class", "read_policy_config", "verify_checksums", "write_directory_atomically")  # fmt: skip
 _PUBLIC = {**dict.fromkeys(_BASE_NAMES, "common.policy.base"), "MLPFlowPolicy": "common.policy.mlp"}  # name -> its module
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import json
 import os
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 
 from common.config import POLICY_TYPES, ConfigError, PolicyConfig
 from common.config_loading import from_dict
+from common.file_digests import file_sha256
 from common.observation import Observation
 
 WEIGHTS_FILE = "model.safetensors"
@@ -276,14 +276,6 @@ def concat_features(parts: list[Any]) -> Any:
         items = [concat_features([p[i] for p in parts]) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     return first
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
