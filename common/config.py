@@ -420,6 +420,9 @@ class RunConfig:
     eval_episodes: int = 100  # held-out layouts per evaluation
     eval_videos: int = 2  # held-out episodes filmed per task after each evaluation (first success, first failure); 0: none
     checkpoint_every: int = 25
+    # Checkpoints kept in run_dir/checkpoints, the newest (0: every one). An older one is deleted once a newer one is
+    # complete and `latest` names it; 2 or more leave --resume a fallback if the newest is found corrupt.
+    keep_checkpoints: int = 0
     run_dir: str = "runs/default"
     # Policy to fine-tune: a directory written by save_pretrained. None: the cached BC checkpoint built
     # from `pretrain` (created on first use).
@@ -434,6 +437,7 @@ class RunConfig:
                 value.validate(f.name)
         require_positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        require(self.keep_checkpoints >= 0, f"keep_checkpoints must be >= 0 (0: keep every one), got {self.keep_checkpoints}")
         require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         require(bool(self.run_dir.strip()), "run_dir must not be empty (it would write into the current directory): pass --run-dir DIR")

@@ -23,6 +23,7 @@ Faults, and what each costs:
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from learner.failures import LearnerDiedError
 from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
 from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
-from learner.run_dir import RunDirectory
+from learner.run_dir import RunDirectory, completed_iterations
 from learner.startup import StartupClock, plan_resources, resolve_init_checkpoint, start_actors, warn_if_ratio_insensitive
 
 
@@ -48,6 +49,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     clock = StartupClock(began, startup)
     # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # shown at every run's start, like the ratio warning
+        directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))
     learner_resources, actor_resources = plan_resources(config)
     print(banner(config, checkpoint, resume_dir, ray.cluster_resources(), actor_resources.num_cpus), flush=True)
     warn_if_ratio_insensitive(config)

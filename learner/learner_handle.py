@@ -98,6 +98,8 @@ class LearnerHandle:
         self.call("save", str(self.directory.checkpoints / name))
         self.directory.write_latest(name)
         self.last_saved = iteration
+        if self.config.keep_checkpoints:
+            self.directory.prune_checkpoints(self.config.keep_checkpoints)
 
     def export_gauges(self, row: dict[str, float]) -> None:
         """Publish an iteration's metrics as Ray gauges, without waiting."""

@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,14 +32,18 @@ RUN_CONFIG_FILE = "run_config.json"
 CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
 # and the resources actors and the learner ask for. Nothing here changes what is computed.
-SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "wandb_project", "actors.num_cpus", "actors.num_gpus",
-                            "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
+SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "keep_checkpoints", "wandb_project", "actors.num_cpus",
+                            "actors.num_gpus", "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
                             "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts",
                             "learner.call_timeout_s", "learner.call_timeout_update_factor"})  # fmt: skip
 
 
 class RunDirLockedError(FileExistsError):
     """Another live run holds this run directory."""
+
+
+class DiskSpaceWarning(UserWarning):
+    """The checkpoints a run will keep need more space than the disk under its run directory has free."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -124,7 +129,7 @@ class RunDirectory:
         `iterations` may grow, which extends the run (the learning-rate schedule then stretches over the new
         total from the checkpoint on), but never to or below the iterations the checkpoint has completed."""
         checkpoint = self.latest_checkpoint()
-        completed = int(checkpoint.name.removeprefix("iter_"))
+        completed = completed_iterations(checkpoint)
         if config.iterations <= completed:
             raise ConfigError(f"--resume: iterations={config.iterations} but {checkpoint} has completed {completed}: ask for more")
         if not (self.path / RUN_CONFIG_FILE).is_file():  # a run directory written before configs were recorded
@@ -195,6 +200,51 @@ class RunDirectory:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointWriteError.of(pointer, exc) from exc
+
+    def prune_checkpoints(self, keep: int) -> list[str]:
+        """Delete every checkpoint (iter_NNNNNN) but the newest `keep` and the one `latest` names; returns the names
+        deleted. Each is renamed first, so a crash part-way leaves a leftover that the next start removes, never a
+        half-deleted checkpoint under its own name."""
+        latest = (self.checkpoints / LATEST_FILE).read_text().strip()
+        names = sorted(p.name for p in self.checkpoints.glob("iter_*") if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir())
+        doomed = [name for name in names[: max(len(names) - keep, 0)] if name != latest]
+        for name in doomed:
+            old = self.checkpoints / f".{name}.old-{os.getpid()}"
+            (self.checkpoints / name).rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        return doomed
+
+    def warn_if_checkpoints_outgrow_the_disk(self, config: RunConfig, reference: Path | None, completed: int) -> None:
+        """A DiskSpaceWarning, before the run starts, when the checkpoints it will keep need more than the disk under
+        run_dir has free. Each is taken to be as large as `reference` (the checkpoint the run starts from)."""
+        if reference is None:
+            return
+        every = config.checkpoint_every
+        count = config.iterations // every - completed // every + (1 if config.iterations % every else 0)
+        at_once = count if config.keep_checkpoints == 0 else min(count, config.keep_checkpoints + 1)  # a new one before the oldest goes
+        size = sum(p.stat().st_size for p in reference.rglob("*") if p.is_file())
+        existing = next(p for p in (self.checkpoints, *self.checkpoints.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        if at_once * size > free:
+            kept = "every one" if config.keep_checkpoints == 0 else f"the newest {config.keep_checkpoints}"
+            warnings.warn(
+                f"this run writes {count} checkpoints of about {megabytes(size)} under {self.checkpoints} and keeps {kept} "
+                f"(keep_checkpoints={config.keep_checkpoints}): up to {megabytes(at_once * size)}, but the disk has "
+                f"{megabytes(free)} free. Set keep_checkpoints (2 keeps the newest two), or free space; a full disk stops "
+                "the run at a checkpoint, keeping the previous one",
+                DiskSpaceWarning,
+                stacklevel=2,
+            )
+
+
+def megabytes(size: int) -> str:
+    """A size in MB, thousands separated: a checkpoint's run from a few MB (an MLP) to tens of thousands (pi0)."""
+    return f"{size / 1e6:,.1f} MB"
+
+
+def completed_iterations(checkpoint: Path | None) -> int:
+    """The iterations a run's checkpoint (iter_NNNNNN) has completed; 0 for none."""
+    return 0 if checkpoint is None else int(checkpoint.name.removeprefix("iter_"))
 
 
 def policy_directory(path: Path) -> Path:

@@ -336,6 +336,7 @@ BAD_INPUTS = [
     (["--set", "actors.min_alive=20"], r"actors\.min_alive \(20\) must be <= actors\.num_actors \(10\)", None),
     (["--set", "actors.call_timeout_s=0"], r"actors\.call_timeout_s must be > 0", None),
     (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
+    (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
     (["--set", "actors.precision=fp8"], r"actors\.precision must be one of", None),
     (["--resume"], r"--resume: no checkpoint under", None),
     (["--resume", "--allow-config-change", "learner.nonsense"], r"--allow-config-change names no config field", None),

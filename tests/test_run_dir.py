@@ -6,8 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
+from collections import namedtuple
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from common.config import ConfigError
 from common.metrics import MetricsLog
 from common.policy import CheckpointError, CheckpointWriteError, FlowPolicy
 from learner.learner import Learner
-from learner.run_dir import LOCK_FILE, RunDirectory, RunDirLockedError
+from learner.run_dir import LOCK_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
 from tests.conftest import tiny_config
 
 
@@ -132,3 +135,67 @@ def test_metrics_log_survives_a_torn_last_line(tmp_path) -> None:
     path.write_text('{"iteration": 1}\ngarbage\n{"iteration": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON line"):
         MetricsLog(path).read()
+
+
+def test_keep_checkpoints_deletes_the_oldest_but_never_the_one_latest_names(tmp_path) -> None:
+    directory = RunDirectory(tmp_path / "run")
+    for iteration in (1, 2, 3, 4):
+        (directory.checkpoints / f"iter_{iteration:06d}").mkdir(parents=True)
+        (directory.checkpoints / f"iter_{iteration:06d}" / "model.safetensors").write_bytes(b"w")
+    (directory.checkpoints / "random_init").mkdir()  # the actors' start in a random-init run: not a checkpoint of the run's
+    directory.write_latest("iter_000004")
+    assert directory.prune_checkpoints(2) == ["iter_000001", "iter_000002"]
+    assert sorted(p.name for p in directory.checkpoints.iterdir()) == ["iter_000003", "iter_000004", "latest", "random_init"]
+    directory.write_latest("iter_000003")  # as after a fallback from a corrupt newest checkpoint
+    assert directory.prune_checkpoints(1) == []
+    assert directory.prune_checkpoints(0) == ["iter_000004"]
+
+
+def test_a_prune_cut_short_leaves_a_leftover_that_the_next_start_removes(tmp_path) -> None:
+    directory = RunDirectory(tmp_path / "run")
+    leftover = directory.checkpoints / ".iter_000001.old-12345"  # renamed for deletion, then the process died
+    leftover.mkdir(parents=True)
+    with directory.locked():
+        assert not leftover.exists()
+
+
+DiskUsage = namedtuple("DiskUsage", "total used free")
+
+
+@pytest.mark.parametrize(
+    ("sets", "free", "message"),
+    [
+        # 150 iterations, a checkpoint every 25: 6 of them, every one kept
+        ({}, 5.5, r"writes 6 checkpoints of about 1(\.\d+)? MB? .* keeps every one \(keep_checkpoints=0\): up to 6"),
+        ({"keep_checkpoints": 2}, 2.5, r"writes 6 checkpoints .* keeps the newest 2 \(keep_checkpoints=2\): up to 3"),
+        ({"keep_checkpoints": 2}, 3.5, None),  # two kept and the one being written fit
+        ({"iterations": 160}, 6.5, r"writes 7 checkpoints"),  # the final one too
+    ],
+)
+def test_checkpoints_that_outgrow_the_disk_are_announced_before_the_run(tmp_path, monkeypatch, sets, free, message) -> None:
+    reference = tmp_path / "init"
+    reference.mkdir()
+    (reference / "model.safetensors").write_bytes(b"x" * 1_000_000)
+    config = tiny_config(
+        tmp_path, checkpoint_every=25, iterations=sets.get("iterations", 150), **{k: v for k, v in sets.items() if k != "iterations"}
+    )
+    monkeypatch.setattr("learner.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, int(free * 1_000_000)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RunDirectory(config.run_dir).warn_if_checkpoints_outgrow_the_disk(config, reference, completed=0)
+    if message is None:
+        assert not caught
+    else:
+        (warning,) = caught
+        assert warning.category is DiskSpaceWarning and re.search(message, str(warning.message)), str(warning.message)
+        assert "Set keep_checkpoints" in str(warning.message)
+
+
+def test_a_resumed_run_counts_only_the_checkpoints_still_to_write(tmp_path, monkeypatch) -> None:
+    reference = tmp_path / "iter_000100"
+    reference.mkdir()
+    (reference / "model.safetensors").write_bytes(b"x" * 1_000_000)
+    config = tiny_config(tmp_path, checkpoint_every=25, iterations=150)
+    monkeypatch.setattr("learner.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, 1))
+    with pytest.warns(DiskSpaceWarning, match="writes 2 checkpoints"):
+        RunDirectory(config.run_dir).warn_if_checkpoints_outgrow_the_disk(config, reference, completed=100)

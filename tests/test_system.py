@@ -110,12 +110,20 @@ def test_a_second_run_never_overwrites_the_first(tmp_path, bc_checkpoint, capsys
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint) -> None:
     """Stopped after 2 of 3 iterations and resumed, at the default lag 1: iteration 3 was sampled with v1 in the
     uninterrupted run, so the checkpoint must hand v1 out again; the weights and every logged figure match. (Lag 0's
-    resume: tests/test_learner.py::test_checkpoint_resume_reproduces_weights.)"""
+    resume: tests/test_learner.py::test_checkpoint_resume_reproduces_weights.) The interrupted run keeps only its
+    newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint (the default)."""
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     lag = ("--set", "eval_every=0")
+
+    def checkpoints(run) -> list[str]:
+        return sorted(p.name for p in (run / "checkpoints").iterdir())
+
     assert main(tiny_args(straight, bc_checkpoint, 3, *lag)) == 0
-    assert main(tiny_args(interrupted, bc_checkpoint, 2, *lag)) == 0
-    assert main(tiny_args(interrupted, bc_checkpoint, 3, *lag, "--resume")) == 0
+    assert checkpoints(straight) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
+    assert main(tiny_args(interrupted, bc_checkpoint, 2, *lag, "--set", "keep_checkpoints=1")) == 0
+    assert checkpoints(interrupted) == ["iter_000002", "latest"]
+    assert main(tiny_args(interrupted, bc_checkpoint, 3, *lag, "--set", "keep_checkpoints=1", "--resume")) == 0
+    assert checkpoints(interrupted) == ["iter_000003", "latest"]
     a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")
     assert a.keys() == b.keys()
     for key in a:
