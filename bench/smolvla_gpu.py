@@ -4,6 +4,7 @@ float32 learner), timed stage by stage, with the numerics the learner checks.
 
     python bench/smolvla_gpu.py                 # full size; needs a GPU (a chunk takes tens of seconds on CPU)
     python bench/smolvla_gpu.py --size tiny     # the same path with the tiny VLM, on CPU (tests/test_bench.py)
+    python bench/smolvla_gpu.py --recipe configs/pi0_pick.yaml [--size tiny]   # pi0 (pi05_pick.yaml: pi0.5); lerobot 0.6
 
 Nothing downloads. The backbone directory is written offline at SmolVLM2-500M's shapes
 (common.policy.tiny_vlm.SMOLVLM2_500M_SHAPES). A stand-in for smolvla_base, a lerobot SmolVLA checkpoint with
@@ -53,12 +54,17 @@ from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny
 from common.trajectory import RolloutBatch  # noqa: E402
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
-# --size tiny: the same stages at test size (the tiny VLM has 2 text layers; CPU, small chunks and batches).
+OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short device lease can leave out
+# --size tiny: the same stages at test size (CPU, small frames, chunks and batches), with the tiny VLM of 2 text layers
+# (SmolVLA) or the tiny PaliGemma and expert (pi0, pi0.5).
 TINY_SETS = (
-    "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "policy.smolvla.num_vlm_layers=2",
-    "actors.envs_per_actor=1", "actors.decisions_per_rollout=2",
+    "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=2", "actors.envs_per_actor=1", "actors.decisions_per_rollout=2",
     "algorithm.minibatch_size=4", "algorithm.grad_accum=2", "algorithm.update_epochs=1", "env.max_episode_steps=20",
 )  # fmt: skip
+SMOLVLA_TINY_SETS = ("policy.smolvla.num_vlm_layers=2",)
+PI05_CHARACTER_PROMPT_TOKENS = 256
+PI_TINY_SETS = ("policy.pi0.paligemma_variant=tiny", "policy.pi0.action_expert_variant=tiny_expert", "policy.pi0.image_resolution=32",
+                "policy.pi0.max_action_dim=4", "policy.hidden_dim=32")  # fmt: skip
 
 
 class Clock:
@@ -120,7 +126,7 @@ def write_smolvla_stand_in(work: Path, size: str, sets: list[str], recipe: Path)
     spec = SMOLVLM2_500M_SHAPES if size == "full" else TinyVLMSpec(image_size=32)
     vlm_dir = write_tiny_vlm(work / "vlm", spec)
     stand_in = work / "smolvla_base_stand_in"
-    tiny = TINY_SETS if size == "tiny" else ()
+    tiny = (*TINY_SETS, *SMOLVLA_TINY_SETS) if size == "tiny" else ()
     base_sets = [f"policy.smolvla.vlm_path={vlm_dir}", "policy.smolvla.lerobot_checkpoint=''", *tiny, *sets]
     # smolvla_base's own state width: the recipe's reinit_state_proj then re-initialises state_proj at 39.
     saved_as = load_config(
@@ -136,11 +142,16 @@ def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> R
     tokenizer at PaliGemma's vocabulary size."""
     from common.policy.pi0 import PALIGEMMA_VOCAB, pi_tokenizer_dir, write_lerobot_stand_in
 
-    if size != "full":
-        raise ValueError("--size tiny is SmolVLA's; the pi0 and pi0.5 tests build their tiny models (tests/test_pi0.py)")
-    base_sets = [f"policy.pi0.tokenizer_path={pi_tokenizer_dir(PALIGEMMA_VOCAB)}", "policy.pi0.lerobot_checkpoint=''", *sets]
+    if size == "full":
+        base_sets = [f"policy.pi0.tokenizer_path={pi_tokenizer_dir(PALIGEMMA_VOCAB)}", "policy.pi0.lerobot_checkpoint=''", *sets]
+    else:  # the tiny PaliGemma and expert; an empty tokenizer_path writes the character tokenizer at their vocabulary
+        base_sets = ["policy.pi0.tokenizer_path=''", "policy.pi0.lerobot_checkpoint=''", *PI_TINY_SETS, *TINY_SETS, *sets]
+    if load_config(recipe).policy.type == "pi05":
+        # The offline tokenizer spells the prompt's 39 state bins a character a token (about 225 tokens for pick-place),
+        # where PaliGemma's own needs far fewer: a longer prompt than the recipe's, so these figures err on the slow side.
+        base_sets.insert(0, f"policy.pi0.tokenizer_max_length={PI05_CHARACTER_PROMPT_TOKENS}")
     torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and size == "full" else "cpu"
     stand_in = write_lerobot_stand_in(work / "pi_stand_in", load_config(recipe, base_sets).policy, device=device)
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -366,14 +377,17 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
             return stage
 
+        skipped = set(filter(None, args.skip.split(",")))
         if run_stage(results, "actor_start", start_actor, device):
-            run_stage(results, "decision_latency", latency, device)
+            if "decision_latency" not in skipped:
+                run_stage(results, "decision_latency", latency, device)
             sampled = run_stage(results, "sample_v0", sample_version_0, device)
             if run_stage(results, "learner_start", start_learner, device) and sampled:
-                run_stage(results, "prepare", prepare(None), device)
+                if "prepare" not in skipped:
+                    run_stage(results, "prepare", prepare(None), device)
                 if args.prepare_whole_batch:
                     run_stage(results, "prepare_whole_batch", prepare(sum(b.num_decisions * b.num_envs for b in state["batches"])), device)
-                if run_stage(results, "update", update, device):
+                if run_stage(results, "update", update, device) and "publish_load_sample_v1" not in skipped:
                     run_stage(results, "publish_load_sample_v1", publish_and_load, device)
                 for overrides in filter(None, args.update_variants.split(";")):
                     run_stage(results, f"update[{overrides}]", update_variant(overrides), device)
@@ -395,10 +409,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--update-variants", default="", metavar="FIELD=VALUE[,...][;...]",
                         help="then the update again, by a fresh learner per ;-separated set of learner overrides")  # fmt: skip
+    parser.add_argument(
+        "--skip",
+        default="",
+        metavar="STAGE[,STAGE]",
+        help=f"leave out these optional stages: {', '.join(OPTIONAL_STAGES)} (the update times its own scoring pass)",
+    )
     parser.add_argument("--profile", action="store_true", help="print the profiler tables of one eager and one graphed decision")
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)
+    unknown = set(filter(None, args.skip.split(","))) - set(OPTIONAL_STAGES)
+    if unknown:
+        parser.error(f"--skip: no optional stage named {', '.join(sorted(unknown))} (optional stages: {', '.join(OPTIONAL_STAGES)})")
 
     results: dict[str, Any] = {"size": args.size, "torch": torch.__version__}
     cuda = torch.cuda.is_available() and args.size == "full"

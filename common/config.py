@@ -335,6 +335,10 @@ class LearnerConfig:
     # Arithmetic of the learner's scoring and update: "float32", or "bfloat16" (torch.autocast over float32 weights,
     # for a GPU). The ratio check compares the learner with itself, so it holds in either.
     precision: str = "float32"
+    # Keep no activations of the denoising steps for the backward pass: each step's forward runs again there
+    # (torch.utils.checkpoint), the same numbers bit for bit. The update's activations shrink to about one step's, at
+    # one more forward pass per step: for a VLA learner that does not fit its GPU otherwise (docs/pi0.md).
+    recompute_steps: bool = False
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3

@@ -12,7 +12,9 @@ once. What changes against the eager path (common.rollout.decide without a graph
     the rows of earlier calls; rows never mix, so the real rows are what they would be alone;
   - the policy's capture_context() (a backend whose library synchronises with the host on the way, as lerobot's
     SmolVLA does) is entered while warming up and capturing, and constant tensors that the library builds from
-    Python data are uploaded once, in the warm-up, and reused by the capture (`reused_uploads`).
+    Python data are uploaded once, in the warm-up, and reused by the capture (`reused_uploads`);
+  - host work that no capture can hold (pi0.5 writes the state into its text prompt) is done before each replay by
+    the policy's graph_observation(), whose result the fixed inputs hold.
 The graph's outputs are packed into one float32 buffer, so a decision costs one copy back to the host.
 """
 
@@ -99,12 +101,20 @@ class DecisionGraph:
             for _ in range(WARMUP_RUNS):
                 self._pack()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with self.policy.capture_context(), reused_uploads(self.uploads, capturing=True), torch.cuda.graph(self.graph):
-            self.packed = self._pack()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with self.policy.capture_context(), reused_uploads(self.uploads, capturing=True), torch.cuda.graph(graph):
+                self.packed = self._pack()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"capturing {type(self.policy).__name__}'s decisions as a CUDA graph failed ({exc}); "
+                "actors.cuda_graphs: false samples eagerly"
+            ) from exc
+        self.graph = graph
 
     def decide(self, obs: Observation, *, deterministic: bool, generator: torch.Generator | None) -> dict[str, np.ndarray]:
         """common.rollout.Decision's fields for numpy observations of at most batch_size rows."""
+        obs = self.policy.graph_observation(obs)
         count = obs.batch_shape[0]
         if count > self.batch_size:
             raise ValueError(f"{count} observations for a decision graph of {self.batch_size}")

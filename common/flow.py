@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from common.policy import FlowPolicy
@@ -139,12 +140,17 @@ def sample_chain(
     return ChainSample(chain_t, _score(policy, chain_t, torch.stack(means, 1), torch.stack(stds, 1)))
 
 
-def chain_log_prob(policy: FlowPolicy, features: Any, chain: Tensor) -> ChainLogProb:
-    """Exact log-prob of recorded chains (B, K+1, H, A) under the policy's current weights."""
+def chain_log_prob(policy: FlowPolicy, features: Any, chain: Tensor, recompute_steps: bool = False) -> ChainLogProb:
+    """Exact log-prob of recorded chains (B, K+1, H, A) under the policy's current weights. recompute_steps: keep no
+    step's activations for a backward pass, which runs each step's forward again (learner.recompute_steps)."""
     expected = (policy.num_steps + 1, policy.chunk_size, policy.action_dim)
     if tuple(chain.shape[1:]) != expected:
         raise ValueError(f"chain has shape {tuple(chain.shape)}, expected (B, {expected}) for this policy (K+1, H, A)")
-    means, stds = zip(*(transition(policy, features, chain[:, k], k) for k in range(policy.num_steps)))
+    if recompute_steps and torch.is_grad_enabled():
+        step = functools.partial(torch.utils.checkpoint.checkpoint, transition, use_reentrant=False)
+    else:
+        step = transition
+    means, stds = zip(*(step(policy, features, chain[:, k], k) for k in range(policy.num_steps)))
     return _score(policy, chain, torch.stack(means, 1), torch.stack(stds, 1))
 
 

@@ -121,6 +121,13 @@ def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int) -> Any:
     return concat_features([policy.encode(obs.index(slice(start, start + rows))) for start in range(0, total, rows)])
 
 
+def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int) -> ChainLogProb:
+    """chain_log_prob over `rows` chains at a time, joined. A VLA's denoising step copies the prefix cache of every row
+    it scores, so scoring a whole iteration at once would hold a second copy of the iteration's cache (docs/pi0.md)."""
+    return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows])
+                            for start in range(0, len(chains), rows)])  # fmt: skip
+
+
 def _numpy(values: Tensor | np.ndarray) -> np.ndarray:
     return np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64)
 
@@ -374,7 +381,7 @@ class Learner:
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
         rows = micro_batch_rows(cfg, len(b_chains))  # the most rows the update's model sees at once
         features = encode_in_chunks(policy, b_obs, rows)
-        old = chain_log_prob(policy, features, b_chains)
+        old = score_in_chunks(policy, features, b_chains, rows)
         # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
         # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
         lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
@@ -382,7 +389,7 @@ class Learner:
         if lag:
             with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
                 behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
-                behaviour = chain_log_prob(policy, behaviour_features, b_chains)
+                behaviour = score_in_chunks(policy, behaviour_features, b_chains, rows)
         behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
         metrics = {
             "logprob/old_mean": old.log_prob.mean().item(),
@@ -398,7 +405,7 @@ class Learner:
         if self.reference is not None:
             # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
             ref_features = encode_in_chunks(self.reference, b_obs, rows) if policy.encoder_is_trainable else features
-            reference = chain_log_prob(self.reference, ref_features, b_chains)
+            reference = score_in_chunks(self.reference, ref_features, b_chains, rows)
             kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
             metrics.update({
                 "kl_ref/mean": kl.mean().item(),
@@ -559,7 +566,7 @@ class Learner:
         deviation = 0.0
         for micro in mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds))):
             features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-            new = chain_log_prob(policy, features, data.chains[micro])
+            new = chain_log_prob(policy, features, data.chains[micro], self.config.learner.recompute_steps)
             loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
             logratio = new.log_prob - data.old_log_probs[micro]
             finite = {"new log-prob": new.log_prob, "ratio": logratio.exp(), **{k: metrics[k] for k in LOSS_TERMS if k in metrics}}

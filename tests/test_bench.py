@@ -274,3 +274,9 @@ def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
                     results["lerobot_checkpoint_load_seconds"], results["verify_checksums_hashed_seconds"],
                     results["verify_checksums_digests_kept_seconds"])  # fmt: skip
     assert results["speedup"] == results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]
+
+
+def test_smolvla_gpu_bench_refuses_an_unknown_stage_to_skip(capsys):
+    with pytest.raises(SystemExit) as exited:
+        smolvla_gpu.main(["--size", "tiny", "--skip", "prepare,update"])
+    assert exited.value.code == 2 and "--skip: no optional stage named update" in capsys.readouterr().err

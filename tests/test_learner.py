@@ -51,6 +51,23 @@ def test_update_changes_weights_with_ratio_one_first(setup) -> None:
     assert torch.equal(actor.policy.velocity_net[0].weight, learner.policy.velocity_net[0].weight)
 
 
+def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint, monkeypatch) -> None:
+    """learner.recompute_steps runs each step's forward again in the backward pass: the same update, bit for bit."""
+    config, actor, plain = setup
+    batch = actor.sample(None, iteration=0)
+    recomputing = copy.deepcopy(config)
+    recomputing.learner.recompute_steps = True
+    again = Learner(recomputing, FlowPolicy.from_pretrained(bc_checkpoint))
+    metrics = plain.update(batch)
+    asked, score = [], learner_module.chain_log_prob
+    monkeypatch.setattr(learner_module, "chain_log_prob", lambda *args: asked.append(args[3:]) or score(*args))
+    metrics_again = again.update(batch)
+    assert (True,) in asked  # the update's passes recompute (the scoring pass, without gradients, has nothing to keep)
+    after, after_again = params(plain.policy), params(again.policy)
+    assert after.keys() == after_again.keys() and all(torch.equal(after[k], after_again[k]) for k in after)
+    assert {k: v for k, v in metrics.items() if "seconds" not in k} == {k: v for k, v in metrics_again.items() if "seconds" not in k}
+
+
 def test_rollouts_are_reproducible_per_iteration(setup) -> None:
     _, actor, learner = setup
     weights = learner.broadcast()

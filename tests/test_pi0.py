@@ -113,6 +113,30 @@ def test_pi05_prompt_spells_out_the_discretised_state() -> None:
         short.encode(vla_checks.tiny_observations(short, 1))
 
 
+def test_a_graph_reads_the_prompt_written_before_it_and_decides_as_the_eager_path(policy, monkeypatch) -> None:
+    """A CUDA graph cannot tokenize pi0.5's state prompt, so graph_observation writes it on the host before each replay
+    and the capture context reads it from the observation (the replay itself needs a GPU: bench/smolvla_gpu.py). On
+    CPU: inside the context no prompt is built and nothing is read back to the host, and the decision equals the eager
+    one on the same noise, bit for bit. pi0's observation passes through unchanged."""
+    from common.rollout import decision_tensors
+    from tests.test_decision_graph import HostReads
+
+    obs = vla_checks.tiny_observations(policy, 2)
+    numpy_obs = type(obs)(**{name: value.numpy() for name, value in obs.present().items()})
+    graph_obs = policy.graph_observation(numpy_obs)
+    if not policy.is_pi05:
+        assert graph_obs is numpy_obs
+    noise = torch.randn(policy.num_steps + 1, 2, policy.chunk_size, policy.action_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = decision_tensors(policy, obs, deterministic=False, noise=noise)
+        monkeypatch.setattr(policy, "pi05_prompt", lambda _: pytest.fail("a prompt built while capturing"))
+        with policy.capture_context(), HostReads() as capturable:
+            captured = decision_tensors(policy, graph_obs.to_torch("cpu"), deterministic=False, noise=noise)
+    assert capturable.seen == [] and not policy.prompt_written
+    for name, value in eager.items():
+        assert torch.equal(value, captured[name]), name
+
+
 def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
     obs = vla_checks.tiny_observations(policy, 4)
     vla_checks.check_sampling_reads_frames_instruction_and_state(policy, obs)
@@ -146,6 +170,10 @@ def test_a_bf16_backbone_actor_scores_close_to_the_fp32_learner(policy, tmp_path
     assert actor.vla.model.paligemma_with_expert.gemma_expert.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert actor.vla.model.action_out_proj.weight.dtype == torch.float32
     assert 1e-5 < vla_checks.bf16_actor_gap(policy, actor, vla_checks.tiny_observations(policy, 4, seed=12)) < 0.05
+
+
+def test_recomputed_denoising_steps_keep_less_for_the_same_gradients(policy) -> None:
+    vla_checks.check_recomputed_steps_keep_less_for_the_same_gradients(policy, vla_checks.tiny_observations(policy, 2))
 
 
 @pytest.mark.parametrize("policy_type", TYPES)

@@ -4,6 +4,7 @@ with the ratio check, the behaviour log-probs reproduced, and PaliGemma left bit
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +62,22 @@ def test_bc_rollout_and_one_ppo_iteration(policy_type, tmp_path) -> None:
     assert any(name.startswith("vla.model.action_out_proj") for name in changed) and any(name.startswith("critic_head") for name in changed)
     trainable = {name for name, p in learner.policy.named_parameters() if p.requires_grad}
     assert changed <= trainable and not any(".paligemma." in name for name in changed)  # PaliGemma is bit-identical
+
+
+@pytest.mark.parametrize("recipe", ["pi0_pick.yaml", "pi05_pick.yaml"])
+def test_gpu_bench_runs_the_recipe_at_test_size(recipe, capsys) -> None:
+    """bench/smolvla_gpu.py's path for pi0 / pi0.5 with the tiny models on CPU: the stand-in written by lerobot's
+    save_pretrained loads strictly, the learner scores and updates the sampled decisions with the ratio check, and the
+    stages --skip names are left out."""
+    from bench import smolvla_gpu
+    from bench.report import REPO_ROOT, flatten
+
+    argv = ["--recipe", str(REPO_ROOT / "configs" / recipe), "--size", "tiny", "--rollouts", "2", "--rollout-repeats", "2",
+            "--batch-sizes", "1", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
+    assert smolvla_gpu.main(argv) == 0
+    results = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert not [name for name in flatten(results) if name.endswith("/error")]
+    assert "prepare" not in results and "publish_load_sample_v1" not in results
+    assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # PaliGemma frozen
+    assert results["update"]["decisions"] == 2 * 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert results["decision_latency"]["eager_batch1_aten_ops"] > 1000

@@ -40,6 +40,7 @@ from tests.vla_checks import (
     check_learner_log_probs_equal_actor_log_probs,
     check_noise_off_chain_reproduces_lerobot,
     check_prefix_cache_kept,
+    check_recomputed_steps_keep_less_for_the_same_gradients,
     check_reinit_state_proj,
     check_round_trip_and_strict_refusal,
     check_sampling_reads_frames_instruction_and_state,
@@ -207,6 +208,11 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
         torch.float32
     }
     assert backbone_elements_cast_per_chunk() == 0
+
+
+def test_recomputed_denoising_steps_keep_less_for_the_same_gradients() -> None:
+    policy = tiny_policy()
+    check_recomputed_steps_keep_less_for_the_same_gradients(policy, tiny_observations(policy, 2))
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:

@@ -124,6 +124,32 @@ def bf16_actor_gap(policy: FlowPolicy, actor: FlowPolicy, obs: Observation) -> f
     return float((rescored.log_prob - sample.scores.log_prob).abs().max())
 
 
+def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, obs: Observation) -> None:
+    """learner.recompute_steps: the same log-probs and gradients, bit for bit, while the backward pass keeps less than
+    half the bytes (each step's forward runs again inside it)."""
+    with torch.no_grad():
+        features = policy.encode(obs)
+        chain = sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=torch.Generator().manual_seed(3)).chain
+    runs = []
+    for recompute in (False, True):
+        policy.zero_grad(set_to_none=True)
+        kept = []
+
+        def keep(tensor: Tensor, kept: list[int] = kept) -> Tensor:
+            kept.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            log_prob = chain_log_prob(policy, features, chain, recompute).log_prob
+        log_prob.sum().backward()
+        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, sum(kept)))
+    policy.zero_grad(set_to_none=True)
+    (plain, grads, kept_plain), (again, grads_again, kept_again) = runs
+    assert torch.equal(plain, again) and grads and grads.keys() == grads_again.keys()
+    assert all(torch.equal(grads[name], grads_again[name]) for name in grads)
+    assert kept_again < kept_plain / 2, (kept_again, kept_plain)
+
+
 def check_train_keeps_the_lerobot_model_in_eval_mode(policy: FlowPolicy, obs: Observation) -> None:
     """With the VLM trainable (its tiny vision tower has attention dropout 0.1), lerobot's own train() no longer keeps
     it in eval mode, so an unguarded train() makes the features random; the backend's train() does not."""

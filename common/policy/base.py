@@ -133,6 +133,12 @@ class FlowPolicy(nn.Module, ABC):
         backend whose library reads device tensors on the host on the way swaps in an equivalent path here."""
         return contextlib.nullcontext()
 
+    def graph_observation(self, obs: Observation) -> Observation:
+        """The numpy observation a CUDA graph of the policy's decisions reads, from the one a decision gets: host work
+        that a capture cannot hold (pi0.5 writes the state into its prompt) is done here, before each replay, and
+        capture_context() then reads its result. The same observation for a backend with no such work."""
+        return obs
+
     @abstractmethod
     def tokenize(self, instructions: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
         """Instructions -> (token ids (B, L) int64, mask (B, L) bool, True on real tokens), or None for a

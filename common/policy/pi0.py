@@ -212,6 +212,7 @@ class PiFlowPolicy(VLAFlowPolicy):
         if config.type not in LEROBOT_CLASSES:
             raise CheckpointError(f"PiFlowPolicy needs policy.type 'pi0' or 'pi05', got {config.type!r}")
         self.config = copy.deepcopy(config)  # its own: set_trainable changes it, never the caller's run config
+        self.prompt_written = False  # pi0.5 inside capture_context(): the observation's tokens are the whole prompt
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_tokenizer_path(config)))
@@ -301,6 +302,29 @@ class PiFlowPolicy(VLAFlowPolicy):
         device = obs.state.device
         return torch.from_numpy(ids[:, :length]).to(device), torch.from_numpy(mask[:, :length]).to(device)
 
+    @contextlib.contextmanager
+    def capture_context(self) -> Iterator[None]:
+        """pi0.5's prompt is text built from the state on the host (pi05_prompt), which a CUDA graph cannot hold: while
+        a graph is warmed up and captured, encode() reads the whole prompt's tokens from the observation, which
+        graph_observation wrote there before each replay."""
+        self.prompt_written = self.is_pi05
+        try:
+            yield
+        finally:
+            self.prompt_written = False
+
+    def graph_observation(self, obs: Observation) -> Observation:
+        """pi0.5: the observation with its instruction tokens replaced by the whole prompt's (instruction and state
+        bins, pi05_prompt), computed from the same normalised state as the eager path."""
+        if not self.is_pi05:
+            return obs
+        device = self.obs_device
+        tokens, mask = self.pi05_prompt(Observation(
+            state=torch.from_numpy(np.asarray(obs.state)).to(device), tokens=torch.from_numpy(np.asarray(obs.tokens)),
+            token_mask=torch.from_numpy(np.asarray(obs.token_mask)),
+        ))  # fmt: skip
+        return dataclasses.replace(obs, tokens=tokens.cpu().numpy(), token_mask=mask.cpu().numpy())
+
     def lerobot_inputs(self, obs: Observation) -> list[Tensor | list[Tensor]]:
         """Observation -> the inputs of lerobot's sample_actions: images and image masks (lerobot's own preprocessing:
         [0, 1] frames resized with padding to policy.pi0.image_resolution, then [-1, 1]), prompt tokens and mask, and
@@ -312,7 +336,7 @@ class PiFlowPolicy(VLAFlowPolicy):
         }
         images, image_masks = self.vla._preprocess_images(frames)
         if self.is_pi05:
-            return [images, image_masks, *self.pi05_prompt(obs)]
+            return [images, image_masks, *((obs.tokens, obs.token_mask) if self.prompt_written else self.pi05_prompt(obs))]
         return [images, image_masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.pi0.max_state_dim)]
 
     # -- the FlowPolicy pieces ---------------------------------------------------------------------
