@@ -54,7 +54,7 @@ from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny
 from common.trajectory import RolloutBatch  # noqa: E402
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
-OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short device lease can leave out
+OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short GPU run can leave out
 # --size tiny: the same stages at test size (CPU, small frames, chunks and batches), with the tiny VLM of 2 text layers
 # (SmolVLA) or the tiny PaliGemma and expert (pi0, pi0.5).
 TINY_SETS = (
@@ -90,7 +90,7 @@ def gpu_memory(device: torch.device) -> dict[str, float]:
 
 
 def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, Any]], device: torch.device) -> bool:
-    """Run one stage into results[name]; on an exception record it and go on (one device lease, every figure it can give)."""
+    """Run one stage into results[name]; on an exception record it and go on (one GPU run, every figure it can give)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     print(f"[smolvla_gpu] {name} ...", file=sys.stderr, flush=True)
