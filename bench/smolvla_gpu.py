@@ -377,7 +377,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
             return stage
 
-        skipped = set(filter(None, args.skip.split(",")))
+        skipped = args.skip
         if run_stage(results, "actor_start", start_actor, device):
             if "decision_latency" not in skipped:
                 run_stage(results, "decision_latency", latency, device)
@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)
-    unknown = set(filter(None, args.skip.split(","))) - set(OPTIONAL_STAGES)
+    args.skip = set(filter(None, args.skip.split(",")))
+    unknown = args.skip - set(OPTIONAL_STAGES)
     if unknown:
         parser.error(f"--skip: no optional stage named {', '.join(sorted(unknown))} (optional stages: {', '.join(OPTIONAL_STAGES)})")
 
