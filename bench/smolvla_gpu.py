@@ -335,15 +335,29 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             return stage
 
         def update() -> dict[str, Any]:
-            batch = RolloutBatch.concat(state["batches"] * args.rollout_repeats)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", BehaviourGapWarning)
+            """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps."""
+            batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
+            scoring: list[float] = []
+
+            def timed_prepare(rollout: RolloutBatch, prepare: Callable = learner.prepare) -> Any:
                 start = clock.now()
-                metrics = state["learner"].update(batch)
-                seconds = clock.now() - start
+                prepared = prepare(rollout)
+                scoring.append(clock.now() - start)
+                return prepared
+
+            learner.prepare = timed_prepare
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", BehaviourGapWarning)
+                    start = clock.now()
+                    metrics = learner.update(batch)
+                    seconds = clock.now() - start
+            finally:
+                del learner.prepare  # the method again
             keep = ("logprob/behaviour_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac", "losses/approx_kl",
                     "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean")  # fmt: skip
-            return {"seconds": seconds, "decisions": batch.num_decisions * batch.num_envs, **{k: metrics[k] for k in keep if k in metrics},
+            return {"seconds": seconds, "scoring_pass_seconds": scoring[0], "decisions": batch.num_decisions * batch.num_envs,
+                    **{k: metrics[k] for k in keep if k in metrics},
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
 
         def publish_and_load() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,13 +113,41 @@ def require_pretrained(policy: FlowPolicy, allow_random_init: bool) -> None:
         )
 
 
-def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int) -> Any:
-    """policy.encode over `rows` observations at a time, joined. The learner never encodes more rows at once than one
-    micro-batch of its update, so a VLM's activations do not grow with the iteration: at smolvla_base's shapes on an
-    H100 (bench/smolvla_gpu.py), scoring the recipe's 512 decisions peaked at 32 GiB allocated (48.5 GiB reserved)
-    encoded at once, and at 17 GiB (18 GiB) by micro-batches of 16, in the same time."""
+def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int, keep: Callable[[Any], Any] = lambda features: features) -> Any:
+    """keep(policy.encode(...)) over `rows` observations at a time, joined. The learner never encodes more rows at once
+    than one micro-batch of its update, so a VLM's activations do not grow with the iteration: at smolvla_base's shapes
+    on an H100 (bench/smolvla_gpu.py), scoring the recipe's 512 decisions peaked at 32 GiB allocated (48.5 GiB
+    reserved) encoded at once, and at 17 GiB (18 GiB) by micro-batches of 16, in the same time."""
     total = obs.batch_shape[0]
-    return concat_features([policy.encode(obs.index(slice(start, start + rows))) for start in range(0, total, rows)])
+    return concat_features([keep(policy.encode(obs.index(slice(start, start + rows)))) for start in range(0, total, rows)])
+
+
+def next_observation_values(policy: FlowPolicy, batch: RolloutBatch, features: Any, rows: int) -> Tensor:
+    """(T, N): the critic's values of the observations the chunks led to, given `features`, the encoded observations
+    the chunks were chosen in (B = T * N rows). Where a chunk led to the very observation (bit for bit) that its env's
+    next decision read, that decision's features serve; only the others (the last decision's, and those an episode
+    ended on before its env reset) are encoded, so a VLA's prefix pass does not run over the iteration twice."""
+    num_decisions, num_envs = batch.num_decisions, batch.num_envs
+    before, after = batch.observations().present(), batch.observations(after_chunk=True).present()
+    carried = np.ones((num_decisions - 1, num_envs), dtype=bool)
+    for name, array in after.items():
+        same = bit_pattern(array[:-1]) == bit_pattern(before[name][1:])
+        carried &= same.reshape(num_decisions - 1, num_envs, math.prod(same.shape[2:])).all(axis=2)
+    fresh = np.ones((num_decisions, num_envs), dtype=bool)
+    fresh[:-1] = ~carried
+    fresh_obs = Observation(**{name: array[fresh] for name, array in after.items()}).to_torch(policy.obs_device)
+    source = torch.arange(num_envs, num_envs + fresh.size)  # row r's next observation is row r + N's observation...
+    source[torch.from_numpy(fresh.ravel())] = torch.arange(fresh.size, fresh.size + int(fresh.sum()))  # ...or encoded here
+    pool = concat_features([policy.critic_features(features), encode_in_chunks(policy, fresh_obs, rows, policy.critic_features)])
+    # The critic runs over all B rows at once, as it would over every next observation encoded: where encode() treats a
+    # row alike whatever rows are beside it (the MLP's normalisation), the values are those, bit for bit.
+    return policy.value(index_features(pool, source)).view(num_decisions, num_envs)
+
+
+def bit_pattern(array: np.ndarray) -> np.ndarray:
+    """The array's elements as unsigned integers of their width (a view, no copy), so that equal means the same bits:
+    a NaN equals itself, -0.0 differs from 0.0."""
+    return array.view(np.dtype(f"u{array.dtype.itemsize}")) if array.dtype != np.bool_ else array
 
 
 def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int) -> ChainLogProb:
@@ -204,9 +233,8 @@ class PPO:
     def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
         cfg = self.cfg
         num_decisions, num_envs = batch.num_decisions, batch.num_envs
-        b_next_obs = batch.observations(after_chunk=True).flatten_leading().to_torch(policy.obs_device)
         b_values = policy.value(features)
-        next_values = policy.value(encode_in_chunks(policy, b_next_obs, rows)).view(num_decisions, num_envs)
+        next_values = next_observation_values(policy, batch, features, rows)
         values = b_values.view(num_decisions, num_envs)
         advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
         b_advantages, b_returns = advantages.flatten(), returns.flatten()

@@ -256,6 +256,7 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
     assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # the VLM is frozen
     assert results["update"]["decisions"] == 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert 0 < results["update"]["scoring_pass_seconds"] < results["update"]["seconds"]  # the update times its own scoring pass
     assert (results["prepare"]["rows_per_encode"], results["prepare_whole_batch"]["rows_per_encode"]) == (2, 4)
     assert results["publish_load_sample_v1"]["version"] == 1
     latency = results["decision_latency"]

@@ -68,6 +68,30 @@ def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint
     assert {k: v for k, v in metrics.items() if "seconds" not in k} == {k: v for k, v in metrics_again.items() if "seconds" not in k}
 
 
+def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """A chunk's next observation is its env's next decision's, unless an episode ended in the chunk (or the rollout
+    did): the critic's values of the next observations equal those of encoding every one, bit for bit, while only the
+    others are encoded."""
+    config = tiny_config(tmp_path, **{"env.max_episode_steps": 12})  # 3 chunks of 4 actions: episodes end mid-rollout
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(None, iteration=0)
+    policy, rows = FlowPolicy.from_pretrained(bc_checkpoint), 4
+    ended = batch.terminated | batch.truncated
+    assert ended[:-1].any() and not ended[:-1].all()  # both kinds of row in this rollout
+    batch.next_obs = batch.next_obs.copy()
+    batch.next_obs[0, 1] = np.nextafter(batch.next_obs[0, 1], np.inf)  # one last bit apart from what decision 1 read
+    with torch.no_grad():
+        plain = policy.value(policy.encode(batch.observations(after_chunk=True).flatten_leading().to_torch()))
+        features = policy.encode(batch.observations().flatten_leading().to_torch())
+        encoded, encode = [], policy.encode
+        monkeypatch.setattr(policy, "encode", lambda obs: encoded.append(obs.batch_shape[0]) or encode(obs))
+        values = learner_module.next_observation_values(policy, batch, features, rows)
+    assert torch.equal(values.flatten(), plain)
+    read_next = ~ended[:-1]
+    assert read_next[0, 1]  # the row changed above was one to reuse
+    read_next[0, 1] = False
+    assert sum(encoded) == batch.num_envs + int((~read_next).sum()) and max(encoded) <= rows
+
+
 def test_rollouts_are_reproducible_per_iteration(setup) -> None:
     _, actor, learner = setup
     weights = learner.broadcast()

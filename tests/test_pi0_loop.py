@@ -80,4 +80,5 @@ def test_gpu_bench_runs_the_recipe_at_test_size(recipe, capsys) -> None:
     assert "prepare" not in results and "publish_load_sample_v1" not in results
     assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # PaliGemma frozen
     assert results["update"]["decisions"] == 2 * 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert 0 < results["update"]["scoring_pass_seconds"] < results["update"]["seconds"]  # the update times its own scoring pass
     assert results["decision_latency"]["eager_batch1_aten_ops"] > 1000

@@ -114,8 +114,8 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights_on_smolvla(
 
 
 def test_the_learner_encodes_and_scores_one_micro_batch_at_a_time(smolvla_bc, tmp_path) -> None:
-    """prepare() encodes at most minibatch_size / grad_accum rows at a time, observations and next observations alike,
-    so a VLM's activations do not grow with the iteration (smolvla_base's shapes on an H100: 32 GiB peak for 512
+    """prepare() encodes at most minibatch_size / grad_accum rows at a time, observations and the next observations no
+    decision read alike, so a VLM's activations do not grow with the iteration (smolvla_base's shapes on an H100: 32 GiB peak for 512
     decisions at once, 17 GiB by 16; bench/smolvla_gpu.py), and scores the chains as many at a time (each denoising
     step copies the prefix cache of the rows it scores); its scores equal one whole-batch pass's."""
     config = tiny_run_config(tmp_path / "run", "algorithm.minibatch_size=4", "algorithm.grad_accum=2")
@@ -127,7 +127,8 @@ def test_the_learner_encodes_and_scores_one_micro_batch_at_a_time(smolvla_bc, tm
     policy.denoise = lambda features, action, t: denoised.append(action.shape[0]) or denoise(features, action, t)
     data = learner.prepare(batch)
     del policy.encode, policy.denoise
-    assert rows == [2, 2, 2, 2]  # 4 decisions' observations, then their next observations, 2 at a time
+    assert not (batch.terminated | batch.truncated)[:-1].any()
+    assert rows == [2, 2, 1]  # 4 decisions' observations 2 at a time, then the next observation of the last one
     assert denoised == [2] * (2 * policy.num_steps)  # the old log-probs: K steps for each of 2 micro-batches
     with torch.no_grad():
         whole = chain_log_prob(policy, policy.encode(batch.observations().flatten_leading().to_torch(policy.obs_device)), data.chains)

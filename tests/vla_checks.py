@@ -85,7 +85,8 @@ def check_noise_off_chain_reproduces_lerobot(policy: FlowPolicy, obs: Observatio
 def check_prefix_cache_kept(policy: FlowPolicy, obs: Observation) -> None:
     """lerobot 0.6's denoise_step appends the action tokens to its DynamicCache and crops them off in place; every
     velocity call gets a cache of its own, so the kept keys and values stay the prefix's, bit for bit, and the
-    same call after a whole chain gives the same velocity."""
+    same call after a whole chain gives the same velocity. The critic reads none of that cache: the learner keeps only
+    critic_features of the observations it values."""
     batch = obs.state.shape[0]
     a_t = torch.randn(batch, policy.chunk_size, policy.action_dim, generator=torch.Generator().manual_seed(16))
     t = torch.full((batch,), 0.5)
@@ -98,6 +99,9 @@ def check_prefix_cache_kept(policy: FlowPolicy, obs: Observation) -> None:
     assert torch.equal(first, again)
     assert all(keys.shape[1] == features.prefix_pad_mask.shape[1] for keys in features.key_states)
     assert all(torch.equal(before, after) for before, after in zip(kept, features.key_states + features.value_states))
+    critic_only = policy.critic_features(features)
+    assert not critic_only.key_states + critic_only.value_states
+    assert torch.equal(policy.value(critic_only), policy.value(features))
 
 
 def check_learner_log_probs_equal_actor_log_probs(policy: FlowPolicy, obs: Observation, directory: Path) -> None:

@@ -7,7 +7,7 @@ A backend provides these pieces, all on explicit tensors:
                               `index_features` slices any such structure, `concat_features` joins them.
   velocity(a_t, t, feats)  -> (B, H, A) flow velocity
   sigma(t, feats)          -> (B, H, A) injected-noise std, bounded to [sigma_min, sigma_max]
-  value(feats)             -> (B,) critic value
+  value(feats)             -> (B,) critic value; critic_features(feats) keeps only what value() reads
   encoder_is_trainable     -> whether a trainable parameter feeds encode(). When it does not, the learner
                               encodes each rollout once per iteration and reuses the features in every
                               PPO epoch and minibatch; when it does, it re-encodes every micro-batch.
@@ -155,6 +155,11 @@ class FlowPolicy(nn.Module, ABC):
     @abstractmethod
     def value(self, features: Any) -> Tensor:
         """features -> critic value (B,)."""
+
+    def critic_features(self, features: Any) -> Any:
+        """encode()'s output cut down to what value() reads, for the learner to keep many rows of cheaply. All of it
+        by default; a VLA drops its prefix cache."""
+        return features
 
     # -- normalisation: state and action statistics of the demonstrations, buffers saved with the weights --------
 

@@ -275,6 +275,9 @@ class VLAFlowPolicy(FlowPolicy):
         pick-and-place state depends on."""
         return self.critic_head(features.critic_input).squeeze(-1)
 
+    def critic_features(self, features: VLAFeatures) -> VLAFeatures:
+        return dataclasses.replace(features, key_states=(), value_states=())  # the critic reads no prefix cache
+
     def critic_parameter_names(self) -> list[str]:
         return [f"critic_head.{name}" for name, _ in self.critic_head.named_parameters()]
 
