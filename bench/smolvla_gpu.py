@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -384,6 +385,12 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     (section, name), value = item.split("=", 1)[0].split("."), yaml.safe_load(item.split("=", 1)[1])
                     setattr(getattr(variant, section), name, value)
                 variant.validate()
+                # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
+                state.pop("learner", None)
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
                 state["learner"] = Learner(variant, policy.to(device))
                 state["learner"].broadcast()

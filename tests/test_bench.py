@@ -268,6 +268,36 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
 
 
+def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):
+    """--update-variants: each variant's learner updates on the same rollouts, and is built after the previous learner
+    is gone, whose memory would otherwise count in the variant's peak."""
+    import weakref
+
+    from learner import learner as learner_module
+
+    built, alive_at_build = [], []
+
+    class Counted(learner_module.Learner):
+        def __init__(self, *args, **kwargs):
+            alive_at_build.append(sum(ref() is not None for ref in built))
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(learner_module, "Learner", Counted)
+    variants = "learner.recompute_steps=true;algorithm.grad_accum=1"
+    argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
+    assert smolvla_gpu.main(argv) == 0
+    results = printed(capsys)
+    assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
+    assert alive_at_build == [0, 0, 0]  # the main learner, then one per variant
+    for name in ("update", "update[learner.recompute_steps=true]", "update[algorithm.grad_accum=1]"):
+        assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    recomputed = results["update[learner.recompute_steps=true]"]
+    assert {key: recomputed[key] for key in results["update"] if "seconds" not in key} == {
+        key: value for key, value in results["update"].items() if "seconds" not in key
+    }  # recomputing the denoising steps changes no bit
+
+
 def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
     """The tiny SmolVLA's checkpoint loaded twice by each path (built with its initialisation, and without): the same
     tensors, the buffers no file holds included, and the speed-up is the quotient of the two times."""
