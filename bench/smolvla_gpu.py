@@ -18,6 +18,8 @@ latency of the bfloat16 actor at several batch sizes; one RolloutActor samples `
 0 (as that many actors would, each with its own seed); the Learner updates on all of them; the actor loads
 version 1 and samples again; the learner scores that rollout (behaviour gap at the new version). Prints JSON, then
 `name: value` lines; a failing stage is reported (`<stage>/error`) and the stages that do not depend on it still run.
+On CPU an update also reports the ATen ops it dispatched (`aten_ops`), so `--update-variants
+"learner.steps_in_one_pass=true"` shows the host work of scoring the denoising steps in one pass beside step by step.
 """
 
 from __future__ import annotations
@@ -347,8 +349,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                 return prepared
 
             learner.prepare = timed_prepare
+            counted = contextlib.nullcontext() if cuda else OpCounter()  # on CPU, the host's ops (the profiler: decisions only)
             try:
-                with warnings.catch_warnings(record=True) as caught:
+                with warnings.catch_warnings(record=True) as caught, counted:
                     warnings.simplefilter("always", BehaviourGapWarning)
                     start = clock.now()
                     metrics = learner.update(batch)
@@ -358,7 +361,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             keep = ("logprob/behaviour_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac", "losses/approx_kl",
                     "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[0], "decisions": batch.num_decisions * batch.num_envs,
-                    **{k: metrics[k] for k in keep if k in metrics},
+                    **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else counted.counts()),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
 
         def publish_and_load() -> dict[str, Any]:

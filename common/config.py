@@ -339,6 +339,11 @@ class LearnerConfig:
     # (torch.utils.checkpoint), the same numbers bit for bit. The update's activations shrink to about one step's, at
     # one more forward pass per step: for a VLA learner that does not fit its GPU otherwise (docs/pi0.md).
     recompute_steps: bool = False
+    # Score a chain's K denoising steps in one pass over K x B rows (each row's prefix features repeated K times)
+    # instead of K passes over B: K times fewer kernel launches, in larger kernels, for a learner bound by its
+    # launches, holding K steps' inputs at once. The log-probs differ from the step-by-step ones by float rounding;
+    # the learner scores old and new log-probs the same way, so the ratio check holds (common.flow.all_transitions).
+    steps_in_one_pass: bool = False
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3
@@ -356,6 +361,10 @@ class LearnerConfig:
         _ray_resources(path, self.num_gpus, self.resources)
         require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         require_choice(self, path, "precision", ("float32", "bfloat16"))
+        require(
+            not (self.recompute_steps and self.steps_in_one_pass),
+            f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
+        )
         require_positive(self, path, "nonfinite_backoff_after")
         require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
         require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")

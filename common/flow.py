@@ -6,7 +6,7 @@ The chain of one decision is a_0 -> a_1 -> ... -> a_K, shape (K+1, H, A) per sam
 and a_K is the executed (normalised) action chunk. Every transition is an explicit Gaussian, so the
 probability of a recorded chain is exact: no likelihood estimate is needed for PPO.
 
-`time_grid` is the ONLY place the denoising times are defined; `transition` is the only place a
+`time_grid` is the ONLY place the denoising times are defined; `gaussian_step` is the only place a
 transition's mean and std are computed. Sampling and scoring both go through them, which is what makes
 a freshly sampled chain score with ratio exactly 1 (a public ReinFlow release sampled on
 linspace(0, 1, K) and scored on linspace(0, 1 - dt, K), and its ratio check failed for K > 1).
@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from common.policy import FlowPolicy
+from common.policy import FlowPolicy, index_features
 
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -54,11 +54,28 @@ def step_time(num_steps: int, k: int, batch_size: int, device: torch.device) -> 
     return times[k].expand(batch_size), dt
 
 
+def gaussian_step(policy: FlowPolicy, features: Any, action: Tensor, t: Tensor, dt: float) -> tuple[Tensor, Tensor]:
+    """Mean and std (B, H, A) of the Gaussian step from `action` at times t (B,): the one place they are computed."""
+    mean = action + policy.velocity(action, t, features) * dt
+    return mean, policy.sigma(t, features)
+
+
 def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}."""
     t, dt = step_time(policy.num_steps, k, action.shape[0], action.device)
-    mean = action + policy.velocity(action, t, features) * dt
-    return mean, policy.sigma(t, features)
+    return gaussian_step(policy, features, action, t, dt)
+
+
+def all_transitions(policy: FlowPolicy, features: Any, chain: Tensor) -> tuple[Tensor, Tensor]:
+    """Means and stds (B, K, H, A) of every step of recorded chains (B, K+1, H, A) in one pass: row k * B + b is chain
+    b's step k, at t_k of time_grid and with chain b's features, so the model runs once over K * B rows instead of K
+    times over B. The same steps as transition's, up to float rounding in the larger kernels."""
+    batch, steps = chain.shape[0], policy.num_steps
+    times, dt = time_grid(steps, chain.device)
+    actions = chain[:, :-1].transpose(0, 1).reshape(steps * batch, *chain.shape[2:])
+    rows = torch.arange(batch, device=chain.device).repeat(steps)
+    mean, std = gaussian_step(policy, index_features(features, rows), actions, times.repeat_interleave(batch), dt)
+    return mean.view(steps, batch, *mean.shape[1:]).transpose(0, 1), std.view(steps, batch, *std.shape[1:]).transpose(0, 1)
 
 
 def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
@@ -140,12 +157,19 @@ def sample_chain(
     return ChainSample(chain_t, _score(policy, chain_t, torch.stack(means, 1), torch.stack(stds, 1)))
 
 
-def chain_log_prob(policy: FlowPolicy, features: Any, chain: Tensor, recompute_steps: bool = False) -> ChainLogProb:
+def chain_log_prob(
+    policy: FlowPolicy, features: Any, chain: Tensor, recompute_steps: bool = False, steps_in_one_pass: bool = False
+) -> ChainLogProb:
     """Exact log-prob of recorded chains (B, K+1, H, A) under the policy's current weights. recompute_steps: keep no
-    step's activations for a backward pass, which runs each step's forward again (learner.recompute_steps)."""
+    step's activations for a backward pass, which runs each step's forward again (learner.recompute_steps).
+    steps_in_one_pass: all K steps in one pass (all_transitions; learner.steps_in_one_pass)."""
     expected = (policy.num_steps + 1, policy.chunk_size, policy.action_dim)
     if tuple(chain.shape[1:]) != expected:
         raise ValueError(f"chain has shape {tuple(chain.shape)}, expected (B, {expected}) for this policy (K+1, H, A)")
+    if steps_in_one_pass:
+        if recompute_steps:
+            raise ValueError("steps_in_one_pass keeps every step's activations at once: it cannot recompute them step by step")
+        return _score(policy, chain, *all_transitions(policy, features, chain))
     if recompute_steps and torch.is_grad_enabled():
         step = functools.partial(torch.utils.checkpoint.checkpoint, transition, use_reentrant=False)
     else:

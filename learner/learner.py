@@ -150,11 +150,11 @@ def bit_pattern(array: np.ndarray) -> np.ndarray:
     return array.view(np.dtype(f"u{array.dtype.itemsize}")) if array.dtype != np.bool_ else array
 
 
-def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int) -> ChainLogProb:
+def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int, steps_in_one_pass: bool) -> ChainLogProb:
     """chain_log_prob over `rows` chains at a time, joined. A VLA's denoising step copies the prefix cache of every row
     it scores, so scoring a whole iteration at once would hold a second copy of the iteration's cache (docs/pi0.md)."""
-    return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows])
-                            for start in range(0, len(chains), rows)])  # fmt: skip
+    return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows],
+                                           steps_in_one_pass=steps_in_one_pass) for start in range(0, len(chains), rows)])  # fmt: skip
 
 
 def _numpy(values: Tensor | np.ndarray) -> np.ndarray:
@@ -408,8 +408,9 @@ class Learner:
         b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
         rows = micro_batch_rows(cfg, len(b_chains))  # the most rows the update's model sees at once
+        one_pass = self.config.learner.steps_in_one_pass  # the update's passes score the same way
         features = encode_in_chunks(policy, b_obs, rows)
-        old = score_in_chunks(policy, features, b_chains, rows)
+        old = score_in_chunks(policy, features, b_chains, rows, one_pass)
         # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
         # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
         lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
@@ -417,7 +418,7 @@ class Learner:
         if lag:
             with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
                 behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
-                behaviour = score_in_chunks(policy, behaviour_features, b_chains, rows)
+                behaviour = score_in_chunks(policy, behaviour_features, b_chains, rows, one_pass)
         behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
         metrics = {
             "logprob/old_mean": old.log_prob.mean().item(),
@@ -433,7 +434,7 @@ class Learner:
         if self.reference is not None:
             # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
             ref_features = encode_in_chunks(self.reference, b_obs, rows) if policy.encoder_is_trainable else features
-            reference = score_in_chunks(self.reference, ref_features, b_chains, rows)
+            reference = score_in_chunks(self.reference, ref_features, b_chains, rows, one_pass)
             kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
             metrics.update({
                 "kl_ref/mean": kl.mean().item(),
@@ -594,7 +595,8 @@ class Learner:
         deviation = 0.0
         for micro in mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds))):
             features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-            new = chain_log_prob(policy, features, data.chains[micro], self.config.learner.recompute_steps)
+            learner_cfg = self.config.learner
+            new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
             loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
             logratio = new.log_prob - data.old_log_probs[micro]
             finite = {"new log-prob": new.log_prob, "ratio": logratio.exp(), **{k: metrics[k] for k in LOSS_TERMS if k in metrics}}

@@ -284,18 +284,23 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
             built.append(weakref.ref(self))
 
     monkeypatch.setattr(learner_module, "Learner", Counted)
-    variants = "learner.recompute_steps=true;algorithm.grad_accum=1"
+    variants = "learner.recompute_steps=true;algorithm.grad_accum=1;learner.steps_in_one_pass=true"
     argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
-    assert alive_at_build == [0, 0, 0]  # the main learner, then one per variant
-    for name in ("update", "update[learner.recompute_steps=true]", "update[algorithm.grad_accum=1]"):
+    assert alive_at_build == [0, 0, 0, 0]  # the main learner, then one per variant
+    for name in (
+        "update",
+        "update[learner.recompute_steps=true]",
+        "update[algorithm.grad_accum=1]",
+        "update[learner.steps_in_one_pass=true]",
+    ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     recomputed = results["update[learner.recompute_steps=true]"]
-    assert {key: recomputed[key] for key in results["update"] if "seconds" not in key} == {
-        key: value for key, value in results["update"].items() if "seconds" not in key
-    }  # recomputing the denoising steps changes no bit
+    numbers = [key for key in results["update"] if "seconds" not in key and key != "aten_ops"]  # not the work's cost
+    assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
+    assert 0 < results["update[learner.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
 
 
 def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):

@@ -338,6 +338,11 @@ BAD_INPUTS = [
     (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
     (["--set", "actors.precision=fp8"], r"actors\.precision must be one of", None),
+    (
+        ["--set", "learner.recompute_steps=true", "--set", "learner.steps_in_one_pass=true"],
+        r"learner\.recompute_steps and learner\.steps_in_one_pass: choose one",
+        None,
+    ),
     (["--resume"], r"--resume: no checkpoint under", None),
     (["--resume", "--allow-config-change", "learner.nonsense"], r"--allow-config-change names no config field", None),
 ]

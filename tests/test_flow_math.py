@@ -44,18 +44,42 @@ def independent_log_prob(policy: MLPFlowPolicy, obs: torch.Tensor, chain: torch.
 
 @pytest.mark.parametrize("num_steps", [1, 2, 4, 10])
 @pytest.mark.parametrize("normalization", ["sum", "mean"])
-def test_chain_log_prob_matches_torch_distributions(num_steps: int, normalization: str) -> None:
+@pytest.mark.parametrize("steps_in_one_pass", [False, True])
+def test_chain_log_prob_matches_torch_distributions(num_steps: int, normalization: str, steps_in_one_pass: bool) -> None:
     policy = make_policy(num_steps, log_prob_normalization=normalization)
     obs = torch.randn(7, 6)
     with torch.no_grad():
         chain = sample_chain(policy, policy.encode(Observation(obs)), 7, generator=torch.Generator().manual_seed(1)).chain
         expected_sum = independent_log_prob(policy, obs, chain)
-        scored = chain_log_prob(policy, policy.encode(Observation(obs)), chain)
+        scored = chain_log_prob(policy, policy.encode(Observation(obs)), chain, steps_in_one_pass=steps_in_one_pass)
     elements = (num_steps + 1) * 2 * 3
     assert num_log_prob_elements(policy) == elements
     torch.testing.assert_close(scored.log_prob_per_element, expected_sum / elements, rtol=1e-5, atol=1e-5)
     expected = expected_sum if normalization == "sum" else expected_sum / elements
     torch.testing.assert_close(scored.log_prob, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_steps_in_one_pass_give_the_step_by_steps_gradients_and_refuse_recomputing() -> None:
+    """All K steps as one pass of K x B rows: the same log-probs, means, stds and gradients as K passes, up to float
+    rounding; recomputing step by step has no steps to recompute there, and is refused."""
+    policy = make_policy(10, init_noise_std=1.0)
+    features = policy.encode(Observation(torch.randn(5, 6)))
+    with torch.no_grad():
+        chain = sample_chain(policy, features, 5, generator=torch.Generator().manual_seed(2)).chain
+    results = []
+    for one_pass in (False, True):
+        policy.zero_grad()
+        scored = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass)
+        scored.log_prob.sum().backward()
+        results.append((scored, {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}))
+    (steps, step_grads), (one, one_grads) = results
+    for name in ("log_prob", "entropy", "mean", "std"):
+        torch.testing.assert_close(getattr(one, name), getattr(steps, name), rtol=1e-5, atol=1e-6)
+    assert step_grads.keys() == one_grads.keys() and any(name.startswith("noise_net") for name in one_grads)
+    for name, grad in step_grads.items():
+        torch.testing.assert_close(one_grads[name], grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="steps_in_one_pass"):
+        chain_log_prob(policy, features, chain, recompute_steps=True, steps_in_one_pass=True)
 
 
 def test_zero_init_noise_drops_the_a0_term() -> None:

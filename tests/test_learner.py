@@ -60,12 +60,38 @@ def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint
     again = Learner(recomputing, FlowPolicy.from_pretrained(bc_checkpoint))
     metrics = plain.update(batch)
     asked, score = [], learner_module.chain_log_prob
-    monkeypatch.setattr(learner_module, "chain_log_prob", lambda *args: asked.append(args[3:]) or score(*args))
+    monkeypatch.setattr(learner_module, "chain_log_prob", lambda *args, **kwargs: asked.append(args[3:4]) or score(*args, **kwargs))
     metrics_again = again.update(batch)
     assert (True,) in asked  # the update's passes recompute (the scoring pass, without gradients, has nothing to keep)
     after, after_again = params(plain.policy), params(again.policy)
     assert after.keys() == after_again.keys() and all(torch.equal(after[k], after_again[k]) for k in after)
     assert {k: v for k, v in metrics.items() if "seconds" not in k} == {k: v for k, v in metrics_again.items() if "seconds" not in k}
+
+
+def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setup, bc_checkpoint, monkeypatch) -> None:
+    """learner.steps_in_one_pass scores old and new log-probs alike in one pass of K x B rows: the ratio starts at 1,
+    and the update lands where the step-by-step one does, up to float rounding."""
+    config, actor, plain = setup
+    batch = actor.sample(None, iteration=0)
+    one_pass_config = copy.deepcopy(config)
+    one_pass_config.learner.steps_in_one_pass = True
+    one_pass = Learner(one_pass_config, FlowPolicy.from_pretrained(bc_checkpoint))
+    metrics = plain.update(batch)
+    asked, score = [], learner_module.chain_log_prob
+
+    def scored(*args, **kwargs):
+        asked.append(kwargs["steps_in_one_pass"] if "steps_in_one_pass" in kwargs else args[4])
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "chain_log_prob", scored)
+    metrics_one_pass = one_pass.update(batch)
+    assert len(asked) > 2 and all(asked)  # the scoring pass and every step
+    assert metrics_one_pass["ppo/first_minibatch_ratio_dev"] <= 1e-6
+    assert metrics_one_pass["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"]
+    after, after_one_pass = params(plain.policy), params(one_pass.policy)
+    assert any(not torch.equal(after[k], params(FlowPolicy.from_pretrained(bc_checkpoint))[k]) for k in after)
+    for name, value in after.items():
+        torch.testing.assert_close(after_one_pass[name], value, rtol=1e-4, atol=1e-5)
 
 
 def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:

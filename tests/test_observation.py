@@ -170,8 +170,9 @@ def test_rollout_record_carries_compact_frames_and_tokens() -> None:
 
 
 def test_cached_features_update_exactly_like_re_encoding(tmp_path, bc_checkpoint, monkeypatch) -> None:
-    """The MLP's encoder is frozen, so the learner encodes once per iteration (obs and next_obs, each by micro-batch);
-    forcing the per-micro-batch path gives bit-identical weights, with one more encode() per micro-batch of the update."""
+    """The MLP's encoder is frozen, so the learner encodes once per iteration (obs, and the next observations no
+    decision read, each by micro-batch); forcing the per-micro-batch path gives bit-identical weights, with one more
+    encode() per micro-batch of the update."""
     config = tiny_config(tmp_path, **{"algorithm.grad_accum": 2})
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
     results = {}
@@ -187,9 +188,11 @@ def test_cached_features_update_exactly_like_re_encoding(tmp_path, bc_checkpoint
     cached_state, cached_calls, steps = results[False]
     fresh_state, fresh_calls, _ = results[True]
     micro = config.algorithm.minibatch_size // config.algorithm.grad_accum
-    chunks = math.ceil(batch.num_decisions * batch.num_envs / micro)  # prepare's encodes of obs, and of next_obs
-    assert chunks > 1 and max(calls) <= micro
-    assert cached_calls == 2 * chunks and fresh_calls == 2 * chunks + steps * 2  # two micro-batches per minibatch
+    chunks = math.ceil(batch.num_decisions * batch.num_envs / micro)  # prepare's encodes of obs
+    unread = batch.num_envs + int((batch.terminated | batch.truncated)[:-1].sum())  # the last decision's, and episode ends
+    chunks += math.ceil(unread / micro)  # and of the next observations no decision read
+    assert chunks > 2 and max(calls) <= micro
+    assert cached_calls == chunks and fresh_calls == chunks + steps * 2  # two micro-batches per minibatch
     for name, tensor in cached_state.items():
         assert torch.equal(tensor, fresh_state[name]), name
 

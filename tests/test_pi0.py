@@ -176,6 +176,10 @@ def test_recomputed_denoising_steps_keep_less_for_the_same_gradients(policy) -> 
     vla_checks.check_recomputed_steps_keep_less_for_the_same_gradients(policy, vla_checks.tiny_observations(policy, 2))
 
 
+def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy) -> None:
+    vla_checks.check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy, vla_checks.tiny_observations(policy, 2))
+
+
 @pytest.mark.parametrize("policy_type", TYPES)
 def test_train_keeps_the_lerobot_model_in_eval_mode(policy_type) -> None:
     policy = tiny_policy(policy_type, pi0={"train_vlm": True})

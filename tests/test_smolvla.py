@@ -44,6 +44,7 @@ from tests.vla_checks import (
     check_reinit_state_proj,
     check_round_trip_and_strict_refusal,
     check_sampling_reads_frames_instruction_and_state,
+    check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops,
     check_train_keeps_the_lerobot_model_in_eval_mode,
     ppo_step_changes,
     tiny_observations,
@@ -213,6 +214,11 @@ def test_autocast_alone_recasts_the_frozen_backbone_at_every_call() -> None:
 def test_recomputed_denoising_steps_keep_less_for_the_same_gradients() -> None:
     policy = tiny_policy()
     check_recomputed_steps_keep_less_for_the_same_gradients(policy, tiny_observations(policy, 2))
+
+
+def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops() -> None:
+    policy = tiny_policy()
+    check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy, tiny_observations(policy, 2))
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:

@@ -154,6 +154,39 @@ def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, 
     assert kept_again < kept_plain / 2, (kept_again, kept_plain)
 
 
+def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:
+    """learner.steps_in_one_pass: the model's K denoising steps as one pass over K x B rows. The same log-probs and
+    gradients as step by step, up to float rounding, from fewer than half the ATen ops forward and back (each op a
+    kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        features = policy.encode(obs)
+        chain = sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=torch.Generator().manual_seed(4)).chain
+    runs = []
+    for one_pass in (False, True):
+        policy.zero_grad(set_to_none=True)
+        Ops.count = 0
+        with Ops():
+            log_prob = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass).log_prob
+            log_prob.sum().backward()
+        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, Ops.count))
+    policy.zero_grad(set_to_none=True)
+    (steps, grads, ops_steps), (one, grads_one, ops_one) = runs
+    torch.testing.assert_close(one, steps, rtol=1e-5, atol=1e-5)
+    assert grads and grads.keys() == grads_one.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_one[name], grad, rtol=1e-3, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+    assert policy.num_steps >= 2 and ops_one < ops_steps / 2, (ops_one, ops_steps)
+
+
 def check_train_keeps_the_lerobot_model_in_eval_mode(policy: FlowPolicy, obs: Observation) -> None:
     """With the VLM trainable (its tiny vision tower has attention dropout 0.1), lerobot's own train() no longer keeps
     it in eval mode, so an unguarded train() makes the features random; the backend's train() does not."""

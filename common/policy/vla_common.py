@@ -257,13 +257,13 @@ class VLAFlowPolicy(FlowPolicy):
 
     def sigma(self, t: Tensor, features: VLAFeatures) -> Tensor:
         """Injected-noise std (B, H, A) from the expert hidden state of the velocity() call just before,
-        at the same t and features (common.flow.transition calls them in that order). The head sees the
+        at the same t and features (common.flow.gaussian_step calls them in that order). The head sees the
         noisy action through that hidden state, which the interface's sigma(t, features) does not pass."""
         stash, features.last_expert_hidden = features.last_expert_hidden, None
         if stash is None or stash[0] is not t:
             raise RuntimeError(
                 f"{type(self).__name__}.sigma(t, features) reads the expert hidden state of the velocity(action, t, features) call "
-                "made just before it with the same t and features objects (as common.flow.transition does); call velocity first"
+                "made just before it with the same t and features objects (as common.flow.gaussian_step does); call velocity first"
             )
         return bounded_sigma(self.noise_head(stash[1]), self.config.sigma_min, self.config.sigma_max)
 
