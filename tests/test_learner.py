@@ -51,13 +51,19 @@ def test_update_changes_weights_with_ratio_one_first(setup) -> None:
     assert torch.equal(actor.policy.velocity_net[0].weight, learner.policy.velocity_net[0].weight)
 
 
+def learner_with(config: RunConfig, checkpoint, **learner_fields) -> Learner:
+    """A learner from `checkpoint` with learner.<field> set as given, beside the fixture's."""
+    variant = copy.deepcopy(config)
+    for name, value in learner_fields.items():
+        setattr(variant.learner, name, value)
+    return Learner(variant, FlowPolicy.from_pretrained(checkpoint))
+
+
 def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint, monkeypatch) -> None:
     """learner.recompute_steps runs each step's forward again in the backward pass: the same update, bit for bit."""
     config, actor, plain = setup
     batch = actor.sample(None, iteration=0)
-    recomputing = copy.deepcopy(config)
-    recomputing.learner.recompute_steps = True
-    again = Learner(recomputing, FlowPolicy.from_pretrained(bc_checkpoint))
+    again = learner_with(config, bc_checkpoint, recompute_steps=True)
     metrics = plain.update(batch)
     asked, score = [], learner_module.chain_log_prob
     monkeypatch.setattr(learner_module, "chain_log_prob", lambda *args, **kwargs: asked.append(args[3:4]) or score(*args, **kwargs))
@@ -73,9 +79,7 @@ def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setu
     and the update lands where the step-by-step one does, up to float rounding."""
     config, actor, plain = setup
     batch = actor.sample(None, iteration=0)
-    one_pass_config = copy.deepcopy(config)
-    one_pass_config.learner.steps_in_one_pass = True
-    one_pass = Learner(one_pass_config, FlowPolicy.from_pretrained(bc_checkpoint))
+    one_pass = learner_with(config, bc_checkpoint, steps_in_one_pass=True)
     metrics = plain.update(batch)
     asked, score = [], learner_module.chain_log_prob
 

@@ -128,12 +128,18 @@ def bf16_actor_gap(policy: FlowPolicy, actor: FlowPolicy, obs: Observation) -> f
     return float((rescored.log_prob - sample.scores.log_prob).abs().max())
 
 
+def encoded_chain(policy: FlowPolicy, obs: Observation, seed: int) -> tuple[object, Tensor]:
+    """The observations' features and one stochastic chain sampled on them, without gradients."""
+    with torch.no_grad():
+        features = policy.encode(obs)
+        generator = torch.Generator().manual_seed(seed)
+        return features, sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=generator).chain
+
+
 def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, obs: Observation) -> None:
     """learner.recompute_steps: the same log-probs and gradients, bit for bit, while the backward pass keeps less than
     half the bytes (each step's forward runs again inside it)."""
-    with torch.no_grad():
-        features = policy.encode(obs)
-        chain = sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=torch.Generator().manual_seed(3)).chain
+    features, chain = encoded_chain(policy, obs, seed=3)
     runs = []
     for recompute in (False, True):
         policy.zero_grad(set_to_none=True)
@@ -167,9 +173,7 @@ def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPol
             Ops.count += 1
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad():
-        features = policy.encode(obs)
-        chain = sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=torch.Generator().manual_seed(4)).chain
+    features, chain = encoded_chain(policy, obs, seed=4)
     runs = []
     for one_pass in (False, True):
         policy.zero_grad(set_to_none=True)
