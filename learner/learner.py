@@ -589,13 +589,12 @@ class Learner:
     ) -> tuple[dict[str, float], float]:
         """One optimiser step on the decisions mb_inds of `data`, accumulated over cfg.grad_accum micro-batches. Returns the
         minibatch's metrics and, when `first` (no step yet this iteration: the old log-probs' weights), max |ratio - 1|."""
-        cfg, policy = self.cfg, self.policy
+        cfg, policy, learner_cfg = self.cfg, self.policy, self.config.learner
         self.optimizer.zero_grad(set_to_none=True)
         terms: dict[str, list[float]] = {}
         deviation = 0.0
         for micro in mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds))):
             features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-            learner_cfg = self.config.learner
             new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
             loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
             logratio = new.log_prob - data.old_log_probs[micro]
