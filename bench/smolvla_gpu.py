@@ -15,11 +15,15 @@ learning.
 
 Stages: write the backbone and the stand-in, load it strictly and save the policy checkpoint; chunk-decision
 latency of the bfloat16 actor at several batch sizes; one RolloutActor samples `--rollouts` rollouts with version
-0 (as that many actors would, each with its own seed); the Learner updates on all of them; the actor loads
+0 (as that many actors would, each with its own seed); the Learner updates on all of them (an update that trains
+the actor: the recipe's critic warm-up, whose updates take no gradient through the chains, is left out); the actor loads
 version 1 and samples again; the learner scores that rollout (behaviour gap at the new version). Prints JSON, then
 `name: value` lines; a failing stage is reported (`<stage>/error`) and the stages that do not depend on it still run.
 On CPU an update also reports the ATen ops it dispatched (`aten_ops`), so `--update-variants
-"learner.steps_in_one_pass=true"` shows the host work of scoring the denoising steps in one pass beside step by step.
+"learner.steps_in_one_pass=true"` shows the host work of scoring the denoising steps in one pass beside step by step,
+and its floating-point operations (`flops`, `scoring_pass_flops`, `vision_flops`). Each batch size's decision reports
+its FLOPs (`batch<N>_flops`, the encode's and the vision tower's apart) and the TFLOP/s each path reaches: a GPU's
+arithmetic set against its time. FLOPs depend on the shapes only, so a full-size run on CPU counts them for a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import numpy as np
 import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -162,11 +167,15 @@ def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> R
 
 
 class LaunchProfile(torch.profiler.profile):
-    """The profiler over one decision on a GPU: ATen ops dispatched, and CUDA kernel and graph launches."""
+    """The profiler over one decision on a GPU: ATen ops dispatched, CUDA kernel and graph launches, and the seconds
+    the GPU spent in kernels (what its table totals as self CUDA time): against the decision's wall time, how busy
+    the GPU was; against its FLOPs, how fast its kernels ran."""
 
-    def counts(self) -> dict[str, int]:
-        counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}
+    def counts(self) -> dict[str, float]:
+        counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0, "kernel_seconds": 0.0}
         for event in self.key_averages():
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+                counts["kernel_seconds"] += event.self_device_time_total / 1e6
             if event.key.startswith("aten::"):
                 counts["aten_ops"] += event.count
             elif event.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC"):
@@ -195,6 +204,48 @@ class OpCounter(TorchDispatchMode):
 def host_work_counter(device: torch.device) -> LaunchProfile | OpCounter:
     """What one decision asks of the host: the profiler's counts on a GPU, the dispatched ops on CPU."""
     return LaunchProfile() if device.type == "cuda" else OpCounter()
+
+
+# torch counts the attention kernels of a GPU; on CPU, SDPA runs these, whose arguments start as the GPU kernels' do.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda query, key, value, *_, **__: sdpa_flop_count(query, key, value),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad_out, query, key, value, *_, **__: sdpa_backward_flop_count(grad_out, query, key, value)
+    ),
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+
+
+def vision_flops(counter: FlopCounterMode) -> int:
+    """The part of a FlopCounterMode's count in a vision tower: the modules whose class names a vision transformer."""
+    return sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if "." not in name and "Vision" in name)
+
+
+def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int]:
+    """The floating-point operations of one decision (matmuls, convolutions, attention: what sets a GPU's work), the
+    encode's and its vision tower's apart, counted on the eager path. They depend on the shapes only, so a CPU run
+    counts what a GPU does, and flops / seconds is the throughput a path reaches."""
+    from common.rollout import decide
+
+    encodes: list[FlopCounterMode] = []
+
+    def counted_encode(observation: Observation, encode: Callable = policy.encode) -> Any:
+        with flop_counter() as counter:
+            features = encode(observation)
+        encodes.append(counter)
+        return features
+
+    policy.encode = counted_encode
+    try:
+        with torch.no_grad(), actor.precision(), flop_counter() as whole:
+            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+    finally:
+        del policy.encode  # the method again
+    (encoded,) = encodes
+    return {"flops": whole.get_total_flops(), "encode_flops": encoded.get_total_flops(), "vision_flops": vision_flops(encoded)}
 
 
 def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:
@@ -234,11 +285,15 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                     figures[f"graph_batch{batch}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     kept = policy.decision_graph = None
                     break
-                figures[f"{path}_batch{batch}_seconds"] = statistics.median(times[1:])
+                seconds = figures[f"{path}_batch{batch}_seconds"] = statistics.median(times[1:])
+                if path == "eager":  # the same arithmetic on either path
+                    figures.update({f"batch{batch}_{name}": count for name, count in decision_flops(policy, obs, actor).items()})
+                figures[f"{path}_batch{batch}_tflop_per_second"] = figures[f"batch{batch}_flops"] / seconds / 1e12
                 figures.update({f"{path}_batch{batch}_{name}": count for name, count in counted.counts().items()})
                 if profile and batch == batch_sizes[0] and isinstance(counted, torch.profiler.profile):
-                    print(f"[smolvla_gpu] one {path} decision for {batch} envs, by CPU time:", flush=True)
-                    print(counted.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+                    for clock_name, sort_by in (("CPU", "self_cpu_time_total"), ("GPU", "self_device_time_total")):
+                        print(f"[smolvla_gpu] one {path} decision for {batch} envs, by {clock_name} time:", flush=True)
+                        print(counted.key_averages().table(sort_by=sort_by, row_limit=20), flush=True)
             if policy.decision_graph is None:
                 continue
             graph = policy.decision_graph
@@ -282,6 +337,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             config, checkpoint, counts = write_inputs(work, args.size, args.set, args.recipe)
             if not cuda:  # the recipe asks for GPUs; the tiny path runs where it is
                 config.actors.num_gpus = config.learner.num_gpus = 0.0
+            # The update measured is one that trains the actor, as every update after the recipe's first few does: a
+            # critic warm-up update scores the chains but takes no gradient through them.
+            config.algorithm.critic_warmup_iters = 0
             built.update(config=config, checkpoint=checkpoint)
             return {**counts, "seconds": time.perf_counter() - start}
 
@@ -341,17 +399,19 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps."""
             batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
             scoring: list[float] = []
+            # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
+            ops, flops, scoring_flops = (None, None, None) if cuda else (OpCounter(), flop_counter(), flop_counter())
 
             def timed_prepare(rollout: RolloutBatch, prepare: Callable = learner.prepare) -> Any:
                 start = clock.now()
-                prepared = prepare(rollout)
+                with scoring_flops or contextlib.nullcontext():
+                    prepared = prepare(rollout)
                 scoring.append(clock.now() - start)
                 return prepared
 
             learner.prepare = timed_prepare
-            counted = contextlib.nullcontext() if cuda else OpCounter()  # on CPU, the host's ops (the profiler: decisions only)
             try:
-                with warnings.catch_warnings(record=True) as caught, counted:
+                with warnings.catch_warnings(record=True) as caught, ops or contextlib.nullcontext(), flops or contextlib.nullcontext():
                     warnings.simplefilter("always", BehaviourGapWarning)
                     start = clock.now()
                     metrics = learner.update(batch)
@@ -359,9 +419,10 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             finally:
                 del learner.prepare  # the method again
             keep = ("logprob/behaviour_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac", "losses/approx_kl",
-                    "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean")  # fmt: skip
+                    "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean", "ppo/actor_lr")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[0], "decisions": batch.num_decisions * batch.num_envs,
-                    **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else counted.counts()),
+                    **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else {**ops.counts(), "flops": flops.get_total_flops(),
+                       "scoring_pass_flops": scoring_flops.get_total_flops(), "vision_flops": vision_flops(flops)}),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
 
         def publish_and_load() -> dict[str, Any]:
@@ -439,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STAGE[,STAGE]",
         help=f"leave out these optional stages: {', '.join(OPTIONAL_STAGES)} (the update times its own scoring pass)",
     )
-    parser.add_argument("--profile", action="store_true", help="print the profiler tables of one eager and one graphed decision")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the profiler tables (by CPU and by GPU time) of one eager and one graphed decision")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)

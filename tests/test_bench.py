@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from bench import broadcast, env_step, libero_step, overhead, policy_load, recompute, rllib_ppo, smolvla_gpu, startup, throughput
 from bench.report import ProcessTreeCPU, flatten
@@ -256,6 +257,7 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
     assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # the VLM is frozen
     assert results["update"]["decisions"] == 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert results["update"]["ppo/actor_lr"] > 0  # an update that trains the actor, not the recipe's critic warm-up
     assert 0 < results["update"]["scoring_pass_seconds"] < results["update"]["seconds"]  # the update times its own scoring pass
     assert (results["prepare"]["rows_per_encode"], results["prepare_whole_batch"]["rows_per_encode"]) == (2, 4)
     assert results["publish_load_sample_v1"]["version"] == 1
@@ -264,6 +266,10 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     # launches to count (the profiler runs on a GPU only).
     assert latency["eager_batch2_aten_ops"] > latency["eager_batch1_aten_ops"] > 1000 and "eager_batch1_kernel_launches" not in latency
     assert not [name for name in latency if name.startswith("graph_")]
+    # FLOPs: every env's decision is the same arithmetic; the vision tower is part of the encode, the encode of the decision.
+    assert latency["batch2_flops"] == 2 * latency["batch1_flops"]
+    assert 0 < latency["batch1_vision_flops"] < latency["batch1_encode_flops"] < latency["batch1_flops"]
+    assert 0 < results["update"]["vision_flops"] <= results["update"]["scoring_pass_flops"] < results["update"]["flops"]
     assert_positive(latency["eager_batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
 
@@ -298,9 +304,30 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     recomputed = results["update[learner.recompute_steps=true]"]
-    numbers = [key for key in results["update"] if "seconds" not in key and key != "aten_ops"]  # not the work's cost
+    numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(("aten_ops", "flops"))]  # not the work's cost
     assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
     assert 0 < results["update[learner.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
+
+
+@pytest.mark.parametrize("heads, query_length, key_length", [(2, 5, 5), (4, 3, 7)])
+def test_flops_of_attention_on_cpu_are_those_of_its_matmuls(heads, query_length, key_length):
+    """SDPA on CPU runs kernels torch's FLOP counter has no formula for; the bench's formulas count what the same
+    attention costs written as its two matmuls (q k^T, then by v), and backward their four gradient matmuls plus the
+    scores q k^T again, which a fused kernel recomputes rather than keeps."""
+    query = torch.randn(3, heads, query_length, 8, requires_grad=True)
+    key, value = torch.randn(3, heads, key_length, 8, requires_grad=True), torch.randn(3, heads, key_length, 8, requires_grad=True)
+
+    def counted(attention):
+        with smolvla_gpu.flop_counter() as forward:
+            out = attention()
+        with smolvla_gpu.flop_counter() as backward:
+            out.sum().backward()
+        return forward.get_total_flops(), backward.get_total_flops()
+
+    fused = counted(lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value))
+    written_out = counted(lambda: torch.softmax(query @ key.transpose(-1, -2) / 8**0.5, dim=-1) @ value)
+    scores = 2 * 3 * heads * query_length * key_length * 8  # q k^T, and as many by v (the same head size)
+    assert fused[0] == written_out[0] == 2 * scores and fused[1] == written_out[1] + scores
 
 
 def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):

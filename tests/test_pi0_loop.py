@@ -82,3 +82,7 @@ def test_gpu_bench_runs_the_recipe_at_test_size(recipe, capsys) -> None:
     assert results["update"]["decisions"] == 2 * 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     assert 0 < results["update"]["scoring_pass_seconds"] < results["update"]["seconds"]  # the update times its own scoring pass
     assert results["decision_latency"]["eager_batch1_aten_ops"] > 1000
+    # PaliGemma's SigLIP is found as the vision tower, and FLOPs are counted where they are spent
+    latency, update = results["decision_latency"], results["update"]
+    assert 0 < latency["batch1_vision_flops"] < latency["batch1_encode_flops"] < latency["batch1_flops"]
+    assert update["ppo/actor_lr"] > 0 and 0 < update["vision_flops"] <= update["scoring_pass_flops"] < update["flops"]
