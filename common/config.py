@@ -344,6 +344,11 @@ class LearnerConfig:
     # launches, holding K steps' inputs at once. The log-probs differ from the step-by-step ones by float rounding;
     # the learner scores old and new log-probs the same way, so the ratio check holds (common.flow.all_transitions).
     steps_in_one_pass: bool = False
+    # On a GPU out-of-memory error, roll the update back and run it again from its start with each minibatch split into
+    # twice as many micro-batches (algorithm.grad_accum x 2), down to one decision per micro-batch; the learner keeps
+    # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
+    # gives. false: the error stops the update.
+    split_on_out_of_memory: bool = True
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3

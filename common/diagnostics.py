@@ -44,6 +44,10 @@ class NonFiniteUpdateWarning(RuntimeWarning):
     """An iteration's update met a NaN/Inf and was rolled back and skipped."""
 
 
+class MicroBatchSplitWarning(RuntimeWarning):
+    """An update ran out of GPU memory and runs again with its minibatches split into smaller micro-batches."""
+
+
 class RandomInitError(RuntimeError):
     """The policy to fine-tune was not loaded from a checkpoint."""
 

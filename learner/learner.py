@@ -26,6 +26,8 @@ the first minibatch's recomputed log-probs pass the same ratio == 1 check agains
 from __future__ import annotations
 
 import copy
+import dataclasses
+import gc
 import math
 import warnings
 from collections.abc import Callable
@@ -40,6 +42,7 @@ from torch import Tensor
 from common.config import AlgorithmConfig, RunConfig
 from common.diagnostics import (
     BehaviourGapWarning,
+    MicroBatchSplitWarning,
     NonFiniteError,
     NonFiniteUpdateWarning,
     RandomInitError,
@@ -487,18 +490,50 @@ class Learner:
         gradient, or the weights after a step) rolls the weights and the optimiser back to their state before the
         iteration, and the update is skipped and counted. Returns metrics."""
         before = ({name: p.detach().clone() for name, p in self.trainable_state().items()}, copy.deepcopy(self.optimizer.state_dict()))
-        try:
-            with self.precision():
-                metrics = self._update(batch, verbose)
-        except NonFiniteError as exc:
-            with torch.no_grad():
-                for name, param in self.trainable_state().items():
-                    param.copy_(before[0][name])
-            self.optimizer.load_state_dict(before[1])
-            return self._skip_update(batch, exc)
+        decisions = batch.num_decisions * batch.num_envs
+        while True:
+            try:
+                with self.precision():
+                    metrics = self._update(batch, verbose)
+                break
+            except NonFiniteError as exc:
+                self._roll_back(before)
+                return self._skip_update(batch, exc)
+            except torch.OutOfMemoryError as exc:
+                self._roll_back(before)
+                if not self.config.learner.split_on_out_of_memory or micro_batch_rows(self.cfg, decisions) == 1:
+                    raise
+                error = str(exc).splitlines()[0]
+            # Out of the except block, so the error's frames, and the tensors they hold, are gone before the retry.
+            self._split_micro_batches(decisions, error)
         self.nonfinite_streak = 0
         metrics.update({"faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff})
+        if self.cfg.grad_accum != self.config.algorithm.grad_accum:
+            metrics["faults/grad_accum"] = self.cfg.grad_accum
         return metrics
+
+    def _roll_back(self, before: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
+        """The trainable weights and the optimiser as they were before the iteration."""
+        with torch.no_grad():
+            for name, param in self.trainable_state().items():
+                param.copy_(before[0][name])
+        self.optimizer.load_state_dict(before[1])
+
+    def _split_micro_batches(self, decisions: int, error: str) -> None:
+        """Twice the micro-batches per minibatch from now on (learner.split_on_out_of_memory), after a GPU ran out of
+        memory on an update of `decisions` decisions. The run's config keeps the configured grad_accum."""
+        rows, accum = micro_batch_rows(self.cfg, decisions), self.cfg.grad_accum
+        self.cfg = self.algorithm.cfg = dataclasses.replace(self.cfg, grad_accum=min(2 * accum, self.cfg.minibatch_sizes(decisions)[0]))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        warnings.warn(
+            f"iteration {self.iteration}: out of GPU memory with micro-batches of {rows} decisions ({error}); the update runs "
+            f"again from its start with micro-batches of <= {micro_batch_rows(self.cfg, decisions)} (algorithm.grad_accum "
+            f"{accum} -> {self.cfg.grad_accum}, kept from now on)",
+            MicroBatchSplitWarning,
+            stacklevel=3,
+        )
 
     def _skip_update(self, batch: RolloutBatch, error: NonFiniteError) -> dict[str, float]:
         """Count a rolled-back iteration; after nonfinite_backoff_after in a row, back the learning rates off."""

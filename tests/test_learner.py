@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -12,7 +14,13 @@ import torch
 
 from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
-from common.diagnostics import BehaviourGapWarning, NonDeterministicPolicyError, NonFiniteError, NonFiniteUpdateWarning
+from common.diagnostics import (
+    BehaviourGapWarning,
+    MicroBatchSplitWarning,
+    NonDeterministicPolicyError,
+    NonFiniteError,
+    NonFiniteUpdateWarning,
+)
 from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
 from common.trajectory import RolloutBatch
@@ -158,6 +166,83 @@ def assert_same_state(learner: Learner, weights: dict[str, torch.Tensor], optimi
     assert now["state"].keys() == optimizer["state"].keys()
     for index, slots in optimizer["state"].items():
         assert all(torch.equal(torch.as_tensor(now["state"][index][k]), torch.as_tensor(v)) for k, v in slots.items())
+
+
+def scoring_out_of_memory(monkeypatch, fails: Callable[[int], bool]) -> list[int]:
+    """The learner's chain scoring raises a GPU's out-of-memory error where fails(number of chains); returns the
+    numbers of chains it was asked to score."""
+    asked, score = [], learner_module.chain_log_prob
+
+    def tight_memory(policy, features, chains, *args, **kwargs):
+        asked.append(len(chains))
+        if fails(len(chains)):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(chains)} chains\nmore of the message")
+        return score(policy, features, chains, *args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "chain_log_prob", tight_memory)
+    return asked
+
+
+@pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # the second rollout is of the first weights
+def test_an_update_out_of_gpu_memory_runs_again_in_smaller_micro_batches_and_keeps_them(setup, bc_checkpoint, monkeypatch) -> None:
+    """learner.split_on_out_of_memory: an update whose micro-batches do not fit is rolled back and made again with
+    each minibatch split into twice as many, until they fit; it lands on the bits of the update configured with that
+    split, which the learner keeps for the next ones."""
+    config, actor, learner = setup
+    batch, later = actor.sample(None, iteration=0), actor.sample(None, iteration=1)
+    configured = copy.deepcopy(config)
+    configured.algorithm.grad_accum = 4
+    reference = Learner(configured, FlowPolicy.from_pretrained(bc_checkpoint))
+    expected = [(reference.update(batch), params(reference.policy)), (reference.update(later), params(reference.policy))]
+
+    asked = scoring_out_of_memory(monkeypatch, lambda chains: chains > 4)
+    with pytest.warns(MicroBatchSplitWarning) as split:
+        metrics = learner.update(batch)
+    assert [str(w.message) for w in split] == [
+        "iteration 0: out of GPU memory with micro-batches of 16 decisions (CUDA out of memory. Tried to allocate 16 chains); "
+        "the update runs again from its start with micro-batches of <= 8 (algorithm.grad_accum 1 -> 2, kept from now on)",
+        "iteration 0: out of GPU memory with micro-batches of 8 decisions (CUDA out of memory. Tried to allocate 8 chains); "
+        "the update runs again from its start with micro-batches of <= 4 (algorithm.grad_accum 2 -> 4, kept from now on)",
+    ]
+    assert asked[:2] == [16, 8] and max(asked[2:]) == 4  # the scoring pass met the error first, each time
+    assert metrics.pop("faults/grad_accum") == 4 and config.algorithm.grad_accum == 1  # the run's config is unchanged
+    strip = lambda m: {k: v for k, v in m.items() if "seconds" not in k}  # noqa: E731
+    for update, (expected_metrics, expected_weights) in enumerate(expected):
+        if update:
+            asked.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", MicroBatchSplitWarning)  # the split is kept: no second try
+                metrics = learner.update(later)
+            assert max(asked) == 4 and metrics.pop("faults/grad_accum") == 4
+        assert strip(metrics) == strip(expected_metrics)
+        assert all(torch.equal(v, expected_weights[k]) for k, v in learner.policy.state_dict().items())
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_an_update_that_does_not_fit_even_split_stops_with_the_weights_as_they_were(setup, monkeypatch, split) -> None:
+    """Where one decision per micro-batch does not fit either (or learner.split_on_out_of_memory is off), the error
+    stops the update, and the weights and the optimiser are those before it: here the error comes at the second
+    optimiser step, after the first has changed them."""
+    config, actor, learner = setup
+    learner.update(actor.sample(learner.broadcast(), 0))  # real Adam moments before the failing iteration
+    batch = actor.sample(learner.broadcast(), 1)
+    before, optimizer, version = params(learner.policy), optimizer_state(learner), learner.version
+    learner.config.learner.split_on_out_of_memory = split
+    passes_with_gradients = []
+
+    def after_the_first_step(chains: int) -> bool:
+        if torch.is_grad_enabled():
+            passes_with_gradients.append(chains)
+        return len(passes_with_gradients) > 1
+
+    scoring_out_of_memory(monkeypatch, after_the_first_step)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(torch.OutOfMemoryError):
+        warnings.simplefilter("always")
+        learner.update(batch)
+    splits = [w for w in caught if issubclass(w.category, MicroBatchSplitWarning)]
+    assert len(splits) == (4 if split else 0) and learner.cfg.grad_accum == (16 if split else 1)  # 16 -> 8 -> 4 -> 2 -> 1 rows
+    assert learner.version == version and learner.iteration == 1
+    assert_same_state(learner, before, optimizer)
 
 
 def test_nan_reward_skips_the_update_and_names_the_rewards(setup) -> None:
