@@ -172,16 +172,18 @@ class LaunchProfile(torch.profiler.profile):
     the GPU was; against its FLOPs, how fast its kernels ran."""
 
     def counts(self) -> dict[str, float]:
-        counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0, "kernel_seconds": 0.0}
+        counts, kernel_microseconds = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}, 0
         for event in self.key_averages():
             if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
-                counts["kernel_seconds"] += event.self_device_time_total / 1e6
+                kernel_microseconds += event.self_device_time_total
             if event.key.startswith("aten::"):
                 counts["aten_ops"] += event.count
             elif event.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC"):
                 counts["kernel_launches"] += event.count
             elif event.key == "cudaGraphLaunch":
                 counts["graph_launches"] += event.count
+        if kernel_microseconds:  # none where the profiler did not see the kernels (inside a graph, on some setups)
+            counts["kernel_seconds"] = kernel_microseconds / 1e6
         return counts
 
 
@@ -396,7 +398,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             return stage
 
         def update() -> dict[str, Any]:
-            """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps."""
+            """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps. An
+            update that ran out of GPU memory and was made again in smaller micro-batches (learner.split_on_out_of_memory)
+            counts every try in its seconds, and reports the split it kept (faults/grad_accum) and its last scoring pass."""
             batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
             scoring: list[float] = []
             # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
@@ -419,8 +423,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             finally:
                 del learner.prepare  # the method again
             keep = ("logprob/behaviour_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac", "losses/approx_kl",
-                    "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean", "ppo/actor_lr")  # fmt: skip
-            return {"seconds": seconds, "scoring_pass_seconds": scoring[0], "decisions": batch.num_decisions * batch.num_envs,
+                    "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean", "ppo/actor_lr",
+                    "faults/grad_accum")  # fmt: skip
+            return {"seconds": seconds, "scoring_pass_seconds": scoring[-1], "decisions": batch.num_decisions * batch.num_envs,
                     **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else {**ops.counts(), "flops": flops.get_total_flops(),
                        "scoring_pass_flops": scoring_flops.get_total_flops(), "vision_flops": vision_flops(flops)}),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
