@@ -228,16 +228,16 @@ def vision_flops(counter: FlopCounterMode) -> int:
 
 def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int]:
     """The floating-point operations of one decision (matmuls, convolutions, attention: what sets a GPU's work), the
-    encode's and its vision tower's apart, counted on the eager path. They depend on the shapes only, so a CPU run
-    counts what a GPU does, and flops / seconds is the throughput a path reaches."""
+    encode's and its vision tower's apart, and the ATen ops the encode dispatches, counted on the eager path. FLOPs
+    depend on the shapes only, so a CPU run counts what a GPU does, and flops / seconds is the throughput a path reaches."""
     from common.rollout import decide
 
-    encodes: list[FlopCounterMode] = []
+    encodes: list[tuple[FlopCounterMode, OpCounter]] = []
 
     def counted_encode(observation: Observation, encode: Callable = policy.encode) -> Any:
-        with flop_counter() as counter:
+        with flop_counter() as flops, OpCounter() as ops:
             features = encode(observation)
-        encodes.append(counter)
+        encodes.append((flops, ops))
         return features
 
     policy.encode = counted_encode
@@ -246,8 +246,9 @@ def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int
             decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
     finally:
         del policy.encode  # the method again
-    (encoded,) = encodes
-    return {"flops": whole.get_total_flops(), "encode_flops": encoded.get_total_flops(), "vision_flops": vision_flops(encoded)}
+    ((encoded, encode_ops),) = encodes
+    return {"flops": whole.get_total_flops(), "encode_flops": encoded.get_total_flops(), "vision_flops": vision_flops(encoded),
+            "encode_aten_ops": encode_ops.ops}  # fmt: skip
 
 
 def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:

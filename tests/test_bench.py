@@ -269,6 +269,7 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
     # FLOPs: every env's decision is the same arithmetic; the vision tower is part of the encode, the encode of the decision.
     assert latency["batch2_flops"] == 2 * latency["batch1_flops"]
     assert 0 < latency["batch1_vision_flops"] < latency["batch1_encode_flops"] < latency["batch1_flops"]
+    assert 0 < latency["batch1_encode_aten_ops"] < latency["eager_batch1_aten_ops"]  # the denoising steps dispatch the rest
     assert 0 < results["update"]["vision_flops"] <= results["update"]["scoring_pass_flops"] < results["update"]["flops"]
     assert_positive(latency["eager_batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
