@@ -25,6 +25,7 @@ import torch
 from common.config import RunConfig
 from common.decision_graph import DecisionGraph
 from common.file_digests import trust_digests
+from common.flow import compile_steps
 from common.policy import FlowPolicy
 from common.recording import VIDEO_SIZE, EpisodeRecording, filmed_slots, record_layouts
 from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_tasks, evaluate_layouts, make_envs, task_positions
@@ -69,6 +70,8 @@ class RolloutActor:
         self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
         if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
+        if config.actors.compile_steps:
+            compile_steps(self.policy)
         if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision
             autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
             self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)

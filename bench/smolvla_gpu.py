@@ -24,6 +24,9 @@ On CPU an update also reports the ATen ops it dispatched (`aten_ops`), so `--upd
 and its floating-point operations (`flops`, `scoring_pass_flops`, `vision_flops`). Each batch size's decision reports
 its FLOPs (`batch<N>_flops`, the encode's and the vision tower's apart) and the TFLOP/s each path reaches: a GPU's
 arithmetic set against its time. FLOPs depend on the shapes only, so a full-size run on CPU counts them for a GPU.
+`--compile-steps` times each decision path again with its denoising steps compiled by torch.compile
+(actors.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
+kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
 """
 
 from __future__ import annotations
@@ -195,6 +198,12 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops = 0
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A compiled step (actors.compile_steps) runs compiled under the counter, which sees the ATen ops it still
+        dispatches (matmuls, attention); torch.compile would run it eagerly under any other mode, from then on."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
@@ -251,66 +260,107 @@ def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int
             "encode_aten_ops": encode_ops.ops}  # fmt: skip
 
 
-def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool) -> dict[str, Any]:
+def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool, compiled: bool) -> dict[str, Any]:
     """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer,
-    eager and (on a GPU) as a CUDA graph replay (common.decision_graph), with the graph's outputs against the eager path's
-    on the same noise, and the host's ops and launches per decision (profile: also the profiler's table of the first
-    batch size's decisions)."""
+    eager and (on a GPU) as a CUDA graph replay (common.decision_graph), and the host's ops and launches per decision
+    (profile: also the profiler's tables of the first batch size's decisions). compiled: each path again with its
+    denoising steps compiled (common.flow.compile_steps; `<path>_compiled`), with the kernels the compiler generated.
+    Every path's outputs are set against the eager path's on the same noise."""
+    from torch._inductor import metrics as inductor_metrics
+
     from common.decision_graph import DecisionGraph
-    from common.rollout import decide, decision_tensors
+    from common.flow import compile_steps
 
     policy = actor.policy
     size, cameras = policy.config.image_size, len(policy.config.cameras)
     autocast = torch.bfloat16 if actor.config.actors.precision == "bfloat16" else None
     paths = ("eager", "graph") if actor.device.type == "cuda" else ("eager",)
+    kept, kept_step, figures = policy.decision_graph, policy.compiled_step, {}
+    if compiled:
+        paths = tuple(name for path in paths for name in (path, f"{path}_compiled"))
+        compile_steps(policy)
+    compiled_step = policy.compiled_step
     rng = np.random.default_rng(0)
-    kept, figures = policy.decision_graph, {}
     try:
         for batch in batch_sizes:
             tokens, mask = policy.tokenize([actor.vec_env.envs[0].instruction] * batch)
             obs = Observation(rng.normal(size=(batch, policy.config.obs_dim)).astype(np.float32),
                               rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
             for path in paths:
-                policy.decision_graph = DecisionGraph(policy, batch, autocast) if path == "graph" else None
-                times = []
+                policy.decision_graph = DecisionGraph(policy, batch, autocast) if path.startswith("graph") else None
+                policy.compiled_step = compiled_step if path.endswith("_compiled") else None
+                inductor_metrics.reset()
                 try:
-                    with torch.no_grad(), actor.precision():
-                        for _ in range(repeats + 1):  # the first call warms up kernels and allocator, and captures the graph
-                            start = clock.now()
-                            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
-                            times.append(clock.now() - start)
-                        with host_work_counter(actor.device) as counted:
-                            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+                    times, counted = timed_decisions(actor, obs, repeats, clock)
                 except Exception as exc:  # noqa: BLE001 - a graph that cannot be captured: the actor samples eagerly
                     if path == "eager":
                         raise
                     traceback.print_exc()
-                    figures[f"graph_batch{batch}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    kept = policy.decision_graph = None
-                    break
+                    figures[f"{path}_batch{batch}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    kept = None if path == "graph" else kept  # a graph the actor cannot capture: it samples eagerly
+                    continue
                 seconds = figures[f"{path}_batch{batch}_seconds"] = statistics.median(times[1:])
-                if path == "eager":  # the same arithmetic on either path
+                if path == "eager":  # the same arithmetic on every path
                     figures.update({f"batch{batch}_{name}": count for name, count in decision_flops(policy, obs, actor).items()})
+                else:
+                    figures[f"{path}_batch{batch}_first_call_seconds"] = times[0]  # the capture, the compile
+                    figures.update(against_eager(actor, obs, f"{path}_vs_eager_batch{batch}"))
+                if policy.compiled_step is not None:
+                    figures[f"{path}_batch{batch}_generated_kernels"] = inductor_metrics.generated_kernel_count
                 figures[f"{path}_batch{batch}_tflop_per_second"] = figures[f"batch{batch}_flops"] / seconds / 1e12
                 figures.update({f"{path}_batch{batch}_{name}": count for name, count in counted.counts().items()})
                 if profile and batch == batch_sizes[0] and isinstance(counted, torch.profiler.profile):
                     for clock_name, sort_by in (("CPU", "self_cpu_time_total"), ("GPU", "self_device_time_total")):
                         print(f"[smolvla_gpu] one {path} decision for {batch} envs, by {clock_name} time:", flush=True)
                         print(counted.key_averages().table(sort_by=sort_by, row_limit=20), flush=True)
-            if policy.decision_graph is None:
-                continue
-            graph = policy.decision_graph
-            figures[f"graph_batch{batch}_first_call_seconds"] = times[0]
-            figures[f"graph_speedup_batch{batch}"] = figures[f"eager_batch{batch}_seconds"] / figures[f"graph_batch{batch}_seconds"]
-            with torch.no_grad(), actor.precision():
-                replayed = graph.decide(obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(1))
-                eager = decision_tensors(policy, obs.to_torch(actor.device), deterministic=False, noise=graph.noise.clone())
-            for name in ("chain", "log_prob_per_element", "value"):
-                difference = np.abs(replayed[name] - eager[name].float().cpu().numpy()).max()
-                figures[f"graph_vs_eager_batch{batch}_max_abs_{name}"] = float(difference)
+            for faster, slower in (("graph", "eager"), ("eager_compiled", "eager"), ("graph_compiled", "graph")):
+                fast, slow = figures.get(f"{faster}_batch{batch}_seconds"), figures.get(f"{slower}_batch{batch}_seconds")
+                if fast is not None and slow is not None:
+                    figures[f"{faster}_speedup_batch{batch}"] = slow / fast
     finally:
-        policy.decision_graph = kept
+        policy.decision_graph, policy.compiled_step = kept, kept_step
     return figures
+
+
+def timed_decisions(actor, obs: Observation, repeats: int, clock: Clock) -> tuple[list[float], LaunchProfile | OpCounter]:
+    """Seconds of `repeats` + 1 decisions by the actor's policy as it is set (the first warms up kernels and allocator,
+    compiles and captures), and the host work of one more."""
+    from common.rollout import decide
+
+    policy, times = actor.policy, []
+    with torch.no_grad(), actor.precision():
+        for _ in range(repeats + 1):
+            start = clock.now()
+            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+            times.append(clock.now() - start)
+        with host_work_counter(actor.device) as counted:
+            decide(policy, obs, deterministic=False, generator=torch.Generator(device=actor.device).manual_seed(0))
+    return times, counted
+
+
+def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
+    """Max abs difference of a decision's chain, per-element log-prob and value, by the actor's policy as it is set (a
+    graph, a compiled step) against the plain eager path on the same noise."""
+    from common.rollout import decision_tensors
+
+    policy, device = actor.policy, actor.device
+    graph, step = policy.decision_graph, policy.compiled_step
+    with torch.no_grad(), actor.precision():
+        if graph is not None:
+            fast = graph.decide(obs, deterministic=False, generator=torch.Generator(device=device).manual_seed(1))
+            noise = graph.noise.clone()
+        else:
+            shape = (policy.num_steps + 1, obs.state.shape[0], policy.chunk_size, policy.action_dim)
+            noise = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(1), device=device)
+            outputs = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
+            fast = {name: value.float().cpu().numpy() for name, value in outputs.items()}
+        policy.decision_graph = policy.compiled_step = None
+        try:
+            eager = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
+        finally:
+            policy.decision_graph, policy.compiled_step = graph, step
+    return {f"{prefix}_max_abs_{name}": float(np.abs(fast[name] - eager[name].float().cpu().numpy()).max())
+            for name in ("chain", "log_prob_per_element", "value")}  # fmt: skip
 
 
 def rollout_figures(batch, seconds: float) -> dict[str, Any]:
@@ -357,7 +407,8 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             return {"seconds": clock.now() - start, "device": str(state["actor"].device), "precision": config.actors.precision}
 
         def latency() -> dict[str, Any]:
-            return decision_latency(state["actor"], [int(b) for b in args.batch_sizes.split(",")], args.repeats, clock, args.profile)
+            batches = [int(b) for b in args.batch_sizes.split(",")]
+            return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps)
 
         def sample_version_0() -> dict[str, Any]:
             batches, per_rollout = [], []
@@ -508,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true",
                         help="print the profiler tables (by CPU and by GPU time) of one eager and one graphed decision")  # fmt: skip
+    parser.add_argument("--compile-steps", action="store_true",
+                        help="also time each decision path with its denoising steps compiled (actors.compile_steps)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)

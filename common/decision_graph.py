@@ -37,31 +37,45 @@ from common.rollout import decision_tensors
 WARMUP_RUNS = 2
 
 
+TORCH_TENSOR = torch.tensor
+# The open reused_uploads contexts, innermost last: (uploads, capturing, device type).
+KEPT_UPLOADS: list[tuple[dict[tuple, Tensor], bool, str]] = []
+
+
+def tensor_with_kept_uploads(data: Any, *args: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> Tensor:
+    """torch.tensor while a reused_uploads context is open. The same function for every context: a compiled step
+    (actors.compile_steps) traced through it is guarded on it, so a step compiled in the warm-up is not compiled again
+    in the capture; and what a compiled step uploads is a constant of its graph, made at its compile, so its trace
+    takes torch.tensor itself."""
+    if torch.compiler.is_compiling() or not KEPT_UPLOADS:
+        return TORCH_TENSOR(data, *args, dtype=dtype, device=device, **kwargs)
+    uploads, capturing, device_type = KEPT_UPLOADS[-1]
+    if device is None or torch.device(device).type != device_type or isinstance(data, (Tensor, np.ndarray)) or args or kwargs:
+        return TORCH_TENSOR(data, *args, dtype=dtype, device=device, **kwargs)
+    key = (repr(data), dtype, str(device))
+    if key not in uploads:
+        if capturing:
+            raise RuntimeError(f"host upload of {key[0][:80]} first seen while capturing a decision graph, not in its warm-up")
+        uploads[key] = TORCH_TENSOR(data, dtype=dtype, device=device)
+    return uploads[key]
+
+
 @contextlib.contextmanager
 def reused_uploads(uploads: dict[tuple, Tensor], capturing: bool, device_type: str = "cuda") -> Iterator[None]:
     """torch.tensor(python data, device=<cuda>) copies from host memory and waits for the copy, which a CUDA graph
     capture forbids; lerobot and transformers build attention-mask patterns and scale factors that way at every call.
     Inside this context each such upload is kept by (data, dtype, device) in `uploads` outside a capture and handed out
-    again inside one. The data are constants of the shapes, so one device copy serves every replay; an upload first
-    seen inside a capture depends on something the warm-up did not see, and is refused. `device_type`: the device
-    whose uploads are kept (tests use "cpu")."""
-    original = torch.tensor
-
-    def tensor(data: Any, *args: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> Tensor:
-        if device is None or torch.device(device).type != device_type or isinstance(data, (Tensor, np.ndarray)) or args or kwargs:
-            return original(data, *args, dtype=dtype, device=device, **kwargs)
-        key = (repr(data), dtype, str(device))
-        if key not in uploads:
-            if capturing:
-                raise RuntimeError(f"host upload of {key[0][:80]} first seen while capturing a decision graph, not in its warm-up")
-            uploads[key] = original(data, dtype=dtype, device=device)
-        return uploads[key]
-
-    torch.tensor = tensor
+    again inside one (tensor_with_kept_uploads). The data are constants of the shapes, so one device copy serves every
+    replay; an upload first seen inside a capture depends on something the warm-up did not see, and is refused.
+    `device_type`: the device whose uploads are kept (tests use "cpu")."""
+    KEPT_UPLOADS.append((uploads, capturing, device_type))
+    torch.tensor = tensor_with_kept_uploads
     try:
         yield
     finally:
-        torch.tensor = original
+        KEPT_UPLOADS.pop()
+        if not KEPT_UPLOADS:
+            torch.tensor = TORCH_TENSOR
 
 
 class DecisionGraph:

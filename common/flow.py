@@ -61,9 +61,21 @@ def gaussian_step(policy: FlowPolicy, features: Any, action: Tensor, t: Tensor, 
 
 
 def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}."""
+    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}: by the policy's compiled step when it has one
+    (compile_steps), else eagerly."""
     t, dt = step_time(policy.num_steps, k, action.shape[0], action.device)
+    if policy.compiled_step is not None:
+        return policy.compiled_step(features, action, t, dt)
     return gaussian_step(policy, features, action, t, dt)
+
+
+def compile_steps(policy: FlowPolicy) -> None:
+    """Run the policy's denoising steps (transition) as one torch.compile graph each (actors.compile_steps): a VLA's
+    step is some 2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far
+    fewer kernels. A step compiles at its first call with a new shape (a second batch size compiles once more, for
+    every size after it); its arithmetic differs from the eager step's in float rounding only
+    (tests/test_smolvla.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
+    policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))
 
 
 def all_transitions(policy: FlowPolicy, features: Any, chain: Tensor) -> tuple[Tensor, Tensor]:

@@ -181,6 +181,12 @@ def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy
 
 
 @pytest.mark.parametrize("policy_type", TYPES)
+def test_compiled_denoising_steps_follow_the_eager_ones(policy_type) -> None:
+    policy = tiny_policy(policy_type)
+    vla_checks.check_compiled_steps_follow_the_eager_ones(policy, vla_checks.tiny_observations(policy, 3))
+
+
+@pytest.mark.parametrize("policy_type", TYPES)
 def test_train_keeps_the_lerobot_model_in_eval_mode(policy_type) -> None:
     policy = tiny_policy(policy_type, pi0={"train_vlm": True})
     vla_checks.check_train_keeps_the_lerobot_model_in_eval_mode(policy, vla_checks.tiny_observations(policy, 2))

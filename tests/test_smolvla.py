@@ -37,6 +37,7 @@ from common.suites import make_suite
 from learner.startup import check_lerobot_features
 from tests.vla_checks import (
     bf16_actor_gap,
+    check_compiled_steps_follow_the_eager_ones,
     check_learner_log_probs_equal_actor_log_probs,
     check_noise_off_chain_reproduces_lerobot,
     check_prefix_cache_kept,
@@ -219,6 +220,11 @@ def test_recomputed_denoising_steps_keep_less_for_the_same_gradients() -> None:
 def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops() -> None:
     policy = tiny_policy()
     check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy, tiny_observations(policy, 2))
+
+
+def test_compiled_denoising_steps_follow_the_eager_ones() -> None:
+    policy = tiny_policy()
+    check_compiled_steps_follow_the_eager_ones(policy, tiny_observations(policy, 3))
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:

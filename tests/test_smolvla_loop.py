@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from torch._dynamo.utils import counters
 
 from actors.rollout_actor import RolloutActor
 from common.config_loading import load_config
@@ -72,6 +73,21 @@ def test_rollout_record_carries_frames_and_instruction_and_the_learner_reuses_th
     data = learner.prepare(batch)
     assert data.features is not None  # computed once, reused by every epoch and minibatch
     assert data.metrics["logprob/behaviour_gap_max"] < 1e-4
+
+
+def test_an_actor_with_compiled_steps_samples_chains_the_learner_scores_as_its_own(smolvla_bc, tmp_path) -> None:
+    """actors.compile_steps: the actor's denoising steps run compiled, and the learner's eager rescoring of its chains
+    matches their behaviour log-probs within float rounding, with the first minibatch's ratio at 1."""
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    config = tiny_run_config(tmp_path / "run", "actors.compile_steps=true")
+    actor = RolloutActor(config, 0, smolvla_bc)
+    compiled_before = counters["stats"]["unique_graphs"]
+    batch = actor.sample(None, 0)
+    assert actor.policy.compiled_step is not None and counters["stats"]["unique_graphs"] > compiled_before
+    learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
+    assert learner.policy.compiled_step is None  # the learner scores eagerly
+    metrics = learner.update(batch)
+    assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
 
 
 def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:

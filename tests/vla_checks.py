@@ -4,6 +4,7 @@ each takes a policy (common.policy.vla_common.VLAFlowPolicy) and observations of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,14 +12,32 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.diagnostics import check_ratio_is_one
-from common.flow import chain_log_prob, sample_chain, transition
+from common.flow import ChainSample, chain_log_prob, compile_steps, gaussian_step, sample_chain, step_time, transition
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy
 from common.rl import normalize, ppo_policy_loss, value_loss
 
 INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Counts the ATen ops dispatched while it is open (each a kernel launch on a GPU). A compiled step runs compiled
+    under it (ignore_compile_internals), which counts the ops it still dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def tiny_observations(policy: FlowPolicy, batch: int, seed: int = 0) -> Observation:
@@ -164,24 +183,14 @@ def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPol
     """learner.steps_in_one_pass: the model's K denoising steps as one pass over K x B rows. The same log-probs and
     gradients as step by step, up to float rounding, from fewer than half the ATen ops forward and back (each op a
     kernel launch on a GPU)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Ops.count += 1
-            return func(*args, **(kwargs or {}))
-
     features, chain = encoded_chain(policy, obs, seed=4)
     runs = []
     for one_pass in (False, True):
         policy.zero_grad(set_to_none=True)
-        Ops.count = 0
-        with Ops():
+        with DispatchedOps() as dispatched:
             log_prob = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass).log_prob
             log_prob.sum().backward()
-        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, Ops.count))
+        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, dispatched.count))
     policy.zero_grad(set_to_none=True)
     (steps, grads, ops_steps), (one, grads_one, ops_one) = runs
     torch.testing.assert_close(one, steps, rtol=1e-5, atol=1e-5)
@@ -189,6 +198,66 @@ def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPol
     for name, grad in grads.items():
         torch.testing.assert_close(grads_one[name], grad, rtol=1e-3, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
     assert policy.num_steps >= 2 and ops_one < ops_steps / 2, (ops_one, ops_steps)
+
+
+def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observation) -> None:
+    """actors.compile_steps (common.flow.compile_steps): a denoising step traces as one graph, with no break. On the
+    same noise, chains sampled through the compiled steps match the eager ones, and their behaviour log-probs the
+    learner's eager rescoring, within 1e-5: the compiled kernels sum in another order, so float32 rounding is all that
+    may differ. The compiled step dispatches under a third of the eager step's ATen ops (the rest run fused). Weights
+    changed in place, as an actor loads a new version, reach the compiled steps; a batch of another size compiles again
+    and matches too."""
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    batch = obs.state.shape[0]
+    with torch.no_grad():
+        features = policy.encode(obs)
+        action = torch.randn(batch, policy.chunk_size, policy.action_dim, generator=torch.Generator().manual_seed(0))
+        t, dt = step_time(policy.num_steps, 1, batch, action.device)
+        explained = torch._dynamo.explain(functools.partial(gaussian_step, policy))(features, action, t, dt)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+    def sampled(observations: Observation, compiled: Callable | None) -> ChainSample:
+        """Chains by the compiled steps (or eagerly, None) on fixed noise."""
+        rows = observations.state.shape[0]
+        noise = torch.randn((policy.num_steps + 1, rows, policy.chunk_size, policy.action_dim), generator=torch.Generator().manual_seed(1))
+        policy.compiled_step = compiled
+        try:
+            with torch.no_grad():
+                return sample_chain(policy, policy.encode(observations), rows, noise=noise)
+        finally:
+            policy.compiled_step = None
+
+    def assert_close(fast: ChainSample, plain: ChainSample) -> None:
+        torch.testing.assert_close(fast.chain, plain.chain, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fast.scores.log_prob, plain.scores.log_prob, rtol=0, atol=1e-5)
+
+    compile_steps(policy)
+    compiled, policy.compiled_step = policy.compiled_step, None
+    eager, fast = sampled(obs, None), sampled(obs, compiled)
+    assert_close(fast, eager)
+    with torch.no_grad():
+        rescored = chain_log_prob(policy, policy.encode(obs), fast.chain)
+    torch.testing.assert_close(rescored.log_prob, fast.scores.log_prob, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        features = policy.encode(obs)
+        counts = []
+        for step in (None, compiled):
+            policy.compiled_step = step
+            with DispatchedOps() as dispatched:
+                transition(policy, features, fast.chain[:, 1], 1)
+            counts.append(dispatched.count)
+        policy.compiled_step = None
+    assert counts[1] < counts[0] / 3, counts
+
+    with torch.no_grad():  # a new weight version, loaded in place
+        policy.vla.model.action_out_proj.weight.mul_(1.5)
+        for parameter in policy.noise_head.parameters():
+            parameter.add_(0.1)
+    moved = sampled(obs, compiled)
+    assert (moved.chain - fast.chain).abs().max() > 1e-3 and (moved.scores.std - fast.scores.std).abs().max() > 1e-4
+    assert_close(moved, sampled(obs, None))
+    fewer = obs.index(slice(0, batch - 1))
+    assert_close(sampled(fewer, compiled), sampled(fewer, None))
 
 
 def check_train_keeps_the_lerobot_model_in_eval_mode(policy: FlowPolicy, obs: Observation) -> None:

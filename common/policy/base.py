@@ -75,6 +75,9 @@ class FlowPolicy(nn.Module, ABC):
     # A common.decision_graph.DecisionGraph that replays whole chunk decisions on a GPU (set by the rollout actor with
     # actors.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
     decision_graph: Any = None
+    # gaussian_step compiled for this policy, (features, action, t, dt) -> (mean, std) (common.flow.compile_steps, set
+    # by the rollout actor with actors.compile_steps); None: common.flow.transition runs the step eagerly.
+    compiled_step: Any = None
     # policy.type -> the lerobot policy type to_lerobot writes it as (python -m learner.export), for each type this
     # backend serves that has a lerobot counterpart; empty for a backend with none (the MLP): nothing to export.
     lerobot_types: ClassVar[dict[str, str]] = {}

@@ -25,7 +25,6 @@ them back the same way. So the backends call lerobot for these directly.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from importlib.metadata import version
@@ -78,10 +77,15 @@ def resize_with_pad(images: Tensor, height: int, width: int, pad_value: float) -
     return lerobot_resize_with_pad(images, width, height, pad_value=pad_value)
 
 
-@functools.cache
+DICT_CACHE_CLASSES: dict[type[nn.Module], bool] = {}  # keeps_dict_cache's answer per class
+
+
+@torch.compiler.assume_constant_result  # a compiled step (actors.compile_steps) takes the class's answer, never traces it
 def keeps_dict_cache(model_class: type[nn.Module]) -> bool:
     """Whether a VLM-with-expert class fills a dict cache on request (SmolVLA 0.4.x's `fill_kv_cache`)."""
-    return "fill_kv_cache" in inspect.signature(model_class.forward).parameters
+    if model_class not in DICT_CACHE_CLASSES:
+        DICT_CACHE_CLASSES[model_class] = "fill_kv_cache" in inspect.signature(model_class.forward).parameters
+    return DICT_CACHE_CLASSES[model_class]
 
 
 def fill_prefix_cache(

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,16 +64,24 @@ def bounded_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
     return torch.exp(0.5 * log_var)
 
 
-@contextlib.contextmanager
-def capture_input(module: nn.Module) -> Iterator[list[Tensor]]:
-    """Record the input of every forward of `module` while the context is open (lerobot's denoise_step
-    returns only the velocity; the noise head needs the expert hidden state it was computed from)."""
-    captured: list[Tensor] = []
-    handle = module.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
-    try:
-        yield captured
-    finally:
-        handle.remove()
+class InputTap:
+    """A forward pre-hook that keeps the input of its module's last call (lerobot's denoise_step returns only the
+    velocity; the noise head needs the expert hidden state it was computed from). It stays registered for the policy's
+    life: a hook added and removed around each step would split a compiled step (actors.compile_steps) into three
+    graphs."""
+
+    def __init__(self) -> None:
+        self.last: Tensor | None = None
+
+    def __call__(self, _module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        self.last = args[0]
+
+    def take(self) -> Tensor:
+        """The input kept, released here (in the learner it carries the step's autograd graph)."""
+        kept, self.last = self.last, None
+        if kept is None:
+            raise RuntimeError("the tapped module has not run since its input was last taken")
+        return kept
 
 
 @dataclass
@@ -189,6 +197,8 @@ class VLAFlowPolicy(FlowPolicy):
         config = self.config
         self.noise_head = mlp(expert_width, config.hidden_dim, config.action_dim, 2)
         self.critic_head = mlp(text_width + config.obs_dim, config.hidden_dim, 1, 2)
+        self.expert_hidden = InputTap()  # what action_out_proj reads at each denoising step: the noise head's input
+        self.vla.model.action_out_proj.register_forward_pre_hook(self.expert_hidden)
         self.register_normalization()  # as the MLP backend: buffers saved with the weights
         self.apply_trainable_flags()
         self.eval()
@@ -250,9 +260,8 @@ class VLAFlowPolicy(FlowPolicy):
         """lerobot's denoise_step at (a_t, t), mapped to the project's convention; (B, H, A)."""
         lerobot_t, sign = lerobot_flow_time(t)
         padded = pad_vector(action, self.settings.max_action_dim)
-        with capture_input(self.vla.model.action_out_proj) as hidden:
-            v = self.denoise(features, padded, lerobot_t)
-        features.last_expert_hidden = (t, hidden[-1])
+        v = self.denoise(features, padded, lerobot_t)
+        features.last_expert_hidden = (t, self.expert_hidden.take())
         return sign * v[..., : self.config.action_dim]
 
     def sigma(self, t: Tensor, features: VLAFeatures) -> Tensor:
