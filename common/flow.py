@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from common.config import ConfigError
 from common.policy import FlowPolicy, index_features
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -69,12 +72,29 @@ def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tup
     return gaussian_step(policy, features, action, t, dt)
 
 
+# What torch.compile builds its kernels with, by device type: (the environment variable naming the compiler, the
+# compilers looked for without it): a C++ compiler for inductor's CPU kernels, a C compiler for Triton's launchers.
+KERNEL_COMPILERS = {"cpu": ("CXX", ("g++", "clang++")), "cuda": ("CC", ("gcc", "clang"))}
+
+
+def require_kernel_compiler(device_type: str) -> None:
+    """A one-line ConfigError unless the compiler torch.compile builds `device_type` kernels with is installed
+    (actors.compile_steps: checked by the driver on a local run before anything starts, and by each actor)."""
+    variable, names = KERNEL_COMPILERS.get(device_type, (None, ()))
+    if variable is not None and not shutil.which(os.environ.get(variable) or "") and not any(map(shutil.which, names)):
+        raise ConfigError(
+            f"actors.compile_steps: torch.compile builds its {device_type} kernels with a compiler, and none is installed "
+            f"here (${variable} or {' / '.join(names)}): install one, or set actors.compile_steps: false"
+        )
+
+
 def compile_steps(policy: FlowPolicy) -> None:
     """Run the policy's denoising steps (transition) as one torch.compile graph each (actors.compile_steps): a VLA's
     step is some 2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far
     fewer kernels. A step compiles at its first call with a new shape (a second batch size compiles once more, for
     every size after it); its arithmetic differs from the eager step's in float rounding only
     (tests/test_smolvla.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
+    require_kernel_compiler(policy.obs_device.type)
     policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))
 
 

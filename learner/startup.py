@@ -17,7 +17,7 @@ from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, PolicyConfig, RunConfig
 from common.diagnostics import check_ratio_sensitivity
 from common.file_digests import known_digests
-from common.flow import num_log_prob_elements
+from common.flow import num_log_prob_elements, require_kernel_compiler
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify_checksums
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
@@ -69,6 +69,8 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                               "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
                               "with --address")  # fmt: skip
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
+        if config.actors.compile_steps:
+            require_kernel_compiler("cuda" if config.actors.num_gpus > 0 else "cpu")
     return eval_layouts
 
 

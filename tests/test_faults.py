@@ -371,6 +371,21 @@ def test_bad_input_is_refused_with_a_clear_message_and_nothing_written(tmp_path,
     assert files_under(tmp_path) == before, "a refused run wrote files"
 
 
+def test_compiled_steps_without_a_kernel_compiler_are_refused_before_anything_is_written(tmp_path, bc_checkpoint, capsys, monkeypatch):
+    """actors.compile_steps on a local run whose machine has no compiler for torch.compile's kernels."""
+    import shutil
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    before = files_under(tmp_path)
+    argv = ["--run-dir", str(tmp_path / "run"), "--checkpoint", str(bc_checkpoint), "--set", "actors.compile_steps=true"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(r"actors\.compile_steps: torch\.compile builds its cpu kernels with a compiler, and none is installed", err), err
+    assert files_under(tmp_path) == before, "a refused run wrote files"
+
+
 def test_the_bad_input_table_covers_thirty_cases_on_the_defaults_it_assumes() -> None:
     assert len(BAD_INPUTS) >= 30
     assert RunConfig().algorithm.critic_warmup_iters == 3 and RunConfig().iterations == 150

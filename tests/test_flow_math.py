@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from common.config import PolicyConfig
+from common.config import ConfigError, PolicyConfig
 from common.diagnostics import (
     NonDeterministicPolicyError,
     RatioSensitivityWarning,
@@ -17,7 +17,7 @@ from common.diagnostics import (
     check_ratio_is_one,
     check_ratio_sensitivity,
 )
-from common.flow import chain_log_prob, num_log_prob_elements, sample_chain, step_time, time_grid, transition_kl
+from common.flow import chain_log_prob, compile_steps, num_log_prob_elements, sample_chain, step_time, time_grid, transition_kl
 from common.observation import Observation
 from common.policy import MLPFlowPolicy
 from common.policy.mlp import time_embedding
@@ -246,3 +246,21 @@ def test_ratio_sensitivity_prediction_matches_a_measured_shift() -> None:
     second_order = 300 * shift**2 / (2 * sigma**2)
     assert abs(float(logratio.mean()) - (predicted - second_order)) / predicted < 0.01
     assert abs(float(logratio.mean()) - predicted) / predicted < 0.1
+
+
+def test_compiled_steps_are_refused_in_one_line_where_no_kernel_compiler_is_installed(monkeypatch) -> None:
+    """actors.compile_steps on a machine without the compiler torch.compile builds its kernels with: refused by the
+    actor when it starts, naming the option, not at its first decision in a long trace."""
+    import shutil
+
+    policy = make_policy()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    refusal = r"^actors\.compile_steps: .* cpu kernels .*\(\$CXX or g\+\+ / clang\+\+\).*actors\.compile_steps: false$"
+    with pytest.raises(ConfigError, match=refusal):
+        compile_steps(policy)
+    assert policy.compiled_step is None
+    monkeypatch.setenv("CXX", "/opt/toolchain/bin/g++")
+    monkeypatch.setattr(shutil, "which", lambda name: name if name == "/opt/toolchain/bin/g++" else None)
+    compile_steps(policy)  # the compiler $CXX names
+    assert policy.compiled_step is not None
