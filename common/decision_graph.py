@@ -47,7 +47,7 @@ def tensor_with_kept_uploads(data: Any, *args: Any, dtype: torch.dtype | None = 
     (actors.compile_steps) traced through it is guarded on it, so a step compiled in the warm-up is not compiled again
     in the capture; and what a compiled step uploads is a constant of its graph, made at its compile, so its trace
     takes torch.tensor itself."""
-    if torch.compiler.is_compiling() or not KEPT_UPLOADS:
+    if torch.compiler.is_compiling():
         return TORCH_TENSOR(data, *args, dtype=dtype, device=device, **kwargs)
     uploads, capturing, device_type = KEPT_UPLOADS[-1]
     if device is None or torch.device(device).type != device_type or isinstance(data, (Tensor, np.ndarray)) or args or kwargs:

@@ -93,7 +93,7 @@ def compile_steps(policy: FlowPolicy) -> None:
     step is some 2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far
     fewer kernels. A step compiles at its first call with a new shape (a second batch size compiles once more, for
     every size after it); its arithmetic differs from the eager step's in float rounding only
-    (tests/test_smolvla.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
+    (tests/vla_checks.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
     require_kernel_compiler(policy.obs_device.type)
     policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.smolvla_gpu import OpCounter
 from common.diagnostics import check_ratio_is_one
 from common.flow import ChainSample, chain_log_prob, compile_steps, gaussian_step, sample_chain, step_time, transition
 from common.observation import Observation
@@ -21,23 +21,6 @@ from common.policy import CheckpointError, FlowPolicy
 from common.rl import normalize, ppo_policy_loss, value_loss
 
 INSTRUCTIONS = ["pick up the puck and place it at the goal", "push the block"]
-
-
-class DispatchedOps(TorchDispatchMode):
-    """Counts the ATen ops dispatched while it is open (each a kernel launch on a GPU). A compiled step runs compiled
-    under it (ignore_compile_internals), which counts the ops it still dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def tiny_observations(policy: FlowPolicy, batch: int, seed: int = 0) -> Observation:
@@ -187,10 +170,10 @@ def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPol
     runs = []
     for one_pass in (False, True):
         policy.zero_grad(set_to_none=True)
-        with DispatchedOps() as dispatched:
+        with OpCounter() as dispatched:
             log_prob = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass).log_prob
             log_prob.sum().backward()
-        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, dispatched.count))
+        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, dispatched.ops))
     policy.zero_grad(set_to_none=True)
     (steps, grads, ops_steps), (one, grads_one, ops_one) = runs
     torch.testing.assert_close(one, steps, rtol=1e-5, atol=1e-5)
@@ -243,9 +226,9 @@ def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observat
         counts = []
         for step in (None, compiled):
             policy.compiled_step = step
-            with DispatchedOps() as dispatched:
+            with OpCounter() as dispatched:
                 transition(policy, features, fast.chain[:, 1], 1)
-            counts.append(dispatched.count)
+            counts.append(dispatched.ops)
         policy.compiled_step = None
     assert counts[1] < counts[0] / 3, counts
 
