@@ -361,6 +361,9 @@ class Learner:
         self.optimizer = torch.optim.Adam(
             [{"params": self.actor_params, "lr": self.cfg.actor_lr}, {"params": self.critic_params, "lr": self.cfg.critic_lr}],
             eps=1e-5,
+            # One kernel per parameter group on a GPU instead of several per tensor; on the CPU the plain loop, whose
+            # rounding the runs' recorded results were made with.
+            fused=policy.obs_device.type == "cuda",
         )
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
@@ -668,7 +671,10 @@ class Learner:
         from_pretrained)."""
         checkpoint = LearnerCheckpoint(directory)
         state = checkpoint.trainer_state()
-        self.optimizer.load_state_dict(state.optimizer)
+        # A checkpoint's parameter groups carry the fused flag of the machine that saved it: keep this machine's.
+        fused = self.optimizer.defaults["fused"]
+        optimizer = {**state.optimizer, "param_groups": [{**group, "fused": fused} for group in state.optimizer["param_groups"]]}
+        self.optimizer.load_state_dict(optimizer)
         self.iteration, self.version, self.env_steps = state.iteration, state.version, state.env_steps
         self.skipped_updates, self.lr_backoff = state.skipped_updates, state.lr_backoff
         self.weight_versions.restore(state.sampling_versions, state.published)

@@ -106,6 +106,37 @@ def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setu
         torch.testing.assert_close(after_one_pass[name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_a_gpu_learners_fused_adam_updates_as_the_plain_one_does(setup, bc_checkpoint, monkeypatch, tmp_path) -> None:
+    """Where its weights are on a GPU, the learner's Adam runs fused (one kernel per parameter group); on the CPU it is
+    the plain loop the recorded runs used. Both update alike, up to float rounding, over the two parameter groups and
+    their per-iteration learning rates, with Adam moments carried into the second iteration; each resumes from the
+    other's checkpoint and keeps its own kind."""
+    config, actor, plain = setup
+    assert not plain.optimizer.defaults["fused"]
+    with monkeypatch.context() as on_gpu:  # what the learner reads the device from, as a GPU learner would see it
+        on_gpu.setattr(FlowPolicy, "obs_device", property(lambda self: torch.device("cuda")))
+        fused = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    assert fused.optimizer.defaults["fused"]
+    for iteration in range(2):
+        batch = actor.sample(plain.broadcast(), iteration)
+        metrics, metrics_fused = plain.update(batch), fused.update(batch)
+        assert metrics_fused["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+        assert metrics_fused["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    after, after_fused = params(plain.policy), params(fused.policy)
+    assert any(not torch.equal(after[k], params(FlowPolicy.from_pretrained(bc_checkpoint))[k]) for k in after)
+    for name, value in after.items():
+        torch.testing.assert_close(after_fused[name], value, rtol=0, atol=1e-7)  # far below one update
+    # A checkpoint carries its optimiser's fused flag; a learner that resumes from it keeps its own machine's.
+    plain.save_checkpoint(tmp_path / "plain")
+    fused.save_checkpoint(tmp_path / "fused")
+    plain.load_trainer_state(tmp_path / "fused")
+    fused.load_trainer_state(tmp_path / "plain")
+    assert [group["fused"] for group in plain.optimizer.param_groups] == [False, False]
+    assert [group["fused"] for group in fused.optimizer.param_groups] == [True, True]
+    batch = actor.sample(plain.broadcast(), 2)
+    assert plain.update(batch)["ppo/optimizer_steps"] == fused.update(batch)["ppo/optimizer_steps"] > 0
+
+
 def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """A chunk's next observation is its env's next decision's, unless an episode ended in the chunk (or the rollout
     did): the critic's values of the next observations equal those of encoding every one, bit for bit, while only the
