@@ -649,6 +649,9 @@ class Learner:
         actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
         critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
         self.optimizer.step()
+        # A bfloat16 autocast keeps its casts of trainable weights until its context closes, which is after the whole
+        # update: without this, every step would score with the weights of the first, and the ratio would stay 1.
+        torch.clear_autocast_cache()
         check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
         summary = {key: float(np.mean(values)) for key, values in terms.items()}
         summary.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]), actor_grad_norm=float(actor_grad_norm))

@@ -139,6 +139,27 @@ def test_a_gpu_learners_fused_adam_updates_as_the_plain_one_does(setup, bc_check
     assert plain.update(batch)["ppo/optimizer_steps"] == fused.update(batch)["ppo/optimizer_steps"] > 0
 
 
+@pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # float32 actor, bfloat16 learner
+def test_a_bfloat16_learner_scores_each_step_with_the_weights_the_step_before_left(setup, bc_checkpoint) -> None:
+    """Under learner.precision bfloat16 the update's second optimiser step sees the ratio of the weights after its first:
+    the same ratios as scoring the chains afresh, after a one-step update, against the log-probs before it. A stale
+    autocast cast of the weights would keep every ratio of the update at exactly 1."""
+    config, actor, _ = setup
+    batch = actor.sample(None, iteration=0)
+    one_step = copy.deepcopy(config)
+    one_step.algorithm.update_epochs = 1
+    assert batch.num_decisions * batch.num_envs == config.algorithm.minibatch_size  # one minibatch, so one step an epoch
+    stepped = learner_with(one_step, bc_checkpoint, precision="bfloat16")
+    before = stepped.prepare(batch).old_log_probs
+    assert stepped.update(batch)["ppo/optimizer_steps"] == 1
+    ratios = (stepped.prepare(batch).old_log_probs - before).exp()
+    assert (ratios - 1).abs().max() > 1e-4  # the first step moved the bfloat16 scores
+    metrics = learner_with(config, bc_checkpoint, precision="bfloat16").update(batch)
+    assert metrics["ppo/optimizer_steps"] == 2 and metrics["ppo/first_minibatch_ratio_dev"] == 0
+    assert metrics["ppo/ratio_max"] == pytest.approx(max(1.0, ratios.max().item()), rel=1e-6)
+    assert metrics["ppo/ratio_min"] == pytest.approx(min(1.0, ratios.min().item()), rel=1e-6)
+
+
 def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """A chunk's next observation is its env's next decision's, unless an episode ended in the chunk (or the rollout
     did): the critic's values of the next observations equal those of encoding every one, bit for bit, while only the
