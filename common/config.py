@@ -337,7 +337,9 @@ class LearnerConfig:
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
     behaviour_gap_warn: float | None = 1e-3
     # Arithmetic of the learner's scoring and update: "float32", or "bfloat16" (torch.autocast over float32 weights,
-    # for a GPU). The ratio check compares the learner with itself, so it holds in either.
+    # for a GPU). The ratio check compares the learner with itself, so it holds in either. In bfloat16 the learner also
+    # scores a few chains in float32 every iteration: logprob/precision_gap_max, and a PrecisionGapWarning when
+    # rounding alone moves the log-probs by half the clip range or more.
     precision: str = "float32"
     # Keep no activations of the denoising steps for the backward pass: each step's forward runs again there
     # (torch.utils.checkpoint), the same numbers bit for bit. The update's activations shrink to about one step's, at

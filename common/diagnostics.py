@@ -11,6 +11,8 @@ says what to change:
   RandomInitError              fine-tuning a policy that was never loaded from a checkpoint.
   BehaviourGapWarning          the actors' behaviour log-probs and the learner's recomputation of them on
                                the same weights disagree (different precisions or devices, or a bug).
+  PrecisionGapWarning          a bfloat16 learner's rounding moves its own log-probs by a sizeable part of
+                               the clip range: PPO would clip on rounding, not on the policy's change.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class RatioSensitivityWarning(UserWarning):
 
 class BehaviourGapWarning(UserWarning):
     """Behaviour log-probs from the actors differ from the learner's on the same weight version."""
+
+
+class PrecisionGapWarning(UserWarning):
+    """A bfloat16 learner's log-probs differ from its float32 ones by a sizeable part of PPO's clip range."""
 
 
 class NonFiniteError(FloatingPointError):

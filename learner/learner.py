@@ -45,6 +45,7 @@ from common.diagnostics import (
     MicroBatchSplitWarning,
     NonFiniteError,
     NonFiniteUpdateWarning,
+    PrecisionGapWarning,
     RandomInitError,
     check_finite_arrays,
     check_finite_gradients,
@@ -342,6 +343,7 @@ def minibatch_loss(
 
 
 LOSS_TERMS = ("pg_loss", "v_loss", "entropy", "kl_ref")  # checked finite before every backward pass
+PRECISION_GAP_ROWS = 16  # chains a bfloat16 learner also scores in float32 each iteration (check_precision_gap)
 
 
 class Learner:
@@ -452,6 +454,8 @@ class Learner:
         finite |= {} if b_values is None else {"values": b_values}
         check_finite_tensors(finite, "learner.prepare")
         self.check_behaviour_gap(batch, metrics["logprob/behaviour_gap_max"])
+        if self.config.learner.precision == "bfloat16":
+            metrics["logprob/precision_gap_max"] = self.check_precision_gap(b_obs, b_chains, old.log_prob, one_pass)
         cached = None if policy.encoder_is_trainable else features
         if lag:
             weight = (old.log_prob - behaviour.log_prob).exp()
@@ -467,6 +471,26 @@ class Learner:
         if not keep_decisions.all():
             data = index_features(data, keep_decisions.nonzero().squeeze(1))
         return data
+
+    def check_precision_gap(self, obs: Observation, chains: Tensor, log_probs: Tensor, steps_in_one_pass: bool) -> float:
+        """Max |log-prob| difference between this bfloat16 learner's scores of the first PRECISION_GAP_ROWS chains and
+        the same weights' float32 scores, encode included; warns when it reaches half of PPO's clip range in log space.
+        Rounding changes from one optimiser step to the next, so a gap that size swings the ratio across the clip on
+        its own. Scored every iteration, since the gap follows the weights."""
+        policy, rows = self.policy, min(PRECISION_GAP_ROWS, len(chains))
+        with torch.autocast(policy.obs_device.type, enabled=False):
+            exact = chain_log_prob(policy, policy.encode(obs.index(slice(0, rows))), chains[:rows], steps_in_one_pass=steps_in_one_pass)
+        gap = (log_probs[:rows].float() - exact.log_prob).abs().max().item()
+        limit = 0.5 * math.log1p(self.cfg.clip_eps)
+        if gap > limit:
+            warnings.warn(
+                f"bfloat16 rounding moves the learner's log-probs by up to {gap:.3g} against float32 on the same weights, "
+                f"more than half of the clip range log(1 + clip_eps) = {2 * limit:.3g}: PPO clips on rounding, not on the "
+                f"policy's change; set learner.precision: float32",
+                PrecisionGapWarning,
+                stacklevel=2,
+            )
+        return gap
 
     def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
         """Warn when actors and learner score the same weights differently (the learner scores a lagged rollout

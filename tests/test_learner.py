@@ -20,6 +20,7 @@ from common.diagnostics import (
     NonDeterministicPolicyError,
     NonFiniteError,
     NonFiniteUpdateWarning,
+    PrecisionGapWarning,
 )
 from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
@@ -158,6 +159,27 @@ def test_a_bfloat16_learner_scores_each_step_with_the_weights_the_step_before_le
     assert metrics["ppo/optimizer_steps"] == 2 and metrics["ppo/first_minibatch_ratio_dev"] == 0
     assert metrics["ppo/ratio_max"] == pytest.approx(max(1.0, ratios.max().item()), rel=1e-6)
     assert metrics["ppo/ratio_min"] == pytest.approx(min(1.0, ratios.min().item()), rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # float32 actor, bfloat16 learner
+def test_a_bfloat16_learner_reports_its_rounding_against_float32_and_warns_near_the_clip_range(setup, bc_checkpoint) -> None:
+    """logprob/precision_gap_max: a bfloat16 learner's old log-probs against a float32 learner's of the same weights and
+    chains (the first PRECISION_GAP_ROWS); PrecisionGapWarning once it reaches half of log(1 + clip_eps)."""
+    config, actor, exact = setup
+    batch = actor.sample(None, iteration=0)
+    rows = learner_module.PRECISION_GAP_ROWS
+    assert "logprob/precision_gap_max" not in exact.prepare(batch).metrics  # float32: nothing to compare
+    expected = (learner_with(config, bc_checkpoint, precision="bfloat16").prepare(batch).old_log_probs[:rows]
+                - exact.prepare(batch).old_log_probs[:rows]).abs().max().item()  # fmt: skip
+    assert expected > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionGapWarning)  # this gap is well inside the default clip range
+        gap = learner_with(config, bc_checkpoint, precision="bfloat16").prepare(batch).metrics["logprob/precision_gap_max"]
+    assert gap == pytest.approx(expected, rel=1e-6) and gap < 0.5 * np.log1p(config.algorithm.clip_eps)
+    narrow = copy.deepcopy(config)
+    narrow.algorithm.clip_eps = expected  # half of log(1 + clip_eps) is about half the gap
+    with pytest.warns(PrecisionGapWarning, match=r"bfloat16 rounding moves the learner's log-probs by up to .*learner.precision: float32"):
+        learner_with(narrow, bc_checkpoint, precision="bfloat16").prepare(batch)
 
 
 def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:
