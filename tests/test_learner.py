@@ -485,6 +485,22 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
     assert sorted(learner.weight_versions.published) == [1, 2]  # only what a rollout in flight can still come from
 
 
+@pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # float32 actor, bfloat16 learner
+def test_a_bfloat16_learner_scores_a_lagged_rollout_with_the_weights_that_sampled_it(tmp_path, bc_checkpoint) -> None:
+    """actors.policy_lag=1 under learner.precision bfloat16: the behaviour log-probs of a rollout one version behind are
+    what a bfloat16 learner still at that version scores, not the current weights' (autocast's kept casts of them)."""
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "learner.precision": "bfloat16"})
+    actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    v0 = learner.broadcast()
+    first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)
+    learner.update(first)
+    learner.broadcast()
+    lagged = learner.prepare(ahead)
+    at_v0 = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint)).prepare(ahead).old_log_probs
+    assert (lagged.old_log_probs - at_v0).abs().max() > 1e-4  # the update moved these chains' scores
+    torch.testing.assert_close(lagged.behaviour_log_probs, at_v0, rtol=0, atol=1e-6)
+
+
 def test_a_rollout_further_behind_than_policy_lag_names_the_setting(setup) -> None:
     _, actor, learner = setup  # the default policy_lag 1: the learner keeps its current version and the one before
     stale = actor.sample(learner.broadcast(), 2)
