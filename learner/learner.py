@@ -399,9 +399,12 @@ class Learner:
     # -- one PPO iteration ------------------------------------------------------------------------
 
     def precision(self) -> torch.autocast:
-        """learner.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32)."""
+        """learner.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32).
+        Without its cast cache: autocast would keep the casts of trainable weights until the context closes, after the
+        whole update, so every optimiser step, and a lagged rollout's scoring under swapped-in weights, would see the
+        weights as they were when first cast."""
         device = self.policy.obs_device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.learner.precision == "bfloat16")
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.learner.precision == "bfloat16", cache_enabled=False)
 
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
         """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
@@ -673,9 +676,6 @@ class Learner:
         actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
         critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
         self.optimizer.step()
-        # A bfloat16 autocast keeps its casts of trainable weights until its context closes, which is after the whole
-        # update: without this, every step would score with the weights of the first, and the ratio would stay 1.
-        torch.clear_autocast_cache()
         check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
         summary = {key: float(np.mean(values)) for key, values in terms.items()}
         summary.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]), actor_grad_norm=float(actor_grad_norm))

@@ -71,13 +71,9 @@ class WeightVersions:
         with torch.no_grad():
             for name, tensor in self.published[version].items():
                 params[name].copy_(tensor)
-        # A bfloat16 learner runs inside torch.autocast, which keeps its casts of trainable weights: drop them whenever
-        # the weights change in place, or the scores would be those of the weights before the swap.
-        torch.clear_autocast_cache()
         try:
             yield policy
         finally:
             with torch.no_grad():
                 for name, tensor in saved.items():
                     params[name].copy_(tensor)
-            torch.clear_autocast_cache()
