@@ -144,6 +144,13 @@ def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
         assert (policy.encode(obs).suffix_state is None) == (policy.config.type == "pi05")  # pi0's state feeds the expert
 
 
+@pytest.mark.parametrize("policy_type", ["pi0", "pi05"])
+def test_every_camera_goes_through_siglip_in_one_batch_and_gives_lerobots_prefix(policy_type) -> None:
+    policy = tiny_policy(policy_type, cameras=["corner", "topview", "gripperPOV"])
+    obs = vla_checks.tiny_observations(policy, 3, seed=4)
+    vla_checks.check_cameras_share_one_vision_pass(policy, obs, policy.vla.model.paligemma_with_expert)
+
+
 @pytest.mark.parametrize("start", ["zero", "gaussian"])
 def test_noise_off_chain_reproduces_lerobot_sample_actions(policy, start) -> None:
     """The project's Euler chain with the noise off == lerobot's own sample_actions (its prefix pass, its Euler loop

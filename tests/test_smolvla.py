@@ -31,12 +31,13 @@ from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.smolvla_config import SmolVLAConfig
 from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
-from common.policy.vla_common import lerobot_flow_time
+from common.policy.vla_common import lerobot_flow_time, one_vision_pass
 from common.rl import normalize, ppo_policy_loss
 from common.suites import make_suite
 from learner.startup import check_lerobot_features
 from tests.vla_checks import (
     bf16_actor_gap,
+    check_cameras_share_one_vision_pass,
     check_compiled_steps_follow_the_eager_ones,
     check_learner_log_probs_equal_actor_log_probs,
     check_noise_off_chain_reproduces_lerobot,
@@ -105,6 +106,34 @@ def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
     check_sampling_reads_frames_instruction_and_state(policy, obs)
     with torch.no_grad():
         assert index_features(policy.encode(obs), torch.tensor([2])).key_states[0].shape[0] == 1
+
+
+@pytest.fixture(scope="module")
+def three_cameras() -> SmolVLAFlowPolicy:
+    return tiny_policy(cameras=["corner", "topview", "gripperPOV"])
+
+
+def test_every_camera_goes_through_siglip_in_one_batch_and_gives_lerobots_prefix(three_cameras) -> None:
+    policy = three_cameras
+    check_cameras_share_one_vision_pass(policy, tiny_observations(policy, 3, seed=4), policy.vla.model.vlm_with_expert)
+    vlm_with_expert = policy.vla.model.vlm_with_expert
+    images = list(torch.rand(4, 3, IMAGE_SIZE, IMAGE_SIZE).split(2))
+    with pytest.raises(RuntimeError, match="other than the next camera's"), one_vision_pass(vlm_with_expert, images):
+        vlm_with_expert.embed_image(images[1])
+    with pytest.raises(RuntimeError, match="never asked for"), one_vision_pass(vlm_with_expert, images):
+        vlm_with_expert.embed_image(images[0])
+    assert "embed_image" not in vars(vlm_with_expert)  # lerobot's method is back
+
+
+def test_frames_of_all_cameras_are_preprocessed_at_once_as_lerobot_does_each(three_cameras) -> None:
+    """All cameras' frames resized with padding and mapped to [-1, 1] in one pass, against the same per camera."""
+    obs = tiny_observations(three_cameras, 3, seed=5)
+    small = torch.randint(0, 256, (3, 3, 24, 20, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    images, *_ = three_cameras.lerobot_inputs(dataclasses.replace(obs, images=small))
+    assert len(images) == 3
+    for camera, image in enumerate(images):
+        frames = small[:, camera].permute(0, 3, 1, 2).float() / 255.0
+        assert torch.equal(image, resize_with_pad(frames, IMAGE_SIZE, IMAGE_SIZE, pad_value=0) * 2.0 - 1.0)
 
 
 def test_time_convention_map() -> None:

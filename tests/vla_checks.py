@@ -3,10 +3,12 @@ each takes a policy (common.policy.vla_common.VLAFlowPolicy) and observations of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -63,6 +65,33 @@ def check_sampling_reads_frames_instruction_and_state(policy: FlowPolicy, obs: O
         policy.encode(Observation(state=obs.state))
     with pytest.raises(RuntimeError, match="call velocity first"):
         policy.sigma(t, policy.encode(obs))  # the noise head reads the hidden state of the velocity call before it
+
+
+def check_cameras_share_one_vision_pass(policy: FlowPolicy, obs: Observation, owner: nn.Module) -> None:
+    """encode() embeds every camera's frames with one call of `owner.embed_image` (the vision tower), and its prefix
+    is what lerobot's embed_prefix gives with its own loop, one call per camera."""
+    embed_image, batches = owner.embed_image, []
+
+    def counted(images: Tensor) -> Tensor:
+        batches.append(images.shape[0])
+        return embed_image(images)
+
+    owner.embed_image = counted
+    try:
+        with torch.no_grad():
+            one_pass = policy.encode(obs)
+            one_pass_batches = batches.copy()
+            batches.clear()
+            with mock.patch(f"{type(policy).__module__}.one_vision_pass", lambda _owner, _images: contextlib.nullcontext()):
+                looped = policy.encode(obs)
+    finally:
+        del owner.embed_image
+    cameras, rows = len(policy.config.cameras), obs.state.shape[0]
+    assert cameras > 1
+    assert one_pass_batches == [cameras * rows] and batches == [rows] * cameras
+    for fast, plain in zip((*one_pass.key_states, *one_pass.value_states, one_pass.critic_input),
+                           (*looped.key_states, *looped.value_states, looped.critic_input), strict=True):  # fmt: skip
+        torch.testing.assert_close(fast, plain, rtol=0.0, atol=1e-6)
 
 
 def check_noise_off_chain_reproduces_lerobot(policy: FlowPolicy, obs: Observation, start: str, sample_actions: Callable) -> None:

@@ -2,11 +2,12 @@
 
 Both are a PaliGemma backbone (SigLIP + Gemma) whose per-layer keys and values an action expert (a smaller Gemma)
 attends to. What each FlowPolicy piece reads:
-  encode(obs)   runs the prefix ONCE with lerobot's `embed_prefix` (SigLIP tokens of every camera, then the prompt's
-                tokens) and the model's prefix pass (common.policy.vla_common.prefix_features), keeping the per-layer
-                KV cache, the pad mask and the critic's input. pi0's prompt is the instruction (with lerobot's trailing
-                newline); its state enters the expert's suffix at every step through `state_proj`, so encode keeps the
-                padded normalised state beside the cache. pi0.5 has no state projection: as lerobot's preprocessor
+  encode(obs)   runs the prefix ONCE with lerobot's `embed_prefix` (SigLIP tokens of every camera, embedded in one batch
+                by vla_common.one_vision_pass, then the prompt's tokens) and the model's prefix pass
+                (common.policy.vla_common.prefix_features), keeping the per-layer KV cache, the pad mask and the
+                critic's input. pi0's prompt is the instruction (with lerobot's trailing newline); its state enters the
+                expert's suffix at every step through `state_proj`, so encode keeps the padded normalised state beside
+                the cache. pi0.5 has no state projection: as lerobot's preprocessor
                 (Pi05PrepareStateTokenizerProcessorStep, called here), the state is discretised into 256 bins and
                 spelled out in the prompt, "Task: <instruction>, State: <bins>;\\nAction: ", which is tokenized anew
                 at every encode from the instruction's tokens and the current state.
@@ -48,7 +49,7 @@ from common.policy import vla_common
 from common.policy.base import OBS_CLIP, CheckpointError, write_directory_atomically
 from common.policy.lerobot_compat import LEROBOT_LINE, LEROBOT_VERSION, SUPPORTED_LEROBOT, denoise_cache, make_att_2d_masks, pad_vector
 from common.policy.tiny_vlm import build_tokenizer
-from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, prefix_features
+from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, one_vision_pass, prefix_features
 
 if LEROBOT_LINE < (0, 6):
     raise ImportError(
@@ -345,7 +346,8 @@ class PiFlowPolicy(VLAFlowPolicy):
         """One PaliGemma pass over the prefix (images, prompt) -> KV cache, pad mask, critic input (and pi0's state)."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, *state = self.lerobot_inputs(obs)
-        embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask)
+        with one_vision_pass(model.paligemma_with_expert, images):
+            embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask)
         attention = prepare_attention_masks_4d(make_att_2d_masks(pad_mask, att_mask))  # as lerobot's sample_actions
         suffix_state = state[0] if state else None
         return prefix_features(model.paligemma_with_expert, embeddings, pad_mask, attention, self.normalized_state(obs), suffix_state)

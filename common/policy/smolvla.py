@@ -2,10 +2,11 @@
 
 What each FlowPolicy piece reads:
   encode(obs)   runs the VLM prefix ONCE (SigLIP image tokens, instruction tokens, projected state) with
-                lerobot's `embed_prefix` and its prefix pass (common.policy.lerobot_compat.fill_prefix_cache),
-                and keeps the per-layer key/value cache, the prefix pad mask and the critic's input. The kept
-                cache is never mutated by a denoising step, so one encode serves all K steps, the critic, and
-                (VLM frozen) every PPO epoch and minibatch of an iteration.
+                lerobot's `embed_prefix` (every camera through SigLIP in one batch: vla_common.one_vision_pass)
+                and its prefix pass (common.policy.lerobot_compat.fill_prefix_cache), and keeps the per-layer
+                key/value cache, the prefix pad mask and the critic's input. The kept cache is never mutated by a
+                denoising step, so one encode serves all K steps, the critic, and (VLM frozen) every PPO epoch
+                and minibatch of an iteration.
   velocity      lerobot's `denoise_step` on that cache: the action expert attends to the prefix and
                 `action_out_proj` maps its hidden state to a velocity, converted to the project's time
                 convention by common.policy.vla_common.lerobot_flow_time (the only place the two conventions meet).
@@ -54,6 +55,7 @@ from common.policy.vla_common import (  # noqa: E402
     lerobot_config_fields,
     load_lerobot_checkpoint,
     local_directory,
+    one_vision_pass,
     prefix_features,
     require_frames_and_instruction,
     tokenize_texts,
@@ -168,16 +170,16 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
     def lerobot_inputs(self, obs: Observation) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
         """Observation -> lerobot's (images, image masks, tokens, token mask, padded normalised state).
         Frames: uint8 (B, C, H, W, 3) -> per camera float (B, 3, S, S) in [-1, 1] (SigLIP's range), resized
-        with padding to the VLM's image size S as lerobot does."""
+        with padding to the VLM's image size S as lerobot does; all cameras in one pass, camera after camera, so each
+        camera's frames are a view of one (C x B, 3, S, S) tensor."""
         require_frames_and_instruction(obs, self.config)
         width, height = self.vla.config.resize_imgs_with_padding  # lerobot's order
-        images = []
-        for camera in range(obs.images.shape[1]):
-            frame = obs.images[:, camera].permute(0, 3, 1, 2).float() / 255.0
-            if tuple(frame.shape[-2:]) != (height, width):
-                frame = resize_with_pad(frame, height, width, pad_value=0)
-            images.append(frame * 2.0 - 1.0)
-        masks = [torch.ones(obs.state.shape[0], dtype=torch.bool, device=obs.state.device) for _ in images]
+        batch, cameras = obs.images.shape[:2]
+        frames = obs.images.transpose(0, 1).reshape(cameras * batch, *obs.images.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
+        if tuple(frames.shape[-2:]) != (height, width):
+            frames = resize_with_pad(frames, height, width, pad_value=0)
+        images = list((frames * 2.0 - 1.0).split(batch))
+        masks = [torch.ones(batch, dtype=torch.bool, device=obs.state.device) for _ in images]
         return images, masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.smolvla.max_state_dim)
 
     # -- the FlowPolicy pieces ---------------------------------------------------------------------
@@ -186,7 +188,8 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         """One VLM pass over the prefix (images, instruction, state) -> KV cache, pad mask, critic input."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, state = self.lerobot_inputs(obs)
-        embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
+        with one_vision_pass(model.vlm_with_expert, images):
+            embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
         attention = make_att_2d_masks(pad_mask, att_mask)
         return prefix_features(model.vlm_with_expert, embeddings, pad_mask, attention, state[:, : self.config.obs_dim])
 

@@ -4,6 +4,7 @@ Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an a
 `action_out_proj` that maps the expert's hidden state to a velocity. The pieces below are the same for all of them:
   VLAFeatures        encode()'s output: the prefix KV cache as plain tensors, batch first, and the critic's input
   prefix_features    one prefix pass (common.policy.lerobot_compat.fill_prefix_cache) -> VLAFeatures
+  one_vision_pass    every camera's frames through the vision tower as one batch, inside lerobot's embed_prefix
   lerobot_flow_time  the ONE map between the project's flow time and lerobot's
   VLAFlowPolicy      velocity (the model's denoise_step on a fresh cache per call), the ReinFlow noise head on
                      the expert hidden state, the critic, trainable-flag groups, eval-mode guard, persistence, and the
@@ -19,7 +20,7 @@ import dataclasses
 import json
 import math
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,35 @@ def prefix_features(
         critic_input=torch.cat([pooled.float(), state.float()], dim=-1),
         suffix_state=suffix_state,
     )
+
+
+@contextlib.contextmanager
+def one_vision_pass(owner: nn.Module, images: list[Tensor]) -> Iterator[None]:
+    """lerobot's embed_prefix calls `owner.embed_image` once per camera, a vision tower pass over that camera's B
+    frames. Inside this context the C cameras' frames go through the tower once, as one batch of C x B, and each of
+    embed_prefix's calls, which must come in camera order with these very tensors, is handed its camera's share. The
+    tower embeds every frame on its own, so only the batch changes: C times fewer kernel launches for the tower, whose
+    matmuls are C times taller (tests/test_smolvla.py and tests/test_pi0.py check the prefix against lerobot's loop).
+    What embeds the batch is whatever `owner.embed_image` is on entry (lerobot's, or a capture_context's)."""
+    embedded = owner.embed_image(torch.cat(images)).split([image.shape[0] for image in images])
+    pending = list(zip(images, embedded, strict=True))
+
+    def handed_out(image: Tensor) -> Tensor:
+        if not pending or pending[0][0] is not image:
+            raise RuntimeError("one_vision_pass: embed_image was called with frames other than the next camera's, in camera order")
+        return pending.pop(0)[1]
+
+    replaced = vars(owner).get("embed_image")  # a capture_context's own, put back on exit
+    owner.embed_image = handed_out
+    try:
+        yield
+    finally:
+        if replaced is None:
+            del owner.embed_image
+        else:
+            owner.embed_image = replaced
+    if pending:
+        raise RuntimeError(f"one_vision_pass: {len(pending)} camera(s) embedded but never asked for by embed_prefix")
 
 
 def local_directory(config: PolicyConfig, section: str, field: str, marker: str, what: str, offline: Callable[[], Path]) -> Path:
