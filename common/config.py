@@ -355,6 +355,12 @@ class LearnerConfig:
     # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
     # gives. false: the error stops the update.
     split_on_out_of_memory: bool = True
+    # Micro-batches sized by memory (a GPU learner), in place of algorithm.grad_accum's fixed split: at its first
+    # optimiser step that trains the actor, the learner reads how far its first micro-batch raised the GPU allocator's
+    # peak above what was allocated before it, per decision, and from then on splits every minibatch into the fewest
+    # micro-batches whose peak that estimate keeps within this many GiB (metric learner/micro_batch_rows). Fewer,
+    # larger micro-batches launch fewer kernels; the update differs from grad_accum's by float rounding only. 0: off.
+    micro_batch_memory_gib: float = 0.0
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3
@@ -375,6 +381,11 @@ class LearnerConfig:
         require(
             not (self.recompute_steps and self.steps_in_one_pass),
             f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
+        )
+        require(self.micro_batch_memory_gib >= 0, f"{path}.micro_batch_memory_gib must be >= 0 (0: off), got {self.micro_batch_memory_gib}")
+        require(
+            self.micro_batch_memory_gib == 0 or self.num_gpus > 0,
+            f"{path}.micro_batch_memory_gib reads a GPU's allocator: it needs {path}.num_gpus > 0 (or 0: algorithm.grad_accum's split)",
         )
         require_positive(self, path, "nonfinite_backoff_after")
         require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")

@@ -288,6 +288,31 @@ def micro_batch_rows(cfg: AlgorithmConfig, decisions: int) -> int:
     return -(-cfg.minibatch_sizes(decisions)[0] // cfg.grad_accum)
 
 
+def micro_batches_within(budget: float, allocated: float, per_row: float, rows: int) -> int:
+    """The fewest micro-batches a minibatch of `rows` decisions splits into (as tensor_split does: at most ceil(rows /
+    count) decisions each) for `allocated` bytes plus `per_row` bytes per decision of the largest to stay within
+    `budget`; `rows`, one decision each, where none does."""
+    if per_row <= 0:
+        return 1 if allocated <= budget else rows
+    fit = math.floor((budget - allocated) / per_row)
+    return rows if fit < 1 else min(rows, -(-rows // fit))
+
+
+class AllocatorMemory:
+    """The bytes the CUDA allocator holds on a device, now and at its peak: what micro-batch sizing reads
+    (learner.micro_batch_memory_gib). The peak is never reset here, so a reading taken around a whole update stands;
+    a peak set earlier and higher makes the sizing's estimate an upper bound."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
 def update_shape(config: RunConfig) -> str:
     """One line for the banner: what the update of a full rollout does per iteration."""
     cfg = config.algorithm
@@ -347,7 +372,8 @@ PRECISION_GAP_ROWS = 16  # chains a bfloat16 learner also scores in float32 each
 
 
 class Learner:
-    def __init__(self, config: RunConfig, policy: FlowPolicy):
+    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None):
+        """`memory`: what learner.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device)."""
         require_pretrained(policy, config.allow_random_init)
         self.config = config
         self.cfg = config.algorithm
@@ -379,6 +405,11 @@ class Learner:
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
+        self.memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
+        if config.learner.micro_batch_memory_gib and self.memory is None:
+            raise ValueError(f"learner.micro_batch_memory_gib reads a GPU's allocator; this learner runs on {policy.obs_device}")
+        self.micro_batches_sized = not config.learner.micro_batch_memory_gib  # sized once, at the first step that trains the actor
+        self.out_of_memory_splits = 0
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -538,8 +569,10 @@ class Learner:
             self._split_micro_batches(decisions, error)
         self.nonfinite_streak = 0
         metrics.update({"faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff})
-        if self.cfg.grad_accum != self.config.algorithm.grad_accum:
+        if self.out_of_memory_splits:
             metrics["faults/grad_accum"] = self.cfg.grad_accum
+        if self.config.learner.micro_batch_memory_gib:
+            metrics["learner/micro_batch_rows"] = micro_batch_rows(self.cfg, decisions)
         return metrics
 
     def _roll_back(self, before: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
@@ -554,6 +587,7 @@ class Learner:
         memory on an update of `decisions` decisions. The run's config keeps the configured grad_accum."""
         rows, accum = micro_batch_rows(self.cfg, decisions), self.cfg.grad_accum
         self.cfg = self.algorithm.cfg = dataclasses.replace(self.cfg, grad_accum=min(2 * accum, self.cfg.minibatch_sizes(decisions)[0]))
+        self.out_of_memory_splits += 1
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -564,6 +598,23 @@ class Learner:
             MicroBatchSplitWarning,
             stacklevel=3,
         )
+
+    def _size_micro_batches(self, allocated: int, rows: int, minibatch_rows: int) -> None:
+        """learner.micro_batch_memory_gib: the split of every minibatch from the next one on, estimated from the micro-batch
+        of `rows` decisions just run (`allocated` bytes when it began, the allocator's peak after its backward pass)."""
+        per_row = (self.memory.peak() - allocated) / rows
+        budget = self.config.learner.micro_batch_memory_gib * 2**30
+        accum = micro_batches_within(budget, allocated, per_row, minibatch_rows)
+        self.cfg = self.algorithm.cfg = dataclasses.replace(self.cfg, grad_accum=accum)
+        self.micro_batches_sized = True
+        if allocated + per_row > budget:
+            warnings.warn(
+                f"learner.micro_batch_memory_gib={self.config.learner.micro_batch_memory_gib}: one decision alone needs about "
+                f"{(allocated + per_row) / 2**30:.2f} GiB ({allocated / 2**30:.2f} GiB allocated before the micro-batch); the update "
+                "goes on with one decision per micro-batch",
+                MicroBatchSplitWarning,
+                stacklevel=4,
+            )
 
     def _skip_update(self, batch: RolloutBatch, error: NonFiniteError) -> dict[str, float]:
         """Count a rolled-back iteration; after nonfinite_backoff_after in a row, back the learning rates off."""
@@ -658,7 +709,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         terms: dict[str, list[float]] = {}
         deviation = 0.0
-        for micro in mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds))):
+        sizing = train_actor and not self.micro_batches_sized
+        for index, micro in enumerate(mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds)))):
+            allocated = self.memory.allocated() if sizing and index == 0 else 0
             features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
             new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
             loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
@@ -672,6 +725,8 @@ class Learner:
             (loss * (len(micro) / len(mb_inds))).backward()
             for key, value in metrics.items():
                 terms.setdefault(key, []).append(float(value.detach()))
+            if sizing and index == 0:
+                self._size_micro_batches(allocated, len(micro), cfg.minibatch_sizes(len(data.old_log_probs))[0])
         check_finite_gradients(policy, f"learner.update {where}")
         actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
         critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)

@@ -44,6 +44,8 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("algorithm.minibatch_size=0", r"algorithm\.minibatch_size must be > 0 or null"),
         ("learner.call_timeout_s=0", r"learner\.call_timeout_s must be > 0"),
         ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
+        ("learner.micro_batch_memory_gib=-1", r"learner\.micro_batch_memory_gib must be >= 0"),
+        ("learner.micro_batch_memory_gib=20", r"learner\.micro_batch_memory_gib reads a GPU's allocator: it needs learner\.num_gpus > 0"),
         ("nonsense", r"must look like section\.field=value"),
         ("pretrain.task_demos={reach-v3: 0}", r"pretrain\.task_demos\['reach-v3'\] must be in \[1, 50\]"),
         ("pretrain.task_demos=[3]", r"pretrain\.task_demos must be a mapping"),

@@ -26,7 +26,7 @@ from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
 from common.trajectory import RolloutBatch
 from learner import learner as learner_module
-from learner.learner import Learner, lr_scale
+from learner.learner import Learner, lr_scale, micro_batches_within
 from tests.conftest import tiny_config
 
 
@@ -292,6 +292,67 @@ def test_an_update_out_of_gpu_memory_runs_again_in_smaller_micro_batches_and_kee
             assert max(asked) == 4 and metrics.pop("faults/grad_accum") == 4
         assert strip(metrics) == strip(expected_metrics)
         assert all(torch.equal(v, expected_weights[k]) for k, v in learner.policy.state_dict().items())
+
+
+def test_micro_batches_within_a_budget_are_the_fewest_whose_largest_fits() -> None:
+    for rows in (1, 7, 16, 64):
+        for budget in (0.5, 10.0, 13.0, 40.0, 1000.0):
+            for per_row in (0.0, 1.0, 2.5):
+                fitting = [count for count in range(1, rows + 1) if 3.0 + per_row * -(-rows // count) <= budget]
+                assert micro_batches_within(budget, 3.0, per_row, rows) == (fitting[0] if fitting else rows)
+
+
+class MeasuredMemory:
+    """A GPU allocator's readings for the learner's micro-batch sizing: `base` bytes always allocated, and a peak of
+    `base` plus `per_row` bytes for each chain of the largest scoring that kept a graph for the backward pass."""
+
+    def __init__(self, monkeypatch, base: int, per_row: int) -> None:
+        self.base, self.per_row, self.rows, self.asked = base, per_row, 0, []
+        score = learner_module.chain_log_prob
+
+        def measured(policy, features, chains, *args, **kwargs):
+            self.asked.append(len(chains))
+            if torch.is_grad_enabled():
+                self.rows = max(self.rows, len(chains))
+            return score(policy, features, chains, *args, **kwargs)
+
+        monkeypatch.setattr(learner_module, "chain_log_prob", measured)
+
+    def allocated(self) -> int:
+        return self.base
+
+    def peak(self) -> int:
+        return self.base + self.per_row * self.rows
+
+
+def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_trains_the_actor(bc_checkpoint, tmp_path, monkeypatch):
+    """learner.micro_batch_memory_gib: the first micro-batch of the first step sets the split of every later one, the
+    fewest micro-batches within the budget; the update differs from one made with that split throughout by rounding."""
+    mib = 2**20
+    config = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": (2048 + 9 * 100) / 1024, "algorithm.grad_accum": 4})
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(None, iteration=0)
+    memory = MeasuredMemory(monkeypatch, base=2048 * mib, per_row=100 * mib)
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint), memory=memory)
+    metrics = learner.update(batch)
+    # 16 decisions, one minibatch, 2 epochs: the scoring pass and the first step in micro-batches of 4; then 9 decisions
+    # fit the budget, so the second step runs in 2 micro-batches of 8.
+    assert memory.asked == [4] * 4 + [4] * 4 + [8, 8] and metrics["learner/micro_batch_rows"] == 8
+    assert learner.cfg.grad_accum == 2 and config.algorithm.grad_accum == 4 and "faults/grad_accum" not in metrics
+
+    halves = tiny_config(tmp_path, **{"algorithm.grad_accum": 2})
+    reference = Learner(halves, FlowPolicy.from_pretrained(bc_checkpoint))
+    expected = reference.update(batch)
+    for key in ("losses/pg_loss", "losses/v_loss", "losses/approx_kl"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
+    for name, value in learner.policy.state_dict().items():
+        torch.testing.assert_close(value, reference.policy.state_dict()[name], rtol=1e-4, atol=1e-6)
+
+    tight = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": 2.0})
+    learner = Learner(tight, FlowPolicy.from_pretrained(bc_checkpoint), memory=MeasuredMemory(monkeypatch, base=2048 * mib, per_row=mib))
+    with pytest.warns(MicroBatchSplitWarning, match=r"one decision alone needs about 2\.00 GiB \(2\.00 GiB allocated before"):
+        assert learner.update(batch)["learner/micro_batch_rows"] == 1
+    with pytest.raises(ValueError, match="micro_batch_memory_gib reads a GPU's allocator; this learner runs on cpu"):
+        Learner(tight, FlowPolicy.from_pretrained(bc_checkpoint))
 
 
 @pytest.mark.parametrize("split", [True, False])
