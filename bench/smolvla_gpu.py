@@ -476,7 +476,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                 del learner.prepare  # the method again
             keep = ("logprob/behaviour_gap_max", "logprob/precision_gap_max", "ppo/first_minibatch_ratio_dev", "losses/clipfrac",
                     "losses/approx_kl", "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean",
-                    "ppo/actor_lr", "faults/grad_accum", "learner/micro_batch_rows")  # fmt: skip
+                    "ppo/actor_lr", "faults/grad_accum", "ppo/micro_batch_rows")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[-1], "decisions": batch.num_decisions * batch.num_envs,
                     **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else {**ops.counts(), "flops": flops.get_total_flops(),
                        "scoring_pass_flops": scoring_flops.get_total_flops(), "vision_flops": vision_flops(flops)}),

@@ -358,7 +358,7 @@ class LearnerConfig:
     # Micro-batches sized by memory (a GPU learner), in place of algorithm.grad_accum's fixed split: at its first
     # optimiser step that trains the actor, the learner reads how far its first micro-batch raised the GPU allocator's
     # peak above what was allocated before it, per decision, and from then on splits every minibatch into the fewest
-    # micro-batches whose peak that estimate keeps within this many GiB (metric learner/micro_batch_rows). Fewer,
+    # micro-batches whose peak that estimate keeps within this many GiB (metric ppo/micro_batch_rows). Fewer,
     # larger micro-batches launch fewer kernels; the update differs from grad_accum's by float rounding only. 0: off.
     micro_batch_memory_gib: float = 0.0
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many

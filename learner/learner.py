@@ -572,7 +572,7 @@ class Learner:
         if self.out_of_memory_splits:
             metrics["faults/grad_accum"] = self.cfg.grad_accum
         if self.config.learner.micro_batch_memory_gib:
-            metrics["learner/micro_batch_rows"] = micro_batch_rows(self.cfg, decisions)
+            metrics["ppo/micro_batch_rows"] = micro_batch_rows(self.cfg, decisions)
         return metrics
 
     def _roll_back(self, before: tuple[dict[str, Tensor], dict[str, Any]]) -> None:

@@ -329,14 +329,15 @@ def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_
     """learner.micro_batch_memory_gib: the first micro-batch of the first step sets the split of every later one, the
     fewest micro-batches within the budget; the update differs from one made with that split throughout by rounding."""
     mib = 2**20
-    config = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": (2048 + 9 * 100) / 1024, "algorithm.grad_accum": 4})
+    budget = (2048 + 9 * 100) / 1024  # GiB: 2 GiB allocated, then room for 9 decisions of 100 MiB
+    config = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": budget, "algorithm.grad_accum": 4})
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, iteration=0)
     memory = MeasuredMemory(monkeypatch, base=2048 * mib, per_row=100 * mib)
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint), memory=memory)
     metrics = learner.update(batch)
     # 16 decisions, one minibatch, 2 epochs: the scoring pass and the first step in micro-batches of 4; then 9 decisions
     # fit the budget, so the second step runs in 2 micro-batches of 8.
-    assert memory.asked == [4] * 4 + [4] * 4 + [8, 8] and metrics["learner/micro_batch_rows"] == 8
+    assert memory.asked == [4] * 4 + [4] * 4 + [8, 8] and metrics["ppo/micro_batch_rows"] == 8
     assert learner.cfg.grad_accum == 2 and config.algorithm.grad_accum == 4 and "faults/grad_accum" not in metrics
 
     halves = tiny_config(tmp_path, **{"algorithm.grad_accum": 2})
@@ -350,7 +351,7 @@ def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_
     tight = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": 2.0})
     learner = Learner(tight, FlowPolicy.from_pretrained(bc_checkpoint), memory=MeasuredMemory(monkeypatch, base=2048 * mib, per_row=mib))
     with pytest.warns(MicroBatchSplitWarning, match=r"one decision alone needs about 2\.00 GiB \(2\.00 GiB allocated before"):
-        assert learner.update(batch)["learner/micro_batch_rows"] == 1
+        assert learner.update(batch)["ppo/micro_batch_rows"] == 1
     with pytest.raises(ValueError, match="micro_batch_memory_gib reads a GPU's allocator; this learner runs on cpu"):
         Learner(tight, FlowPolicy.from_pretrained(bc_checkpoint))
 
