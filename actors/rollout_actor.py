@@ -72,6 +72,8 @@ class RolloutActor:
             self.policy.set_backbone_dtype(torch.bfloat16)
         if config.actors.compile_steps:
             compile_steps(self.policy)
+        if config.actors.compile_vision:  # a VLA policy (RunConfig.validate)
+            self.policy.compile_vision()
         if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision
             autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
             self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)

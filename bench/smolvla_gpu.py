@@ -27,6 +27,8 @@ arithmetic set against its time. FLOPs depend on the shapes only, so a full-size
 `--compile-steps` times each decision path again with its denoising steps compiled by torch.compile
 (actors.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
+`--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.compile_vision), and
+its speedup over `<path>_compiled`.
 """
 
 from __future__ import annotations
@@ -260,12 +262,15 @@ def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int
             "encode_aten_ops": encode_ops.ops}  # fmt: skip
 
 
-def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool, compiled: bool) -> dict[str, Any]:
+def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool, compiled: bool,
+                     compiled_vision: bool) -> dict[str, Any]:  # fmt: skip
     """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer,
     eager and (on a GPU) as a CUDA graph replay (common.decision_graph), and the host's ops and launches per decision
     (profile: also the profiler's tables of the first batch size's decisions). compiled: each path again with its
-    denoising steps compiled (common.flow.compile_steps; `<path>_compiled`), with the kernels the compiler generated.
-    Every path's outputs are set against the eager path's on the same noise."""
+    denoising steps compiled (common.flow.compile_steps; `<path>_compiled`); compiled_vision: those paths, and each path
+    again with its vision tower compiled too (VLAFlowPolicy.compile_vision; `<path>_compiled_vision`); with the kernels
+    the compiler generated for the path (a `_compiled_vision` path's: the vision tower's, its steps being compiled
+    already). Every path's outputs are set against the eager path's on the same noise."""
     from torch._inductor import metrics as inductor_metrics
 
     from common.decision_graph import DecisionGraph
@@ -275,11 +280,14 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     size, cameras = policy.config.image_size, len(policy.config.cameras)
     autocast = torch.bfloat16 if actor.config.actors.precision == "bfloat16" else None
     paths = ("eager", "graph") if actor.device.type == "cuda" else ("eager",)
-    kept, kept_step, figures = policy.decision_graph, policy.compiled_step, {}
-    if compiled:
-        paths = tuple(name for path in paths for name in (path, f"{path}_compiled"))
+    kept, kept_step, kept_vision, figures = policy.decision_graph, policy.compiled_step, policy.compiled_vision, {}
+    suffixes = ("", "_compiled", "_compiled_vision")[: 3 if compiled_vision else 2 if compiled else 1]
+    paths = tuple(f"{path}{suffix}" for path in paths for suffix in suffixes)
+    if compiled or compiled_vision:
         compile_steps(policy)
-    compiled_step = policy.compiled_step
+    if compiled_vision:
+        policy.compile_vision()
+    compiled_step, vision = policy.compiled_step, policy.compiled_vision
     rng = np.random.default_rng(0)
     try:
         for batch in batch_sizes:
@@ -288,7 +296,8 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                               rng.integers(0, 256, (batch, cameras, size, size, 3), dtype=np.uint8), tokens, mask)  # fmt: skip
             for path in paths:
                 policy.decision_graph = DecisionGraph(policy, batch, autocast) if path.startswith("graph") else None
-                policy.compiled_step = compiled_step if path.endswith("_compiled") else None
+                policy.compiled_step = compiled_step if "_compiled" in path else None
+                policy.compiled_vision = vision if path.endswith("_compiled_vision") else None
                 inductor_metrics.reset()
                 try:
                     times, counted = timed_decisions(actor, obs, repeats, clock)
@@ -305,7 +314,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                 else:
                     figures[f"{path}_batch{batch}_first_call_seconds"] = times[0]  # the capture, the compile
                     figures.update(against_eager(actor, obs, f"{path}_vs_eager_batch{batch}"))
-                if policy.compiled_step is not None:
+                if "_compiled" in path:
                     figures[f"{path}_batch{batch}_generated_kernels"] = inductor_metrics.generated_kernel_count
                 figures[f"{path}_batch{batch}_tflop_per_second"] = figures[f"batch{batch}_flops"] / seconds / 1e12
                 figures.update({f"{path}_batch{batch}_{name}": count for name, count in counted.counts().items()})
@@ -313,12 +322,13 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                     for clock_name, sort_by in (("CPU", "self_cpu_time_total"), ("GPU", "self_device_time_total")):
                         print(f"[smolvla_gpu] one {path} decision for {batch} envs, by {clock_name} time:", flush=True)
                         print(counted.key_averages().table(sort_by=sort_by, row_limit=20), flush=True)
-            for faster, slower in (("graph", "eager"), ("eager_compiled", "eager"), ("graph_compiled", "graph")):
+            for faster, slower in (("graph", "eager"), ("eager_compiled", "eager"), ("graph_compiled", "graph"),
+                                   ("eager_compiled_vision", "eager_compiled"), ("graph_compiled_vision", "graph_compiled")):  # fmt: skip
                 fast, slow = figures.get(f"{faster}_batch{batch}_seconds"), figures.get(f"{slower}_batch{batch}_seconds")
                 if fast is not None and slow is not None:
                     figures[f"{faster}_speedup_batch{batch}"] = slow / fast
     finally:
-        policy.decision_graph, policy.compiled_step = kept, kept_step
+        policy.decision_graph, policy.compiled_step, policy.compiled_vision = kept, kept_step, kept_vision
     return figures
 
 
@@ -340,11 +350,11 @@ def timed_decisions(actor, obs: Observation, repeats: int, clock: Clock) -> tupl
 
 def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
     """Max abs difference of a decision's chain, per-element log-prob and value, by the actor's policy as it is set (a
-    graph, a compiled step) against the plain eager path on the same noise."""
+    graph, a compiled step or vision tower) against the plain eager path on the same noise."""
     from common.rollout import decision_tensors
 
     policy, device = actor.policy, actor.device
-    graph, step = policy.decision_graph, policy.compiled_step
+    graph, step, vision = policy.decision_graph, policy.compiled_step, policy.compiled_vision
     with torch.no_grad(), actor.precision():
         if graph is not None:
             fast = graph.decide(obs, deterministic=False, generator=torch.Generator(device=device).manual_seed(1))
@@ -354,11 +364,11 @@ def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
             noise = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(1), device=device)
             outputs = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
             fast = {name: value.float().cpu().numpy() for name, value in outputs.items()}
-        policy.decision_graph = policy.compiled_step = None
+        policy.decision_graph = policy.compiled_step = policy.compiled_vision = None
         try:
             eager = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
         finally:
-            policy.decision_graph, policy.compiled_step = graph, step
+            policy.decision_graph, policy.compiled_step, policy.compiled_vision = graph, step, vision
     return {f"{prefix}_max_abs_{name}": float(np.abs(fast[name] - eager[name].float().cpu().numpy()).max())
             for name in ("chain", "log_prob_per_element", "value")}  # fmt: skip
 
@@ -408,7 +418,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def latency() -> dict[str, Any]:
             batches = [int(b) for b in args.batch_sizes.split(",")]
-            return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps)
+            return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps, args.compile_vision)
 
         def sample_version_0() -> dict[str, Any]:
             batches, per_rollout = [], []
@@ -561,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the profiler tables (by CPU and by GPU time) of one eager and one graphed decision")  # fmt: skip
     parser.add_argument("--compile-steps", action="store_true",
                         help="also time each decision path with its denoising steps compiled (actors.compile_steps)")  # fmt: skip
+    parser.add_argument("--compile-vision", action="store_true",
+                        help="as --compile-steps, and each decision path again with its vision tower compiled too "
+                             "(actors.compile_vision)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)

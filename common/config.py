@@ -223,6 +223,11 @@ class ActorsConfig:
     # there is one: the step's elementwise ops fused into fewer kernels. The actor's first decision of each shape
     # compiles (tens of seconds); the chains differ from eager ones in float rounding only.
     compile_steps: bool = False
+    # A VLA's vision tower (every camera's frames, one batch per decision) runs as one torch.compile graph
+    # (VLAFlowPolicy.compile_vision), inside the CUDA graph where there is one: its layer norms, activations and
+    # residual sums fused into fewer kernels. Compiled at the actor's first decision; the same features as eager up to
+    # float rounding.
+    compile_vision: bool = False
 
     def validate(self, path: str = "actors") -> None:
         require_positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
@@ -492,6 +497,11 @@ class RunConfig:
             algorithm.grad_accum <= smallest,
             f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
             "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
+        )
+        require(
+            not self.actors.compile_vision or self.policy.vla_section() is not None,
+            f"actors.compile_vision: policy.type={self.policy.type} has no vision tower to compile (smolvla, pi0 and pi05 have): "
+            "set actors.compile_vision: false",
         )
         if algorithm.algo == "grpo":
             require(

@@ -77,14 +77,15 @@ def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tup
 KERNEL_COMPILERS = {"cpu": ("CXX", ("g++", "clang++")), "cuda": ("CC", ("gcc", "clang"))}
 
 
-def require_kernel_compiler(device_type: str) -> None:
-    """A one-line ConfigError unless the compiler torch.compile builds `device_type` kernels with is installed
-    (actors.compile_steps: checked by the driver on a local run before anything starts, and by each actor)."""
+def require_kernel_compiler(device_type: str, field: str) -> None:
+    """A one-line ConfigError naming `field` (the setting that compiles: actors.compile_steps, actors.compile_vision)
+    unless the compiler torch.compile builds `device_type` kernels with is installed (checked by the driver on a local
+    run before anything starts, and by each actor)."""
     variable, names = KERNEL_COMPILERS.get(device_type, (None, ()))
     if variable is not None and not shutil.which(os.environ.get(variable) or "") and not any(map(shutil.which, names)):
         raise ConfigError(
-            f"actors.compile_steps: torch.compile builds its {device_type} kernels with a compiler, and none is installed "
-            f"here (${variable} or {' / '.join(names)}): install one, or set actors.compile_steps: false"
+            f"{field}: torch.compile builds its {device_type} kernels with a compiler, and none is installed "
+            f"here (${variable} or {' / '.join(names)}): install one, or set {field}: false"
         )
 
 
@@ -94,7 +95,7 @@ def compile_steps(policy: FlowPolicy) -> None:
     fewer kernels. A step compiles at its first call with a new shape (a second batch size compiles once more, for
     every size after it); its arithmetic differs from the eager step's in float rounding only
     (tests/vla_checks.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
-    require_kernel_compiler(policy.obs_device.type)
+    require_kernel_compiler(policy.obs_device.type, "actors.compile_steps")
     policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))
 
 

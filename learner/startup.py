@@ -69,8 +69,9 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                               "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
                               "with --address")  # fmt: skip
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
-        if config.actors.compile_steps:
-            require_kernel_compiler("cuda" if config.actors.num_gpus > 0 else "cpu")
+        for field in ("compile_steps", "compile_vision"):
+            if getattr(config.actors, field):
+                require_kernel_compiler("cuda" if config.actors.num_gpus > 0 else "cpu", f"actors.{field}")
     return eval_layouts
 
 

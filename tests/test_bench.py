@@ -275,23 +275,26 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
                     results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
 
 
-def test_smolvla_gpu_bench_times_the_compiled_steps_beside_the_eager_ones(capsys):
+def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_ones(capsys):
     """--compile-steps: each decision path again with its denoising steps compiled, its steps dispatching under a
-    quarter of the eager steps' ATen ops, and with a float32 actor the same outputs as the eager path's on the same
-    noise within float rounding."""
+    quarter of the eager steps' ATen ops; --compile-vision: again with the vision tower compiled too, its encode
+    dispatching fewer ops still. With a float32 actor both give the eager path's outputs on the same noise within float
+    rounding."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--set", "actors.precision=float32",
-            "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
+    argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--compile-vision", "--set",
+            "actors.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     latency = printed(capsys)["decision_latency"]
     assert not [name for name in latency if name.startswith("graph") or name.endswith("_error")]  # no graphs on CPU
     encode_ops = latency["batch2_encode_aten_ops"]
     assert 0 < latency["eager_compiled_batch2_aten_ops"] - encode_ops < (latency["eager_batch2_aten_ops"] - encode_ops) / 4
-    assert latency["eager_compiled_batch2_generated_kernels"] > 0
-    assert latency["eager_compiled_batch2_first_call_seconds"] > latency["eager_compiled_batch2_seconds"] > 0  # the compile
-    assert latency["eager_compiled_speedup_batch2"] > 0
-    for name in ("chain", "log_prob_per_element", "value"):
-        assert latency[f"eager_compiled_vs_eager_batch2_max_abs_{name}"] <= 1e-5
+    assert 0 < latency["eager_compiled_vision_batch2_aten_ops"] < latency["eager_compiled_batch2_aten_ops"] - encode_ops / 4
+    assert latency["eager_compiled_batch2_generated_kernels"] > 0 and latency["eager_compiled_vision_batch2_generated_kernels"] > 0
+    for path in ("eager_compiled", "eager_compiled_vision"):
+        assert latency[f"{path}_batch2_first_call_seconds"] > latency[f"{path}_batch2_seconds"] > 0  # the compile
+        for name in ("chain", "log_prob_per_element", "value"):
+            assert latency[f"{path}_vs_eager_batch2_max_abs_{name}"] <= 1e-5
+    assert latency["eager_compiled_speedup_batch2"] > 0 and latency["eager_compiled_vision_speedup_batch2"] > 0
 
 
 def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.decision_graph import reused_uploads
@@ -108,10 +109,11 @@ def test_decide_without_a_graph_is_the_eager_path(policy) -> None:
     np.testing.assert_array_equal(decision.value, eager["value"].numpy())
 
 
-def test_a_step_compiled_in_the_warm_up_is_not_compiled_again_while_capturing() -> None:
-    """actors.compile_steps inside a CUDA graph: the capture replays what the warm-up compiled. A compile while
-    capturing would upload the step's constants to the device inside the capture, which it forbids; the constants the
-    step's library builds with torch.tensor are baked into its compiled graph, so none is asked for there either."""
+def test_what_the_warm_up_compiled_is_not_compiled_again_while_capturing() -> None:
+    """actors.compile_steps and actors.compile_vision inside a CUDA graph: the capture replays what the warm-up
+    compiled, the vision tower on the capture context's path. A compile while capturing would upload the step's
+    constants to the device inside the capture, which it forbids; the constants the step's library builds with
+    torch.tensor are baked into its compiled graph, so none is asked for there either."""
     from torch._dynamo.utils import counters
 
     from common.flow import compile_steps, transition
@@ -120,15 +122,17 @@ def test_a_step_compiled_in_the_warm_up_is_not_compiled_again_while_capturing() 
     obs = observations(policy, 2)
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     compile_steps(policy)
+    policy.compile_vision()
     uploads: dict = {}
-    with torch.no_grad():
-        with reused_uploads(uploads, capturing=False, device_type="cpu"):
+
+    def decision(capturing: bool) -> list[Tensor]:
+        with torch.no_grad(), policy.capture_context(), reused_uploads(uploads, capturing=capturing, device_type="cpu"):
             features = policy.encode(obs)
-            action = torch.zeros(2, policy.chunk_size, policy.action_dim)
-            warmed = transition(policy, features, action, 1)
-        compiled_graphs, kept = counters["stats"]["unique_graphs"], dict(uploads)
-        with reused_uploads(uploads, capturing=True, device_type="cpu"):
-            captured = transition(policy, features, action, 1)
-    assert compiled_graphs >= 1 and counters["stats"]["unique_graphs"] == compiled_graphs  # nothing compiled while capturing
+            return [features.critic_input, *transition(policy, features, torch.zeros(2, policy.chunk_size, policy.action_dim), 1)]
+
+    warmed = decision(capturing=False)
+    compiled_graphs, kept = counters["stats"]["unique_graphs"], dict(uploads)
+    captured = decision(capturing=True)
+    assert compiled_graphs >= 2 and counters["stats"]["unique_graphs"] == compiled_graphs  # nothing compiled while capturing
     assert uploads == kept
-    assert all(torch.equal(a, b) for a, b in zip(warmed, captured))
+    assert all(torch.equal(a, b) for a, b in zip(warmed, captured, strict=True))

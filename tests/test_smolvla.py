@@ -39,6 +39,7 @@ from tests.vla_checks import (
     bf16_actor_gap,
     check_cameras_share_one_vision_pass,
     check_compiled_steps_follow_the_eager_ones,
+    check_compiled_vision_follows_the_eager_one,
     check_learner_log_probs_equal_actor_log_probs,
     check_noise_off_chain_reproduces_lerobot,
     check_prefix_cache_kept,
@@ -254,6 +255,21 @@ def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops() -> N
 def test_compiled_denoising_steps_follow_the_eager_ones() -> None:
     policy = tiny_policy()
     check_compiled_steps_follow_the_eager_ones(policy, tiny_observations(policy, 3))
+
+
+def test_a_compiled_vision_tower_follows_the_eager_one(three_cameras) -> None:
+    check_compiled_vision_follows_the_eager_one(three_cameras, tiny_observations(three_cameras, 3, seed=6))
+
+
+def test_a_compiled_vision_tower_is_refused_in_one_line_where_no_kernel_compiler_is_installed(monkeypatch) -> None:
+    import shutil
+
+    policy = tiny_policy()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^actors\.compile_vision: .* cpu kernels .*set actors\.compile_vision: false$"):
+        policy.compile_vision()
+    assert policy.compiled_vision is None
 
 
 def test_train_keeps_the_lerobot_model_in_eval_mode() -> None:

@@ -75,17 +75,21 @@ def test_rollout_record_carries_frames_and_instruction_and_the_learner_reuses_th
     assert data.metrics["logprob/behaviour_gap_max"] < 1e-4
 
 
-def test_an_actor_with_compiled_steps_samples_chains_the_learner_scores_as_its_own(smolvla_bc, tmp_path) -> None:
-    """actors.compile_steps: the actor's denoising steps run compiled, and the learner's eager rescoring of its chains
-    matches their behaviour log-probs within float rounding, with the first minibatch's ratio at 1."""
+def test_an_actor_with_compiled_steps_and_vision_samples_chains_the_learner_scores_as_its_own(smolvla_bc, tmp_path) -> None:
+    """actors.compile_steps and actors.compile_vision: the actor's denoising steps and vision tower run compiled, and
+    the learner's eager rescoring of its chains matches their behaviour log-probs within float rounding, with the
+    first minibatch's ratio at 1."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    config = tiny_run_config(tmp_path / "run", "actors.compile_steps=true")
+    config = tiny_run_config(tmp_path / "run", "actors.compile_steps=true", "actors.compile_vision=true")
     actor = RolloutActor(config, 0, smolvla_bc)
+    compiled_vision, embedded = actor.policy.compiled_vision, []
+    actor.policy.compiled_vision = lambda frames: embedded.append(frames.shape[0]) or compiled_vision(frames)
     compiled_before = counters["stats"]["unique_graphs"]
     batch = actor.sample(None, 0)
-    assert actor.policy.compiled_step is not None and counters["stats"]["unique_graphs"] > compiled_before
+    assert actor.policy.compiled_step is not None and counters["stats"]["unique_graphs"] >= compiled_before + 2
+    assert embedded and set(embedded) == {config.actors.envs_per_actor}  # every decision's frames, one camera
     learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
-    assert learner.policy.compiled_step is None  # the learner scores eagerly
+    assert learner.policy.compiled_step is None and learner.policy.compiled_vision is None  # the learner scores eagerly
     metrics = learner.update(batch)
     assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
 

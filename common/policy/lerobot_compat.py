@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from importlib.metadata import version
 
 import torch
@@ -151,16 +152,23 @@ def whole_frame_positions(vision: nn.Module, frames: Tensor) -> Tensor:
     return kept[key]
 
 
-def embed_whole_frames(vlm_with_expert: nn.Module, images: Tensor) -> Tensor:
-    """lerobot's `embed_image` (SigLIP, then the connector) for whole frames, without reading any tensor on the host
-    after the first call. SmolVLM's vision tower takes frames of any size: at every call it reads the patch mask's
-    contents to number the patches (a boolean index and scalar reads) and to drop the attention mask, which stalls the
-    CPU and rules out a CUDA graph. Every patch of a whole frame is real, so the numbering is fixed
-    (whole_frame_positions) and attention needs no mask: the same numbers (tests/test_decision_graph.py)."""
+def whole_frame_tower(vlm_with_expert: nn.Module, pixels: Tensor, positions: Tensor) -> Tensor:
+    """SigLIP and the connector over whole frames whose patches have the position ids `positions`: embed_whole_frames'
+    work once the ids are known, a function of tensors alone (what actors.compile_vision compiles)."""
     vision = vlm_with_expert.get_vlm_model().vision_model
-    pixels = images.to(dtype=vision.dtype)
-    positions = whole_frame_positions(vision, pixels)
     patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
     hidden = patches + vision.embeddings.position_embedding(positions)
     hidden = vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
     return vlm_with_expert.get_vlm_model().connector(vision.post_layernorm(hidden))
+
+
+def embed_whole_frames(vlm_with_expert: nn.Module, images: Tensor, tower: Callable[..., Tensor] = whole_frame_tower) -> Tensor:
+    """lerobot's `embed_image` (SigLIP, then the connector) for whole frames, without reading any tensor on the host
+    after the first call. SmolVLM's vision tower takes frames of any size: at every call it reads the patch mask's
+    contents to number the patches (a boolean index and scalar reads) and to drop the attention mask, which stalls the
+    CPU and rules out a CUDA graph. Every patch of a whole frame is real, so the numbering is fixed
+    (whole_frame_positions) and attention needs no mask: the same numbers (tests/test_decision_graph.py). `tower`:
+    whole_frame_tower, or a compiled copy of it."""
+    vision = vlm_with_expert.get_vlm_model().vision_model
+    pixels = images.to(dtype=vision.dtype)
+    return tower(vlm_with_expert, pixels, whole_frame_positions(vision, pixels))

@@ -34,7 +34,7 @@ import copy
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -303,6 +303,10 @@ class PiFlowPolicy(VLAFlowPolicy):
         device = obs.state.device
         return torch.from_numpy(ids[:, :length]).to(device), torch.from_numpy(mask[:, :length]).to(device)
 
+    def compiled_vision_tower(self) -> Callable[[Tensor], Tensor]:
+        """lerobot's embed_image (PaliGemma's SigLIP and projector) compiled: it reads nothing on the host."""
+        return torch.compile(self.vla.model.paligemma_with_expert.embed_image)
+
     @contextlib.contextmanager
     def capture_context(self) -> Iterator[None]:
         """pi0.5's prompt is text built from the state on the host (pi05_prompt), which a CUDA graph cannot hold: while
@@ -346,7 +350,7 @@ class PiFlowPolicy(VLAFlowPolicy):
         """One PaliGemma pass over the prefix (images, prompt) -> KV cache, pad mask, critic input (and pi0's state)."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, *state = self.lerobot_inputs(obs)
-        with one_vision_pass(model.paligemma_with_expert, images):
+        with one_vision_pass(model.paligemma_with_expert, images, self.compiled_vision):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask)
         attention = prepare_attention_masks_4d(make_att_2d_masks(pad_mask, att_mask))  # as lerobot's sample_actions
         suffix_state = state[0] if state else None

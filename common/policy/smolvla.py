@@ -28,7 +28,7 @@ import contextlib
 import copy
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,14 @@ install_cpu_torchvision_shim()
 from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig as LerobotSmolVLAConfig  # noqa: E402
 from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: E402
 
-from common.policy.lerobot_compat import denoise_cache, embed_whole_frames, make_att_2d_masks, pad_vector, resize_with_pad  # noqa: E402
+from common.policy.lerobot_compat import (  # noqa: E402
+    denoise_cache,
+    embed_whole_frames,
+    make_att_2d_masks,
+    pad_vector,
+    resize_with_pad,
+    whole_frame_tower,
+)
 from common.policy.vla_common import (  # noqa: E402
     VLAFeatures,
     VLAFlowPolicy,
@@ -146,6 +153,11 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         self.vla.model.vlm_with_expert.to(dtype)
         return self
 
+    def compiled_vision_tower(self) -> Callable[[Tensor], Tensor]:
+        """SigLIP and the connector compiled, on the whole-frame path (embed_whole_frames: encode() always hands the
+        tower whole frames, so it is lerobot's embed_image), whose host-read patch ids are looked up outside the graph."""
+        return functools.partial(embed_whole_frames, self.vla.model.vlm_with_expert, tower=torch.compile(whole_frame_tower))
+
     @contextlib.contextmanager
     def capture_context(self) -> Iterator[None]:
         """lerobot's embed_image reads the patch mask on the host (common.policy.lerobot_compat.embed_whole_frames);
@@ -188,7 +200,7 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         """One VLM pass over the prefix (images, instruction, state) -> KV cache, pad mask, critic input."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, state = self.lerobot_inputs(obs)
-        with one_vision_pass(model.vlm_with_expert, images):
+        with one_vision_pass(model.vlm_with_expert, images, self.compiled_vision):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
         attention = make_att_2d_masks(pad_mask, att_mask)
         return prefix_features(model.vlm_with_expert, embeddings, pad_mask, attention, state[:, : self.config.obs_dim])

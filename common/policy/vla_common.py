@@ -7,8 +7,9 @@ Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an a
   one_vision_pass    every camera's frames through the vision tower as one batch, inside lerobot's embed_prefix
   lerobot_flow_time  the ONE map between the project's flow time and lerobot's
   VLAFlowPolicy      velocity (the model's denoise_step on a fresh cache per call), the ReinFlow noise head on
-                     the expert hidden state, the critic, trainable-flag groups, eval-mode guard, persistence, and the
-                     export back to a lerobot checkpoint (to_lerobot, python -m learner.export)
+                     the expert hidden state, the critic, trainable-flag groups, eval-mode guard, the vision tower
+                     compiled on request (compile_vision), persistence, and the export back to a lerobot checkpoint
+                     (to_lerobot, python -m learner.export)
   load_lerobot_checkpoint  a lerobot checkpoint directory loaded strictly (every tensor from the file)
 """
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from common.config import PolicyConfig
+from common.flow import require_kernel_compiler
 from common.observation import Observation
 from common.policy.base import (
     CONFIG_FILE,
@@ -130,14 +132,15 @@ def prefix_features(
 
 
 @contextlib.contextmanager
-def one_vision_pass(owner: nn.Module, images: list[Tensor]) -> Iterator[None]:
+def one_vision_pass(owner: nn.Module, images: list[Tensor], embed: Callable[[Tensor], Tensor] | None = None) -> Iterator[None]:
     """lerobot's embed_prefix calls `owner.embed_image` once per camera, a vision tower pass over that camera's B
     frames. Inside this context the C cameras' frames go through the tower once, as one batch of C x B, and each of
     embed_prefix's calls, which must come in camera order with these very tensors, is handed its camera's share. The
     tower embeds every frame on its own, so only the batch changes: C times fewer kernel launches for the tower, whose
     matmuls are C times taller (tests/test_smolvla.py and tests/test_pi0.py check the prefix against lerobot's loop).
-    What embeds the batch is whatever `owner.embed_image` is on entry (lerobot's, or a capture_context's)."""
-    embedded = owner.embed_image(torch.cat(images)).split([image.shape[0] for image in images])
+    What embeds the batch is `embed` (a policy's compiled_vision), else whatever `owner.embed_image` is on entry
+    (lerobot's, or a capture_context's)."""
+    embedded = (embed or owner.embed_image)(torch.cat(images)).split([image.shape[0] for image in images])
     pending = list(zip(images, embedded, strict=True))
 
     def handed_out(image: Tensor) -> Tensor:
@@ -220,6 +223,10 @@ class VLAFlowPolicy(FlowPolicy):
     section: str  # the policy config section holding this backend's settings and train_* flags ("smolvla", "pi0")
     prefix_groups: tuple[str, ...]  # the parameter groups that feed encode()
     vla: nn.Module
+    # The vision tower compiled for this policy, every camera's frames (C x B, 3, S, S) -> their embeddings, as
+    # lerobot's embed_image (compile_vision, called by the rollout actor with actors.compile_vision); None: encode()
+    # runs lerobot's embed_image eagerly.
+    compiled_vision: Callable[[Tensor], Tensor] | None = None
 
     def add_heads(self, expert_width: int, text_width: int) -> None:
         """The noise head (on the expert hidden state of each action token (B, H, expert_width)), the critic head (on
@@ -237,6 +244,19 @@ class VLAFlowPolicy(FlowPolicy):
     def settings(self) -> Any:
         """This backend's policy config section (policy.smolvla, policy.pi0)."""
         return getattr(self.config, self.section)
+
+    def compile_vision(self) -> None:
+        """actors.compile_vision: the vision tower that encode() runs over every camera's frames (one_vision_pass)
+        becomes one torch.compile graph. Its matmuls and attention stay library kernels; its layer norms, activations,
+        casts and residual sums fuse into far fewer. It compiles at its first call, and once more for a second batch
+        size; its embeddings differ from eager ones in float rounding only (tests/vla_checks.py). Weights loaded in
+        place (RolloutActor.load_weights) need no new compile."""
+        require_kernel_compiler(self.obs_device.type, "actors.compile_vision")
+        self.compiled_vision = self.compiled_vision_tower()
+
+    @abstractmethod
+    def compiled_vision_tower(self) -> Callable[[Tensor], Tensor]:
+        """Frames -> embeddings, as lerobot's embed_image, through a vision tower compiled by torch.compile."""
 
     # -- what trains -------------------------------------------------------------------------------
 
