@@ -288,7 +288,7 @@ def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_
     assert not [name for name in latency if name.startswith("graph") or name.endswith("_error")]  # no graphs on CPU
     encode_ops = latency["batch2_encode_aten_ops"]
     assert 0 < latency["eager_compiled_batch2_aten_ops"] - encode_ops < (latency["eager_batch2_aten_ops"] - encode_ops) / 4
-    assert 0 < latency["eager_compiled_vision_batch2_aten_ops"] < latency["eager_compiled_batch2_aten_ops"] - encode_ops / 4
+    assert 0 < latency["eager_compiled_vision_batch2_aten_ops"] < latency["eager_compiled_batch2_aten_ops"]  # the tower's fused
     assert latency["eager_compiled_batch2_generated_kernels"] > 0 and latency["eager_compiled_vision_batch2_generated_kernels"] > 0
     for path in ("eager_compiled", "eager_compiled_vision"):
         assert latency[f"{path}_batch2_first_call_seconds"] > latency[f"{path}_batch2_seconds"] > 0  # the compile
