@@ -71,7 +71,7 @@ class RolloutActor:
         if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
         if config.actors.compile_steps:
-            compile_steps(self.policy)
+            compile_steps(self.policy, "actors.compile_steps")
         if config.actors.compile_vision:  # a VLA policy (RunConfig.validate)
             self.policy.compile_vision()
         if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision

@@ -28,7 +28,8 @@ arithmetic set against its time. FLOPs depend on the shapes only, so a full-size
 (actors.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
 `--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.compile_vision), and
-its speedup over `<path>_compiled`.
+its speedup over `<path>_compiled`. An update variant with "learner.compile_steps=true" first runs an update of its
+own that compiles (`first_update_seconds`), then times the update as the others (`graphs_compiled`: 0, none new).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -284,7 +286,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     suffixes = ("", "_compiled", "_compiled_vision")[: 3 if compiled_vision else 2 if compiled else 1]
     paths = tuple(f"{path}{suffix}" for path in paths for suffix in suffixes)
     if compiled or compiled_vision:
-        compile_steps(policy)
+        compile_steps(policy, "actors.compile_steps")
     if compiled_vision:
         policy.compile_vision()
     compiled_step, vision = policy.compiled_step, policy.compiled_vision
@@ -466,7 +468,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
             scoring: list[float] = []
             # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
-            ops, flops, scoring_flops = (None, None, None) if cuda else (OpCounter(), flop_counter(), flop_counter())
+            # Not the FLOPs of compiled steps: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
+            ops = None if cuda else OpCounter()
+            flops, scoring_flops = (None, None) if cuda or learner.policy.compiled_step is not None else (flop_counter(), flop_counter())
 
             def timed_prepare(rollout: RolloutBatch, prepare: Callable = learner.prepare) -> Any:
                 start = clock.now()
@@ -488,8 +492,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     "losses/approx_kl", "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean",
                     "ppo/actor_lr", "faults/grad_accum", "ppo/micro_batch_rows")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[-1], "decisions": batch.num_decisions * batch.num_envs,
-                    **{k: metrics[k] for k in keep if k in metrics}, **({} if cuda else {**ops.counts(), "flops": flops.get_total_flops(),
-                       "scoring_pass_flops": scoring_flops.get_total_flops(), "vision_flops": vision_flops(flops)}),
+                    **{k: metrics[k] for k in keep if k in metrics}, **({} if ops is None else ops.counts()),
+                    **({} if flops is None else {"flops": flops.get_total_flops(), "scoring_pass_flops": scoring_flops.get_total_flops(),
+                                                 "vision_flops": vision_flops(flops)}),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
 
         def publish_and_load() -> dict[str, Any]:
@@ -510,12 +515,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             """A fresh learner from the same checkpoint with config fields overridden (e.g.
             "algorithm.grad_accum=1,learner.precision=bfloat16"), its update on the same version-0 rollouts."""
 
-            def stage() -> dict[str, Any]:
-                variant = copy.deepcopy(config)
-                for item in overrides.split(","):
-                    (section, name), value = item.split("=", 1)[0].split("."), yaml.safe_load(item.split("=", 1)[1])
-                    setattr(getattr(variant, section), name, value)
-                variant.validate()
+            def fresh_learner(variant: RunConfig) -> Learner:
                 # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
                 state.pop("learner", None)
                 gc.collect()
@@ -525,7 +525,25 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                 policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
                 state["learner"] = Learner(variant, policy.to(device))
                 state["learner"].broadcast()
-                return update()
+                return state["learner"]
+
+            def stage() -> dict[str, Any]:
+                variant = copy.deepcopy(config)
+                for item in overrides.split(","):
+                    (section, name), value = item.split("=", 1)[0].split("."), yaml.safe_load(item.split("=", 1)[1])
+                    setattr(getattr(variant, section), name, value)
+                variant.validate()
+                first_update = {}
+                if variant.learner.compile_steps:
+                    # The compiler's first calls, on an update of their own: the timed update's learner, another policy
+                    # of the same structure, runs the graphs they built (graphs_compiled counts any it adds).
+                    start = clock.now()
+                    fresh_learner(variant).update(RolloutBatch.concat(state["batches"] * args.rollout_repeats))
+                    first_update = {"first_update_seconds": clock.now() - start}
+                graphs = counters["stats"]["unique_graphs"]
+                fresh_learner(variant)
+                figures = update()
+                return {**figures, **first_update, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs}
 
             return stage
 

@@ -355,6 +355,12 @@ class LearnerConfig:
     # launches, holding K steps' inputs at once. The log-probs differ from the step-by-step ones by float rounding;
     # the learner scores old and new log-probs the same way, so the ratio check holds (common.flow.all_transitions).
     steps_in_one_pass: bool = False
+    # Score the denoising steps, forward and backward, through one torch.compile graph per step (or per one-pass
+    # batch) in place of eager ops: the compiler fuses a step's elementwise work into far fewer kernels, for a learner
+    # bound by its launches. Compiles at the first update (and again for a new batch size, grad or autocast mode).
+    # Old and new log-probs are scored by the same compiled step, so the ratio check holds; the update differs from
+    # the eager one by float rounding.
+    compile_steps: bool = False
     # On a GPU out-of-memory error, roll the update back and run it again from its start with each minibatch split into
     # twice as many micro-batches (algorithm.grad_accum x 2), down to one decision per micro-batch; the learner keeps
     # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
@@ -386,6 +392,11 @@ class LearnerConfig:
         require(
             not (self.recompute_steps and self.steps_in_one_pass),
             f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
+        )
+        require(
+            not (self.recompute_steps and self.compile_steps),
+            f"{path}.recompute_steps and {path}.compile_steps: choose one (a compiled step keeps the activations its compiler "
+            "chose; recomputing runs each step's forward again in the backward pass)",
         )
         require(self.micro_batch_memory_gib >= 0, f"{path}.micro_batch_memory_gib must be >= 0 (0: off), got {self.micro_batch_memory_gib}")
         require(

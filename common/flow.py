@@ -64,9 +64,13 @@ def gaussian_step(policy: FlowPolicy, features: Any, action: Tensor, t: Tensor, 
 
 
 def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1}: by the policy's compiled step when it has one
-    (compile_steps), else eagerly."""
+    """Mean and std (B, H, A) of the Gaussian step from a_k to a_{k+1} (policy_step)."""
     t, dt = step_time(policy.num_steps, k, action.shape[0], action.device)
+    return policy_step(policy, features, action, t, dt)
+
+
+def policy_step(policy: FlowPolicy, features: Any, action: Tensor, t: Tensor, dt: float) -> tuple[Tensor, Tensor]:
+    """gaussian_step by the policy's compiled step when it has one (compile_steps), else eagerly."""
     if policy.compiled_step is not None:
         return policy.compiled_step(features, action, t, dt)
     return gaussian_step(policy, features, action, t, dt)
@@ -89,13 +93,15 @@ def require_kernel_compiler(device_type: str, field: str) -> None:
         )
 
 
-def compile_steps(policy: FlowPolicy) -> None:
-    """Run the policy's denoising steps (transition) as one torch.compile graph each (actors.compile_steps): a VLA's
-    step is some 2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far
-    fewer kernels. A step compiles at its first call with a new shape (a second batch size compiles once more, for
-    every size after it); its arithmetic differs from the eager step's in float rounding only
-    (tests/vla_checks.py). Weights loaded in place (RolloutActor.load_weights) need no new compile."""
-    require_kernel_compiler(policy.obs_device.type, "actors.compile_steps")
+def compile_steps(policy: FlowPolicy, field: str) -> None:
+    """Run the policy's denoising steps (policy_step) as one torch.compile graph each, as `field` asks
+    (actors.compile_steps: sampling; learner.compile_steps: scoring and its backward pass): a VLA's step is some
+    2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far fewer kernels.
+    A step compiles at its first call with a new shape (a second batch size compiles once more, for every size after
+    it), and again for a new grad or autocast mode; its arithmetic differs from the eager step's in float rounding
+    only (tests/vla_checks.py). Weights changed in place (RolloutActor.load_weights, an optimiser step) need no new
+    compile."""
+    require_kernel_compiler(policy.obs_device.type, field)
     policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))
 
 
@@ -107,7 +113,7 @@ def all_transitions(policy: FlowPolicy, features: Any, chain: Tensor) -> tuple[T
     times, dt = time_grid(steps, chain.device)
     actions = chain[:, :-1].transpose(0, 1).reshape(steps * batch, *chain.shape[2:])
     rows = torch.arange(batch, device=chain.device).repeat(steps)
-    mean, std = gaussian_step(policy, index_features(features, rows), actions, times.repeat_interleave(batch), dt)
+    mean, std = policy_step(policy, index_features(features, rows), actions, times.repeat_interleave(batch), dt)
     return mean.view(steps, batch, *mean.shape[1:]).transpose(0, 1), std.view(steps, batch, *std.shape[1:]).transpose(0, 1)
 
 

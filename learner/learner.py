@@ -52,7 +52,7 @@ from common.diagnostics import (
     check_finite_tensors,
     check_ratio_is_one,
 )
-from common.flow import ChainLogProb, chain_log_prob, num_log_prob_elements, transition_kl
+from common.flow import ChainLogProb, chain_log_prob, compile_steps, num_log_prob_elements, transition_kl
 from common.observation import Observation
 from common.policy import FlowPolicy, concat_features, index_features
 from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
@@ -403,6 +403,8 @@ class Learner:
         self.lr_backoff = 1.0
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
+        if config.learner.compile_steps:  # after the reference's copy, which scores eagerly
+            compile_steps(policy, "learner.compile_steps")
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
         self.memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)

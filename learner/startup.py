@@ -69,9 +69,12 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                               "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
                               "with --address")  # fmt: skip
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
-        for field in ("compile_steps", "compile_vision"):
-            if getattr(config.actors, field):
-                require_kernel_compiler("cuda" if config.actors.num_gpus > 0 else "cpu", f"actors.{field}")
+        compiles = {"actors.compile_steps": (config.actors.compile_steps, config.actors.num_gpus),
+                    "actors.compile_vision": (config.actors.compile_vision, config.actors.num_gpus),
+                    "learner.compile_steps": (config.learner.compile_steps, config.learner.num_gpus)}  # fmt: skip
+        for field, (compiled, gpus) in compiles.items():
+            if compiled:
+                require_kernel_compiler("cuda" if gpus > 0 else "cpu", field)
     return eval_layouts
 
 

@@ -313,23 +313,28 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
             built.append(weakref.ref(self))
 
     monkeypatch.setattr(learner_module, "Learner", Counted)
-    variants = "learner.recompute_steps=true;algorithm.grad_accum=1;learner.steps_in_one_pass=true"
+    compiled = "learner.steps_in_one_pass=true,learner.compile_steps=true"
+    variants = f"learner.recompute_steps=true;algorithm.grad_accum=1;learner.steps_in_one_pass=true;{compiled}"
     argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
-    assert alive_at_build == [0, 0, 0, 0]  # the main learner, then one per variant
+    assert alive_at_build == [0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
     for name in (
         "update",
         "update[learner.recompute_steps=true]",
         "update[algorithm.grad_accum=1]",
         "update[learner.steps_in_one_pass=true]",
+        f"update[{compiled}]",
     ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     recomputed = results["update[learner.recompute_steps=true]"]
     numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(("aten_ops", "flops"))]  # not the work's cost
     assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
     assert 0 < results["update[learner.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
+    # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
+    assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
+    assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.steps_in_one_pass=true]"]["aten_ops"]
 
 
 @pytest.mark.parametrize("heads, query_length, key_length", [(2, 5, 5), (4, 3, 7)])

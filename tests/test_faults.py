@@ -344,6 +344,11 @@ BAD_INPUTS = [
         r"learner\.recompute_steps and learner\.steps_in_one_pass: choose one",
         None,
     ),
+    (
+        ["--set", "learner.recompute_steps=true", "--set", "learner.compile_steps=true"],
+        r"learner\.recompute_steps and learner\.compile_steps: choose one",
+        None,
+    ),
     (["--resume"], r"--resume: no checkpoint under", None),
     (["--resume", "--allow-config-change", "learner.nonsense"], r"--allow-config-change names no config field", None),
 ]
@@ -372,18 +377,21 @@ def test_bad_input_is_refused_with_a_clear_message_and_nothing_written(tmp_path,
     assert files_under(tmp_path) == before, "a refused run wrote files"
 
 
-def test_compiled_steps_without_a_kernel_compiler_are_refused_before_anything_is_written(tmp_path, bc_checkpoint, capsys, monkeypatch):
-    """actors.compile_steps on a local run whose machine has no compiler for torch.compile's kernels."""
+@pytest.mark.parametrize("field", ["actors.compile_steps", "learner.compile_steps"])
+def test_compiled_steps_without_a_kernel_compiler_are_refused_before_anything_is_written(
+    tmp_path, bc_checkpoint, capsys, monkeypatch, field
+) -> None:
+    """actors.compile_steps or learner.compile_steps on a local run whose machine has no compiler for torch.compile's kernels."""
     import shutil
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     before = files_under(tmp_path)
-    argv = ["--run-dir", str(tmp_path / "run"), "--checkpoint", str(bc_checkpoint), "--set", "actors.compile_steps=true"]
+    argv = ["--run-dir", str(tmp_path / "run"), "--checkpoint", str(bc_checkpoint), "--set", f"{field}=true"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert re.search(r"actors\.compile_steps: torch\.compile builds its cpu kernels with a compiler, and none is installed", err), err
+    assert re.search(rf"{re.escape(field)}: torch\.compile builds its cpu kernels with a compiler, and none is installed", err), err
     assert files_under(tmp_path) == before, "a refused run wrote files"
 
 

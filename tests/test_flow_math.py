@@ -258,9 +258,9 @@ def test_compiled_steps_are_refused_in_one_line_where_no_kernel_compiler_is_inst
     monkeypatch.setattr(shutil, "which", lambda name: None)
     refusal = r"^actors\.compile_steps: .* cpu kernels .*\(\$CXX or g\+\+ / clang\+\+\).*actors\.compile_steps: false$"
     with pytest.raises(ConfigError, match=refusal):
-        compile_steps(policy)
+        compile_steps(policy, "actors.compile_steps")
     assert policy.compiled_step is None
     monkeypatch.setenv("CXX", "/opt/toolchain/bin/g++")
     monkeypatch.setattr(shutil, "which", lambda name: name if name == "/opt/toolchain/bin/g++" else None)
-    compile_steps(policy)  # the compiler $CXX names
+    compile_steps(policy, "actors.compile_steps")  # the compiler $CXX names
     assert policy.compiled_step is not None

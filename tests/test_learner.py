@@ -108,6 +108,32 @@ def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setu
         torch.testing.assert_close(after_one_pass[name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_denoising_steps_update_within_rounding_of_the_eager_ones(setup, bc_checkpoint) -> None:
+    """learner.compile_steps: the scoring pass (no gradients) and every minibatch's forward and backward run the
+    policy's compiled step, traced whole; the ratio starts at 1, and the update lands where the eager one does, up to
+    float rounding. Step by step here; in one pass on SmolVLA (tests/test_smolvla_loop.py)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    config, actor, eager = setup
+    batch = actor.sample(None, iteration=0)
+    compiled = learner_with(config, bc_checkpoint, compile_steps=True)
+    assert eager.policy.compiled_step is None and compiled.policy.compiled_step is not None
+    step, grad_modes = compiled.policy.compiled_step, []
+    compiled.policy.compiled_step = lambda *args: grad_modes.append(torch.is_grad_enabled()) or step(*args)
+    graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    metrics, metrics_compiled = eager.update(batch), compiled.update(batch)
+    assert False in grad_modes and True in grad_modes  # scored and trained through it
+    assert counters["stats"]["unique_graphs"] - graphs >= 2 and counters["graph_break"].total() == breaks
+    assert metrics_compiled["ppo/first_minibatch_ratio_dev"] <= 1e-6 and metrics_compiled["logprob/behaviour_gap_max"] < 1e-5
+    assert metrics_compiled["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+    after, after_compiled = params(eager.policy), params(compiled.policy)
+    start = params(FlowPolicy.from_pretrained(bc_checkpoint))
+    assert any(not torch.equal(after[k], start[k]) for k in after)
+    for name, value in after.items():
+        torch.testing.assert_close(after_compiled[name], value, rtol=1e-4, atol=1e-5)
+
+
 def test_a_gpu_learners_fused_adam_updates_as_the_plain_one_does(setup, bc_checkpoint, monkeypatch, tmp_path) -> None:
     """Where its weights are on a GPU, the learner's Adam runs fused (one kernel per parameter group); on the CPU it is
     the plain loop the recorded runs used. Both update alike, up to float rounding, over the two parameter groups and

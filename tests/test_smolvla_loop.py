@@ -94,6 +94,32 @@ def test_an_actor_with_compiled_steps_and_vision_samples_chains_the_learner_scor
     assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
 
 
+def test_a_learner_with_compiled_steps_in_one_pass_updates_within_rounding_of_the_eager_one(smolvla_bc, tmp_path) -> None:
+    """learner.compile_steps with learner.steps_in_one_pass: the K denoising steps over the cached prefix, scored and
+    trained through one compiled graph per grad mode, no graph break; the ratio starts at 1 and the trained weights
+    land where the eager learner's do, up to float rounding."""
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    config = tiny_run_config(tmp_path / "run", "learner.steps_in_one_pass=true")
+    batch = RolloutActor(config, 0, smolvla_bc).sample(None, 0)
+    eager = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
+    compiled = Learner(tiny_run_config(tmp_path / "run", "learner.steps_in_one_pass=true", "learner.compile_steps=true"),
+                       FlowPolicy.from_pretrained(smolvla_bc))  # fmt: skip
+    step, grad_modes = compiled.policy.compiled_step, []
+    compiled.policy.compiled_step = lambda *args: grad_modes.append(torch.is_grad_enabled()) or step(*args)
+    graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    metrics, metrics_compiled = eager.update(batch), compiled.update(batch)
+    assert grad_modes == [False, True]  # the scoring pass, then the minibatch's forward (4 decisions, one micro-batch)
+    assert counters["stats"]["unique_graphs"] - graphs == 2 and counters["graph_break"].total() == breaks
+    assert metrics_compiled["ppo/first_minibatch_ratio_dev"] <= 1e-6 and metrics_compiled["logprob/behaviour_gap_max"] < 1e-5
+    assert metrics_compiled["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+    trained = [name for name, p in eager.policy.named_parameters() if p.requires_grad]
+    start, after, after_compiled = (dict(policy.named_parameters()) for policy in
+                                    (FlowPolicy.from_pretrained(smolvla_bc), eager.policy, compiled.policy))  # fmt: skip
+    assert any(not torch.equal(after[name], start[name]) for name in trained)
+    for name in trained:
+        torch.testing.assert_close(after_compiled[name], after[name], rtol=1e-4, atol=1e-5)
+
+
 def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:
     config = tiny_run_config(tmp_path / "run", "actors.precision=bfloat16")
     actor = RolloutActor(config, 0, smolvla_bc)

@@ -243,7 +243,7 @@ def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observat
         torch.testing.assert_close(fast.chain, plain.chain, rtol=0, atol=1e-5)
         torch.testing.assert_close(fast.scores.log_prob, plain.scores.log_prob, rtol=0, atol=1e-5)
 
-    compile_steps(policy)
+    compile_steps(policy, "actors.compile_steps")
     compiled, policy.compiled_step = policy.compiled_step, None
     eager, fast = sampled(obs, None), sampled(obs, compiled)
     assert_close(fast, eager)
