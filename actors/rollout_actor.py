@@ -73,7 +73,7 @@ class RolloutActor:
         if config.actors.compile_steps:
             compile_steps(self.policy, "actors.compile_steps")
         if config.actors.compile_vision:  # a VLA policy (RunConfig.validate)
-            self.policy.compile_vision()
+            self.policy.compile_vision("actors.compile_vision")
         if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision
             autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
             self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)

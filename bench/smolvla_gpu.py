@@ -28,8 +28,9 @@ arithmetic set against its time. FLOPs depend on the shapes only, so a full-size
 (actors.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
 `--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.compile_vision), and
-its speedup over `<path>_compiled`. An update variant with "learner.compile_steps=true" first runs an update of its
-own that compiles (`first_update_seconds`), then times the update as the others (`graphs_compiled`: 0, none new).
+its speedup over `<path>_compiled`. An update variant with "learner.compile_steps=true" or "learner.compile_vision=true"
+first runs an update of its own that compiles (`first_update_seconds`), then times the update as the others
+(`graphs_compiled`: 0, none new).
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     if compiled or compiled_vision:
         compile_steps(policy, "actors.compile_steps")
     if compiled_vision:
-        policy.compile_vision()
+        policy.compile_vision("actors.compile_vision")
     compiled_step, vision = policy.compiled_step, policy.compiled_vision
     rng = np.random.default_rng(0)
     try:
@@ -373,6 +374,11 @@ def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
             policy.decision_graph, policy.compiled_step, policy.compiled_vision = graph, step, vision
     return {f"{prefix}_max_abs_{name}": float(np.abs(fast[name] - eager[name].float().cpu().numpy()).max())
             for name in ("chain", "log_prob_per_element", "value")}  # fmt: skip
+
+
+def compiles(config: RunConfig) -> bool:
+    """Whether the learner of `config` runs anything through torch.compile."""
+    return config.learner.compile_steps or config.learner.compile_vision
 
 
 def rollout_figures(batch, seconds: float) -> dict[str, Any]:
@@ -468,9 +474,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
             scoring: list[float] = []
             # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
-            # Not the FLOPs of compiled steps: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
+            # Not the FLOPs of a compiling learner: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
             ops = None if cuda else OpCounter()
-            flops, scoring_flops = (None, None) if cuda or learner.policy.compiled_step is not None else (flop_counter(), flop_counter())
+            flops, scoring_flops = (None, None) if cuda or compiles(learner.config) else (flop_counter(), flop_counter())
 
             def timed_prepare(rollout: RolloutBatch, prepare: Callable = learner.prepare) -> Any:
                 start = clock.now()
@@ -534,7 +540,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     setattr(getattr(variant, section), name, value)
                 variant.validate()
                 first_update = {}
-                if variant.learner.compile_steps:
+                if compiles(variant):
                     # The compiler's first calls, on an update of their own: the timed update's learner, another policy
                     # of the same structure, runs the graphs they built (graphs_compiled counts any it adds).
                     start = clock.now()

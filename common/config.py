@@ -361,6 +361,10 @@ class LearnerConfig:
     # Old and new log-probs are scored by the same compiled step, so the ratio check holds; the update differs from
     # the eager one by float rounding.
     compile_steps: bool = False
+    # A VLA's vision tower runs as one torch.compile graph (VLAFlowPolicy.compile_vision) in the learner's encodes: the
+    # scoring pass's over the iteration's observations, and each micro-batch's where the encoder trains. Compiled at the
+    # first update; the same features as eager up to float rounding, and old and new log-probs read the same ones.
+    compile_vision: bool = False
     # On a GPU out-of-memory error, roll the update back and run it again from its start with each minibatch split into
     # twice as many micro-batches (algorithm.grad_accum x 2), down to one decision per micro-batch; the learner keeps
     # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
@@ -509,11 +513,12 @@ class RunConfig:
             f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
             "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
         )
-        require(
-            not self.actors.compile_vision or self.policy.vla_section() is not None,
-            f"actors.compile_vision: policy.type={self.policy.type} has no vision tower to compile (smolvla, pi0 and pi05 have): "
-            "set actors.compile_vision: false",
-        )
+        for section in ("actors", "learner"):
+            require(
+                not getattr(self, section).compile_vision or self.policy.vla_section() is not None,
+                f"{section}.compile_vision: policy.type={self.policy.type} has no vision tower to compile (smolvla, pi0 and pi05 "
+                f"have): set {section}.compile_vision: false",
+            )
         if algorithm.algo == "grpo":
             require(
                 self.actors.envs_per_actor % algorithm.group_size == 0,

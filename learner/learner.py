@@ -405,6 +405,8 @@ class Learner:
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
         if config.learner.compile_steps:  # after the reference's copy, which scores eagerly
             compile_steps(policy, "learner.compile_steps")
+        if config.learner.compile_vision:  # a VLA (RunConfig.validate)
+            policy.compile_vision("learner.compile_vision")
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
         self.memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)

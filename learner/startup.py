@@ -71,7 +71,8 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
         compiles = {"actors.compile_steps": (config.actors.compile_steps, config.actors.num_gpus),
                     "actors.compile_vision": (config.actors.compile_vision, config.actors.num_gpus),
-                    "learner.compile_steps": (config.learner.compile_steps, config.learner.num_gpus)}  # fmt: skip
+                    "learner.compile_steps": (config.learner.compile_steps, config.learner.num_gpus),
+                    "learner.compile_vision": (config.learner.compile_vision, config.learner.num_gpus)}  # fmt: skip
         for field, (compiled, gpus) in compiles.items():
             if compiled:
                 require_kernel_compiler("cuda" if gpus > 0 else "cpu", field)

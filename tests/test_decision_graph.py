@@ -122,7 +122,7 @@ def test_what_the_warm_up_compiled_is_not_compiled_again_while_capturing() -> No
     obs = observations(policy, 2)
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     compile_steps(policy, "actors.compile_steps")
-    policy.compile_vision()
+    policy.compile_vision("actors.compile_vision")
     uploads: dict = {}
 
     def decision(capturing: bool) -> list[Tensor]:

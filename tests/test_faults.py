@@ -339,6 +339,7 @@ BAD_INPUTS = [
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
     (["--set", "actors.precision=fp8"], r"actors\.precision must be one of", None),
     (["--set", "actors.compile_vision=true"], r"actors\.compile_vision: policy\.type=mlp_flow has no vision tower to compile", None),
+    (["--set", "learner.compile_vision=true"], r"learner\.compile_vision: policy\.type=mlp_flow has no vision tower to compile", None),
     (
         ["--set", "learner.recompute_steps=true", "--set", "learner.steps_in_one_pass=true"],
         r"learner\.recompute_steps and learner\.steps_in_one_pass: choose one",

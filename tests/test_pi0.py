@@ -194,6 +194,12 @@ def test_compiled_denoising_steps_follow_the_eager_ones(policy_type) -> None:
 
 
 @pytest.mark.parametrize("policy_type", TYPES)
+def test_compiled_scoring_gives_the_same_gradients_in_fewer_ops(policy_type) -> None:
+    policy = tiny_policy(policy_type)
+    vla_checks.check_compiled_scoring_gives_the_same_gradients_in_fewer_ops(policy, vla_checks.tiny_observations(policy, 2))
+
+
+@pytest.mark.parametrize("policy_type", TYPES)
 def test_a_compiled_vision_tower_follows_the_eager_one(policy_type) -> None:
     policy = tiny_policy(policy_type, cameras=["corner", "topview", "gripperPOV"])
     vla_checks.check_compiled_vision_follows_the_eager_one(policy, vla_checks.tiny_observations(policy, 3, seed=6))

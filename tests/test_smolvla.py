@@ -268,7 +268,7 @@ def test_a_compiled_vision_tower_is_refused_in_one_line_where_no_kernel_compiler
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match=r"^actors\.compile_vision: .* cpu kernels .*set actors\.compile_vision: false$"):
-        policy.compile_vision()
+        policy.compile_vision("actors.compile_vision")
     assert policy.compiled_vision is None
 
 

@@ -94,22 +94,28 @@ def test_an_actor_with_compiled_steps_and_vision_samples_chains_the_learner_scor
     assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5
 
 
-def test_a_learner_with_compiled_steps_in_one_pass_updates_within_rounding_of_the_eager_one(smolvla_bc, tmp_path) -> None:
-    """learner.compile_steps with learner.steps_in_one_pass: the K denoising steps over the cached prefix, scored and
+def test_a_learner_with_compiled_steps_in_one_pass_and_vision_updates_within_rounding_of_the_eager_one(smolvla_bc, tmp_path) -> None:
+    """learner.compile_steps with learner.steps_in_one_pass, and learner.compile_vision: the scoring pass encodes every
+    observation through the compiled vision tower, and the K denoising steps over the cached prefix are scored and
     trained through one compiled graph per grad mode, no graph break; the ratio starts at 1 and the trained weights
     land where the eager learner's do, up to float rounding."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     config = tiny_run_config(tmp_path / "run", "learner.steps_in_one_pass=true")
     batch = RolloutActor(config, 0, smolvla_bc).sample(None, 0)
     eager = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
-    compiled = Learner(tiny_run_config(tmp_path / "run", "learner.steps_in_one_pass=true", "learner.compile_steps=true"),
-                       FlowPolicy.from_pretrained(smolvla_bc))  # fmt: skip
+    compiled_sets = ("learner.steps_in_one_pass=true", "learner.compile_steps=true", "learner.compile_vision=true")
+    compiled = Learner(tiny_run_config(tmp_path / "run", *compiled_sets), FlowPolicy.from_pretrained(smolvla_bc))
     step, grad_modes = compiled.policy.compiled_step, []
     compiled.policy.compiled_step = lambda *args: grad_modes.append(torch.is_grad_enabled()) or step(*args)
+    tower, embedded = compiled.policy.compiled_vision, []
+    compiled.policy.compiled_vision = lambda frames: embedded.append(frames.shape[0]) or tower(frames)
     graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"].total()
     metrics, metrics_compiled = eager.update(batch), compiled.update(batch)
     assert grad_modes == [False, True]  # the scoring pass, then the minibatch's forward (4 decisions, one micro-batch)
-    assert counters["stats"]["unique_graphs"] - graphs == 2 and counters["graph_break"].total() == breaks
+    # The scoring pass's encodes: the 4 decisions' observations, then the next observations no decision read (one camera).
+    assert embedded and embedded[0] == batch.num_decisions and sum(embedded) <= 2 * batch.num_decisions
+    # The step's two graphs, and the tower's one per batch size (a second size compiles once more).
+    assert counters["stats"]["unique_graphs"] - graphs == 2 + len(set(embedded)) and counters["graph_break"].total() == breaks
     assert metrics_compiled["ppo/first_minibatch_ratio_dev"] <= 1e-6 and metrics_compiled["logprob/behaviour_gap_max"] < 1e-5
     assert metrics_compiled["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
     trained = [name for name, p in eager.policy.named_parameters() if p.requires_grad]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 
 from bench.smolvla_gpu import OpCounter
 from common.diagnostics import check_ratio_is_one
@@ -196,20 +197,52 @@ def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPol
     gradients as step by step, up to float rounding, from fewer than half the ATen ops forward and back (each op a
     kernel launch on a GPU)."""
     features, chain = encoded_chain(policy, obs, seed=4)
-    runs = []
-    for one_pass in (False, True):
-        policy.zero_grad(set_to_none=True)
-        with OpCounter() as dispatched:
-            log_prob = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass).log_prob
-            log_prob.sum().backward()
-        runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, dispatched.ops))
-    policy.zero_grad(set_to_none=True)
-    (steps, grads, ops_steps), (one, grads_one, ops_one) = runs
-    torch.testing.assert_close(one, steps, rtol=1e-5, atol=1e-5)
-    assert grads and grads.keys() == grads_one.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_one[name], grad, rtol=1e-3, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+    steps, grads, ops_steps = scored_with_gradients(policy, features, chain, one_pass=False)
+    one, grads_one, ops_one = scored_with_gradients(policy, features, chain, one_pass=True)
+    assert_same_scores_and_gradients((one, grads_one), (steps, grads))
     assert policy.num_steps >= 2 and ops_one < ops_steps / 2, (ops_one, ops_steps)
+
+
+def scored_with_gradients(policy: FlowPolicy, features: object, chain: Tensor, one_pass: bool) -> tuple[Tensor, dict[str, Tensor], int]:
+    """The chains' log-probs, the gradients of their sum, and the ATen ops dispatched forward and back."""
+    policy.zero_grad(set_to_none=True)
+    with OpCounter() as dispatched:
+        log_prob = chain_log_prob(policy, features, chain, steps_in_one_pass=one_pass).log_prob
+        log_prob.sum().backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad(set_to_none=True)
+    return log_prob.detach(), grads, dispatched.ops
+
+
+def assert_same_scores_and_gradients(fast: tuple[Tensor, dict[str, Tensor]], plain: tuple[Tensor, dict[str, Tensor]]) -> None:
+    """Log-probs within 1e-5 and every gradient within a relative 1e-3: float rounding in larger or fused kernels."""
+    torch.testing.assert_close(fast[0], plain[0], rtol=1e-5, atol=1e-5)
+    assert plain[1] and plain[1].keys() == fast[1].keys()
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(fast[1][name], grad, rtol=1e-3, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+
+
+def check_compiled_scoring_gives_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:
+    """learner.compile_steps with learner.steps_in_one_pass: the K denoising steps scored through the compiled step,
+    forward and back, with no graph break. The same log-probs and gradients as the eager pass up to float rounding,
+    from fewer ATen ops (the rest run fused); the old log-probs, scored without gradients by another graph, set the
+    ratio at 1 within the ratio check's tolerance."""
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    features, chain = encoded_chain(policy, obs, seed=5)
+    steps, grads, ops = scored_with_gradients(policy, features, chain, one_pass=True)
+    compile_steps(policy, "learner.compile_steps")
+    breaks = counters["graph_break"].total()
+    try:
+        scored_with_gradients(policy, features, chain, one_pass=True)  # compiles
+        with torch.no_grad():
+            old = chain_log_prob(policy, features, chain, steps_in_one_pass=True).log_prob
+        compiled, grads_compiled, ops_compiled = scored_with_gradients(policy, features, chain, one_pass=True)
+    finally:
+        policy.compiled_step = None
+    assert counters["graph_break"].total() == breaks
+    assert_same_scores_and_gradients((compiled, grads_compiled), (steps, grads))
+    check_ratio_is_one(compiled - old, policy, tolerance=1e-5)
+    assert ops_compiled < ops / 2, (ops_compiled, ops)
 
 
 def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observation) -> None:
@@ -282,7 +315,7 @@ def check_compiled_vision_follows_the_eager_one(policy: FlowPolicy, obs: Observa
 
     torch._dynamo.reset()  # compiles of other tests' policies count towards the recompile limit
     counters.clear()
-    policy.compile_vision()
+    policy.compile_vision("actors.compile_vision")
     compiled, policy.compiled_vision = policy.compiled_vision, None
 
     def encoded(observations: Observation, vision: Callable | None) -> list[Tensor]:

@@ -245,13 +245,14 @@ class VLAFlowPolicy(FlowPolicy):
         """This backend's policy config section (policy.smolvla, policy.pi0)."""
         return getattr(self.config, self.section)
 
-    def compile_vision(self) -> None:
-        """actors.compile_vision: the vision tower that encode() runs over every camera's frames (one_vision_pass)
-        becomes one torch.compile graph. Its matmuls and attention stay library kernels; its layer norms, activations,
-        casts and residual sums fuse into far fewer. It compiles at its first call, and once more for a second batch
-        size; its embeddings differ from eager ones in float rounding only (tests/vla_checks.py). Weights loaded in
-        place (RolloutActor.load_weights) need no new compile."""
-        require_kernel_compiler(self.obs_device.type, "actors.compile_vision")
+    def compile_vision(self, field: str) -> None:
+        """The vision tower that encode() runs over every camera's frames (one_vision_pass) becomes one torch.compile
+        graph, as `field` asks (actors.compile_vision: the actor's decisions; learner.compile_vision: the learner's
+        scoring pass). Its matmuls and attention stay library kernels; its layer norms, activations, casts and residual
+        sums fuse into far fewer. It compiles at its first call, and once more for a second batch size; its embeddings
+        differ from eager ones in float rounding only (tests/vla_checks.py). Weights changed in place
+        (RolloutActor.load_weights, an optimiser step) need no new compile."""
+        require_kernel_compiler(self.obs_device.type, field)
         self.compiled_vision = self.compiled_vision_tower()
 
     @abstractmethod
