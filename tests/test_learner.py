@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
@@ -112,8 +113,6 @@ def test_compiled_denoising_steps_update_within_rounding_of_the_eager_ones(setup
     """learner.compile_steps: the scoring pass (no gradients) and every minibatch's forward and backward run the
     policy's compiled step, traced whole; the ratio starts at 1, and the update lands where the eager one does, up to
     float rounding. Step by step here; in one pass on SmolVLA (tests/test_smolvla_loop.py)."""
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     config, actor, eager = setup
     batch = actor.sample(None, iteration=0)

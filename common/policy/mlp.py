@@ -88,7 +88,9 @@ class MLPFlowPolicy(FlowPolicy):
         for step k, so an actor embeds each step time once instead of twice per step of every decision (a sixth of a
         decision's CPU for 2 envs), with the same ops on the same shape, hence the same bits. The memo holds t, so its
         id cannot be reused by another tensor, and t's version counter, so a t written in place is embedded again."""
-        if t.requires_grad:  # differentiated through: a held embedding would carry another call's graph, or none
+        # Differentiated through: a held embedding would carry another call's graph, or none. Compiled: the graph
+        # computes it inside, and the memo's host-side lookup (ids, version counters) has no place in a trace.
+        if t.requires_grad or torch.compiler.is_compiling():
             return time_embedding(t, self.config.time_embed_dim)
         held = self._time_embeddings.get(id(t))
         if held is not None and held[0] is t and held[1] == t._version:
