@@ -446,12 +446,16 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             state["learner"].broadcast()  # version 0, as the driver publishes it before the first rollout
             return {"seconds": clock.now() - start}
 
+        def version_0_rollouts() -> RolloutBatch:
+            """What every update and scoring pass here learns from: the sampled rollouts, --rollout-repeats times over."""
+            return RolloutBatch.concat(state["batches"] * args.rollout_repeats)
+
         def prepare(rows: int | None) -> Callable[[], dict[str, Any]]:
             """The learner's scoring pass alone (encode, old log-probs, values, GAE), encoding `rows` observations at a
             time (None: the update's largest micro-batch, micro_batch_rows)."""
 
             def stage() -> dict[str, Any]:
-                learner, batch = state["learner"], RolloutBatch.concat(state["batches"] * args.rollout_repeats)
+                learner, batch = state["learner"], version_0_rollouts()
                 cfg = learner.cfg
                 if rows is not None:
                     learner.cfg = dataclasses.replace(cfg, minibatch_size=rows, grad_accum=1)
@@ -471,7 +475,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps. An
             update that ran out of GPU memory and was made again in smaller micro-batches (learner.split_on_out_of_memory)
             counts every try in its seconds, and reports the split it kept (faults/grad_accum) and its last scoring pass."""
-            batch, learner = RolloutBatch.concat(state["batches"] * args.rollout_repeats), state["learner"]
+            batch, learner = version_0_rollouts(), state["learner"]
             scoring: list[float] = []
             # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
             # Not the FLOPs of a compiling learner: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
@@ -544,7 +548,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     # The compiler's first calls, on an update of their own: the timed update's learner, another policy
                     # of the same structure, runs the graphs they built (graphs_compiled counts any it adds).
                     start = clock.now()
-                    fresh_learner(variant).update(RolloutBatch.concat(state["batches"] * args.rollout_repeats))
+                    fresh_learner(variant).update(version_0_rollouts())
                     first_update = {"first_update_seconds": clock.now() - start}
                 graphs = counters["stats"]["unique_graphs"]
                 fresh_learner(variant)
