@@ -32,9 +32,9 @@ ITERATIONS = 40
 CHAOS_SEED = 20240611
 # Half the decisions of tests.test_faults' runs (4 optimiser steps an iteration), checkpoints every 5 iterations (a
 # learner death redoes up to 4), restarts enough for every fault of the schedule, and a call deadline that lets a
-# restarted actor start on two busy cores.
+# restarted actor start, and a call finish, on two cores busy with other work too.
 SETTINGS = ["--iterations", str(ITERATIONS), "--set", "actors.decisions_per_rollout=16", "--set", "algorithm.minibatch_size=32",
-            "--set", "checkpoint_every=5", "--set", "actors.max_restarts=30", "--set", "actors.call_timeout_s=20",
+            "--set", "checkpoint_every=5", "--set", "actors.max_restarts=30", "--set", "actors.call_timeout_s=60",
             "--set", "learner.max_restarts=3"]  # fmt: skip
 FULL_DISK_AT = 20  # the checkpoint whose write finds the disk full: the first launch ends there, --resume goes on from 15
 
@@ -153,13 +153,17 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
     learner_restarts = first_launch["faults/learner_restarts"] + summary["faults/learner_restarts"]
     actor_restarts = first_launch["faults/actor_restarts"] + summary["faults/actor_restarts"]
     assert learner_restarts == 2  # killed from outside in the first launch, mid-update in the second
-    assert summary["faults/actor_timeouts"] == 1 and summary["faults/dropped_actors"] == first_launch["faults/dropped_actors"] == 0
-    # A kill while an actor waits between calls is never seen (its next call finds it restarted): at most one each.
-    assert 1 <= actor_restarts <= kinds.count("kill rollout actor") + 1
+    timeouts = first_launch["faults/actor_timeouts"] + summary["faults/actor_timeouts"]
+    # The wedged actor's call times out in the second launch. On a loaded machine a slow call may outlast the deadline
+    # too: it is killed and retried as the wedged one is, and the results above hold all the same.
+    assert summary["faults/actor_timeouts"] >= 1 and summary["faults/dropped_actors"] == first_launch["faults/dropped_actors"] == 0
+    # Every restart follows a kill or a timeout; a kill while an actor waits between calls is never seen (its next call
+    # finds it restarted): at most one each.
+    assert 1 <= actor_restarts <= kinds.count("kill rollout actor") + timeouts
     resampled = first_launch["faults/resampled_env_steps"] + summary["faults/resampled_env_steps"]
     with capsys.disabled():  # the figures docs/faults.md quotes (pytest -s shows them)
         print(json.dumps({"faults injected": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)} | {
             "learner killed mid-update": 1, "full disk at a checkpoint": 1}, "learner restarts": learner_restarts,
-            "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": summary["faults/actor_timeouts"],
+            "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": timeouts,
             "env steps resampled by retried calls": resampled, "wall seconds (two launches)": round(wall_seconds, 1),
             "schedule": schedule.injected, "mid-update kill after optimiser step": steps_before + 2}, indent=1), flush=True)  # fmt: skip

@@ -153,7 +153,7 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("actor_class", "signum", "extra", "counter"), [
     ("RolloutActor", signal.SIGKILL, (), "faults/actor_restarts"),
-    ("RolloutActor", signal.SIGSTOP, ("--set", "actors.call_timeout_s=20"), "faults/actor_timeouts"),
+    ("RolloutActor", signal.SIGSTOP, ("--set", "actors.call_timeout_s=60"), "faults/actor_timeouts"),
     ("LearnerActor", signal.SIGKILL, (), "faults/learner_restarts"),
     # No checkpoint before the kill: the learner restarts from the run's start while the actors hold newer versions.
     ("LearnerActor", signal.SIGKILL, ("--set", "checkpoint_every=5"), "faults/learner_restarts"),
