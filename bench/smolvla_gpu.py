@@ -55,7 +55,6 @@ import numpy as np
 import torch
 import yaml
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,6 +64,7 @@ from common.config import RunConfig  # noqa: E402
 from common.config_loading import load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
+from common.op_count import OpCounter  # noqa: E402
 from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
 from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
@@ -193,28 +193,6 @@ class LaunchProfile(torch.profiler.profile):
         if kernel_microseconds:  # none where the profiler did not see the kernels (inside a graph, on some setups)
             counts["kernel_seconds"] = kernel_microseconds / 1e6
         return counts
-
-
-class OpCounter(TorchDispatchMode):
-    """ATen ops dispatched over one decision on CPU, where nothing is launched. Not the profiler: its background
-    threads, started in a process that lives on (the test suite), can still run when the interpreter exits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """A compiled step (actors.compile_steps) runs compiled under the counter, which sees the ATen ops it still
-        dispatches (matmuls, attention); torch.compile would run it eagerly under any other mode, from then on."""
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-    def counts(self) -> dict[str, int]:
-        return {"aten_ops": self.ops}
 
 
 def host_work_counter(device: torch.device) -> LaunchProfile | OpCounter:

@@ -1,0 +1,95 @@
+"""Placement and Ray on real local clusters: a multi-node run placed by custom resources, bad input found while a run
+starts its own Ray, and the priorities of a local Ray's workers. Each test starts the Ray it needs (no_ray)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from learner.main import main, run
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("no_ray")
+
+
+def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: Path, bc_checkpoint: Path) -> None:
+    """Three Ray nodes on this machine: the learner must land on the head, one rollout actor on each worker."""
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1}, "include_dashboard": True})
+    workers = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in range(2)]
+    config = tiny_config(tmp_path, init_checkpoint=str(bc_checkpoint), iterations=2,
+                         **{"learner.num_cpus": 0.5, "learner.resources": "{learner_node: 1}",
+                            "actors.num_cpus": 0.5, "actors.resources": "{rollout_node: 1}"})  # fmt: skip
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        run(config, address=cluster.address)
+        ours = ("LearnerActor", "RolloutActor")
+        placed = {(a.class_name, a.node_id) for a in list_actors(detail=True, limit=1000) if a.class_name in ours}
+        intended = {("LearnerActor", cluster.head_node.node_id)} | {("RolloutActor", w.node_id) for w in workers}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert placed == intended
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2]
+    # At the default actors.policy_lag=1 iterations 1 and 2 both sample with v0 on every actor (iteration 2 while
+    # iteration 1 trains): each actor loaded the version its calls named.
+    for row, lag in zip(rows, (0, 1)):
+        assert [row[f"actor/{i}/weight_version"] for i in range(2)] == [0, 0]
+        assert [row[f"actor/{i}/weight_version_lag"] for i in range(2)] == [lag, lag]
+        assert [row[f"actor/{i}/alive"] for i in range(2)] == [1, 1]
+
+
+def test_bad_input_found_while_ray_starts_shuts_that_ray_down_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """learner.main.run starts Ray while preflight checks the input in a thread: a bad checkpoint still ends the run
+    with its named error and nothing written, and the Ray that run started is shut down again."""
+    import learner.main as main_module
+
+    started = []
+    real_connect = main_module.connect_ray
+    monkeypatch.setattr(main_module, "connect_ray", lambda *args: started.append(real_connect(*args)) or started[-1])
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "missing"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-dashboard",
+        "--num-actors",
+        "1",
+    ]
+    assert main(argv) == 2
+    assert started == [True]  # this run started the Ray it had to shut down
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+    assert "has no model.safetensors" in capsys.readouterr().err
+
+
+def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_take_a_lower_one(tmp_path, bc_checkpoint) -> None:
+    """The learner's update runs while the actors sample (policy_lag 1) and is the iteration's critical path: a local
+    Ray starts its workers at the driver's niceness (not Ray's 15), the learner stays there, and every rollout actor
+    lowers its own priority to ACTOR_NICENESS."""
+    import os
+
+    from learner.ray_runtime import start_local_ray
+    from learner.startup import ACTOR_NICENESS, plan_resources, start_actors, start_learner
+
+    def niceness(_actor) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    config = tiny_config(tmp_path, init_checkpoint=str(bc_checkpoint))
+    assert not ray.is_initialized()
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert ray.get(ray.remote(niceness).remote(None)) == niceness(None)  # any worker, before it changes its own
+        learner_request, actor_request = plan_resources(config)
+        learner = start_learner(config, bc_checkpoint, None, learner_request)
+        pool = start_actors(config, str(bc_checkpoint), actor_request)
+        assert ray.get(learner.__ray_call__.remote(niceness)) == niceness(None) < ACTOR_NICENESS
+        assert ray.get([actor.__ray_call__.remote(niceness) for actor in pool.actors.values()]) == [ACTOR_NICENESS] * 2
+    finally:
+        ray.shutdown()

@@ -1,0 +1,314 @@
+"""Faults a run survives, each in real `learner.main` runs on the tests' local Ray.
+
+The actor pool's own rules (retry, timeout, drop, minimum) are checked on small Ray actors. Then one undisturbed run
+is the reference for two disturbed ones, which must end with exactly its env steps, returns, losses and final
+weights, because a retried rollout repeats the dead attempt's samples and a restarted learner redoes its iterations
+from the checkpoint:
+
+- a schedule of one fault of each kind, each counted once: the learner killed before any checkpoint (it restarts from
+  the run's start while the actors hold newer versions), a rollout actor killed, one wedged (SIGSTOP), the learner
+  wedged, then a bug in the driver that ends the launch, whose completed iterations are saved first; --resume goes on;
+- a chaos run: rollout actors killed every few iterations, the learner killed after a checkpoint and again in the
+  middle of an update, and the disk full at a checkpoint (the run stops, --resume goes on). Its schedule is drawn from
+  a fixed seed: which iteration each fault follows, and which actor it hits.
+
+Rollout actors and the learner are signalled from outside once the run has logged the fault's iteration; the mid-update
+kill and the full disk happen inside the learner's process (tests.helpers.fault_injection), at moments a signal cannot
+choose. NaN rollbacks are in tests/integration/test_learner.py; broken envs in tests/integration/test_bad_input.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import ray
+from ray._private import state
+from ray.exceptions import OwnerDiedError
+
+from common.metrics import MetricsLog
+from common.policy import WEIGHTS_FILE
+from learner.actor_pool import ActorPool
+from learner.failures import ActorsExhaustedError, LearnerDiedError
+from learner.main import main
+from learner.run_dir import RunDirectory
+from tests.conftest import tiny_config, tiny_run
+from tests.helpers import fault_injection
+from tests.helpers.flaky_actor import Flaky, Owner
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+# ---------------------------------------------------------------------------------------------- the actor pool
+
+
+def pool_of(tmp_path: Path, modes: list[str], **actors: float) -> ActorPool:
+    tmp_path.mkdir(exist_ok=True)
+    config = tiny_config(tmp_path, **{f"actors.{k}": v for k, v in actors.items()}, **{"actors.num_actors": len(modes)})
+    remote = ray.remote(Flaky)
+    pool = ActorPool(config, lambda i: remote.options(num_cpus=0, max_restarts=config.actors.max_restarts).remote(
+        str(tmp_path / f"marker{i}"), modes[i]))  # fmt: skip
+    ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])  # start-up is not part of a call's time
+    return pool
+
+
+def test_dead_and_wedged_actors_are_restarted_and_their_calls_retried(tmp_path) -> None:
+    pool = pool_of(tmp_path, ["die", "hang", "ok"], call_timeout_s=5)
+    results = pool.call("work", lambda i: (10 * (i + 1),))
+    assert {i: ray.get(refs[0]) for i, refs in results.items()} == {0: {"env_steps": 10}, 1: {"env_steps": 20}, 2: {"env_steps": 30}}
+    assert pool.restarts == {0: 1, 1: 1, 2: 0}
+    assert pool.faults["faults/actor_timeouts"] == 1 and pool.faults["faults/actor_restarts"] == 2
+    assert pool.faults["faults/resampled_env_steps"] == 30  # the retried calls' work, counted once each
+
+
+def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path) -> None:
+    pool = pool_of(tmp_path / "a", ["die", "ok"], max_restarts=0)
+    dropped = r"rollout actor 0 died \(ActorDiedError\) with its 0 restarts spent .*: dropped; training goes on with the 1 left"
+    with pytest.warns(RuntimeWarning, match=dropped):
+        results = pool.call("work", lambda i: (1,))
+    assert list(results) == [1] and list(pool.actors) == [1] and pool.faults["faults/dropped_actors"] == 1
+    strict = pool_of(tmp_path / "b", ["die", "ok"], max_restarts=0, min_alive=2)
+    with pytest.raises(ActorsExhaustedError, match="1 left, below actors.min_alive=2"):
+        strict.call("work", lambda i: (1,))
+
+
+def test_a_call_whose_weights_owner_died_reports_the_learner_dead(tmp_path) -> None:
+    """The weights a rollout call names are owned by the learner that put them: once it dies, the call cannot get
+    them, and the driver must restart the learner (which publishes them again), not fail the run."""
+    pool = pool_of(tmp_path, ["ok", "ok"])
+    owner = ray.remote(Owner).options(num_cpus=0).remote()
+    (weights,) = ray.get(owner.put.remote(10**7))  # the size of small weights, so not inlined into the reply
+    ray.kill(owner)
+    with pytest.raises(OwnerDiedError):  # once Ray knows the owner is gone (until then a copy may still be read)
+        while True:
+            ray.get(weights, timeout=60)
+            time.sleep(0.05)
+    with pytest.raises(LearnerDiedError, match="the learner that published the weights of rollout actor 0's work call died"):
+        pool.call("work", lambda i: (weights,))
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+
+ITERATIONS = 40
+# 4 optimiser steps an iteration, checkpoints every 5 iterations (a learner death redoes up to 4), restarts enough for
+# every fault of a schedule, and call deadlines that let a restarted actor start, and a call finish, on two cores busy
+# with other work too. Only fault knobs differ between the runs, so all of them must give the same bits.
+SETTINGS = {"iterations": ITERATIONS, "actors.decisions_per_rollout": 16, "env.max_episode_steps": 60, "algorithm.minibatch_size": 32,
+            "checkpoint_every": 5, "actors.max_restarts": 30, "actors.call_timeout_s": 60, "learner.max_restarts": 3}  # fmt: skip
+COMPARED = ("rollout/env_steps", "rollout/total_env_steps", "rollout/episode_return", "losses/pg_loss", "losses/v_loss")
+
+
+def rows_by_iteration(run_dir: Path) -> dict[int, dict]:
+    return {int(row["iteration"]): row for row in MetricsLog(run_dir / "metrics.jsonl").read()}
+
+
+def logged_iterations(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.endswith("}")), default=0) \
+        if path.is_file() else 0  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, bc_checkpoint, fault_plan) -> Path:
+    fault_injection.arm(fault_plan)  # nothing armed
+    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
+    assert main(tiny_run(run_dir, bc_checkpoint, **SETTINGS)) == 0
+    return run_dir
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Every iteration's compared figures and the final weights are the reference's, bit for bit."""
+    got, want = rows_by_iteration(run_dir), rows_by_iteration(reference)
+    assert sorted(got) == sorted(want) == list(range(1, ITERATIONS + 1))
+    for iteration, row in want.items():
+        assert {k: got[iteration][k] for k in COMPARED} == {k: row[k] for k in COMPARED}, f"iteration {iteration} differs"
+    final = f"checkpoints/iter_{ITERATIONS:06d}/{WEIGHTS_FILE}"
+    assert (run_dir / final).read_bytes() == (reference / final).read_bytes(), "final weights differ from the undisturbed run's"
+
+
+@dataclass
+class Signals:
+    """Faults sent from outside, each once the run has logged its iteration: (iteration, kind, victim's draw), kind one
+    of "kill learner", "wedge learner", "kill rollout actor", "wedge rollout actor"."""
+
+    planned: list[tuple[int, str, float]]
+    sent: list[dict] = field(default_factory=list)
+
+    def send_during(self, run_dir: Path, stop: threading.Event) -> threading.Thread:
+        """Send them in order, each once the run has logged its iteration and its target is alive. The actors are told
+        apart by their Ray actor ids (a restart keeps the id), so a victim's draw picks the same actor every time."""
+        stopped: set[int] = set()
+
+        def alive(actor_class: str) -> list[int]:
+            table = sorted(state.actors().items())
+            return [a["Pid"] for _, a in table if a["ActorClassName"] == actor_class and a["State"] == "ALIVE" and a["Pid"] not in stopped]
+
+        def act() -> None:
+            for iteration, kind, draw in self.planned:
+                while not stop.is_set():
+                    pids = alive("LearnerActor" if kind.endswith("learner") else "RolloutActor")
+                    if logged_iterations(run_dir) >= iteration and pids:
+                        pid = pids[int(draw * len(pids))]
+                        wedge = kind.startswith("wedge")
+                        os.kill(pid, signal.SIGSTOP if wedge else signal.SIGKILL)
+                        stopped.update([pid] if wedge else [])
+                        self.sent.append({"kind": kind, "after_iteration": iteration, "pid": pid})
+                        break
+                    time.sleep(0.02)
+
+        thread = threading.Thread(target=act, daemon=True)
+        thread.start()
+        return thread
+
+
+def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_went(undisturbed) -> None:
+    from learner.startup import STARTUP_STAGES
+
+    summary, last_row = json.loads((undisturbed / "summary.json").read_text()), rows_by_iteration(undisturbed)[ITERATIONS]
+    cost = summary["cost"]
+    # On the 2-CPU local Ray: the learner holds 0.5 CPU and each of the 2 actors (2 - 0.5) / 2, for the whole run.
+    assert cost["cpu_seconds_reserved"] == pytest.approx(2.0 * cost["wall_seconds"], rel=1e-9)
+    assert cost["gpu_seconds_reserved"] == 0.0 and cost["env_steps"] == last_row["rollout/total_env_steps"]
+    assert 0 < last_row["cost/wall_seconds"] <= cost["wall_seconds"]
+    # Every stage, once, in seconds since the run began; what needs another stage comes after it.
+    startup = summary["startup"]
+    assert list(startup) == sorted(startup, key=startup.get) and set(startup) == set(STARTUP_STAGES)
+    assert 0 < startup["actors_ready"] <= startup["weights_published"] < startup["initial_evaluation"]
+    assert startup["input_checked"] <= startup["actors_ready"] and startup["learner_ready"] <= startup["weights_published"]
+    assert startup["initial_evaluation"] < startup["first_rollout"] < cost["wall_seconds"]
+
+
+DRIVER_BUG_AFTER = 18  # the iteration whose console line raises, in a launch that checkpoints every 5
+
+
+def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed_results(
+    tmp_path, bc_checkpoint, undisturbed, fault_plan, monkeypatch, capsys
+) -> None:
+    from learner import reporting
+
+    fault_injection.arm(fault_plan)
+    run_dir = tmp_path / "run"
+    # A 20 s learner deadline: far above a tiny update, so only the stopped learner misses it.
+    argv = tiny_run(run_dir, bc_checkpoint, **SETTINGS, **{"learner.call_timeout_s": 20})
+    signals = Signals(
+        [(2, "kill learner", 0.0), (7, "kill rollout actor", 0.0), (11, "wedge rollout actor", 0.7), (14, "wedge learner", 0.0)]
+    )
+    console_line = reporting.console_line
+
+    def buggy_console_line(metrics):
+        if metrics["iteration"] == DRIVER_BUG_AFTER:
+            raise RuntimeError("a bug in the driver")
+        return console_line(metrics)
+
+    monkeypatch.setattr(reporting, "console_line", buggy_console_line)
+    capsys.readouterr()
+    stop = threading.Event()
+    sender = signals.send_during(run_dir, stop)
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the driver"):
+            main(argv)
+    finally:
+        stop.set()
+        sender.join(timeout=5)
+    out = capsys.readouterr().out
+    assert [event["kind"] for event in signals.sent] == [kind for _, kind, _ in signals.planned]
+    for fault in (
+        r"the learner died",
+        r"rollout actor \d wedged \(no answer to \w+ within actors\.call_timeout_s=60s\): killing it",
+        r"rollout actor \d restarted",
+        r"the learner wedged \(no answer to \w+ within [\d.]+s \(learner\.call_timeout_s, .*\); killed\)",
+    ):
+        assert re.search(rf"\[fault\] {fault}", out), (fault, out)
+    # The completed iterations were saved before the error went up (no periodic checkpoint falls on iteration 18).
+    directory = RunDirectory(run_dir)
+    assert directory.latest_checkpoint().name == f"iter_{DRIVER_BUG_AFTER:06d}"  # loadable: checked file by file
+    first_launch = rows_by_iteration(run_dir)[DRIVER_BUG_AFTER]  # logged before its console line failed
+    assert (first_launch["faults/learner_restarts"], first_launch["faults/actor_restarts"], first_launch["faults/actor_timeouts"],
+            first_launch["faults/dropped_actors"]) == (2, 2, 1, 0)  # fmt: skip
+    assert first_launch["faults/resampled_env_steps"] > 0  # the retried calls' samples, taken again
+
+    monkeypatch.undo()
+    assert main(argv + ["--resume"]) == 0
+    assert_same_run(run_dir, undisturbed)  # nothing lost, nothing counted twice
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] == rows_by_iteration(undisturbed)[ITERATIONS]["rollout/total_env_steps"]
+    assert summary["faults"]["faults/learner_restarts"] == summary["faults"]["faults/actor_restarts"] == 0.0  # the resumed launch's own
+
+
+CHAOS_SEED = 20240611
+FULL_DISK_AT = 20  # the checkpoint whose write finds the disk full: the first launch ends there, --resume goes on from 15
+
+
+def draw_chaos(seed: int) -> tuple[Signals, int]:
+    """The chaos run's signals, and the iteration whose update the learner dies in (from inside, fault_injection)."""
+    rng = random.Random(seed)
+    planned, iteration = [], rng.randint(2, 4)
+    while iteration < ITERATIONS - 2:
+        planned.append((iteration, "kill rollout actor", rng.random()))
+        iteration += rng.randint(4, 6)
+    planned.append((rng.randint(6, 14), "kill learner", 0.0))  # after the checkpoint of iteration 5 or 10
+    return Signals(sorted(planned)), rng.randint(26, 34)
+
+
+@pytest.mark.timeout(1200)  # two launches of 40 iterations with their restarts
+def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit(tmp_path, bc_checkpoint, undisturbed, fault_plan,
+                                                                                  capsys) -> None:  # fmt: skip
+    run_dir = tmp_path / "chaos"
+    want = rows_by_iteration(undisturbed)
+    signals, mid_update_iteration = draw_chaos(CHAOS_SEED)
+    steps_before = sum(int(want[i]["ppo/optimizer_steps"]) for i in range(1, mid_update_iteration))
+    assert int(want[mid_update_iteration]["ppo/optimizer_steps"]) > 2  # so that step 2 is in the middle
+    argv = tiny_run(run_dir, bc_checkpoint, **SETTINGS)
+    capsys.readouterr()
+
+    started = time.perf_counter()
+    stop = threading.Event()
+    sender = signals.send_during(run_dir, stop)
+    try:
+        # The first launch: the disk is full when iteration 20's checkpoint is written.
+        fault_injection.arm(fault_plan, full_disk_for=(f"iter_{FULL_DISK_AT:06d}",))
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and err.splitlines()[-1] == (
+            f"error: could not write {run_dir}/checkpoints/iter_{FULL_DISK_AT:06d}: No space left on device (trainer_state.pt); "
+            "the latest checkpoint is kept: continue with --resume"), err  # fmt: skip
+        directory = RunDirectory(run_dir)
+        assert sorted(p.name for p in directory.checkpoints.iterdir()) == ["iter_000005", "iter_000010", "iter_000015", "latest"]
+        assert directory.latest_checkpoint().name == "iter_000015"  # loadable: checked file by file
+        first_launch = rows_by_iteration(run_dir)[FULL_DISK_AT - 1]
+        # The second launch, with room on the disk again: the learner dies after its step 2 of the mid-update iteration's update.
+        fault_injection.arm(fault_plan, kill_learner_at_optimizer_step=steps_before + 2)
+        assert main(argv + ["--resume"]) == 0
+        wall_seconds = time.perf_counter() - started
+    finally:
+        stop.set()
+        sender.join(timeout=5)
+        fault_injection.arm(fault_plan)
+
+    assert_same_run(run_dir, undisturbed)
+    kinds = [event["kind"] for event in signals.sent]
+    assert len(kinds) == len(signals.planned) and kinds.count("kill learner") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())["faults"]
+    learner_restarts = first_launch["faults/learner_restarts"] + summary["faults/learner_restarts"]
+    actor_restarts = first_launch["faults/actor_restarts"] + summary["faults/actor_restarts"]
+    assert learner_restarts == 2  # killed from outside in the first launch, mid-update in the second
+    timeouts = first_launch["faults/actor_timeouts"] + summary["faults/actor_timeouts"]
+    assert summary["faults/dropped_actors"] == first_launch["faults/dropped_actors"] == 0
+    # Every restart follows a kill or a timeout (on a loaded machine a slow call may outlast the deadline: it is killed
+    # and retried as a wedged one is, and the results above hold all the same); a kill while an actor waits between
+    # calls is never seen (its next call finds it restarted): at most one each.
+    assert 1 <= actor_restarts <= kinds.count("kill rollout actor") + timeouts
+    resampled = first_launch["faults/resampled_env_steps"] + summary["faults/resampled_env_steps"]
+    with capsys.disabled():  # the figures docs/faults.md quotes (pytest -s shows them)
+        print(json.dumps({"faults injected": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)} | {
+            "learner killed mid-update": 1, "full disk at a checkpoint": 1}, "learner restarts": learner_restarts,
+            "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": timeouts,
+            "env steps resampled by retried calls": resampled, "wall seconds (two launches)": round(wall_seconds, 1),
+            "schedule": signals.sent, "mid-update kill after optimiser step": steps_before + 2}, indent=1), flush=True)  # fmt: skip

@@ -1,0 +1,216 @@
+"""End to end on the tests' local Ray: `learner.main` with 2 actors and a tiny budget, the bare main command on the
+embedded default, an exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import ray
+from safetensors.numpy import load_file
+
+from learner.main import main
+from tests.conftest import tiny_config, tiny_run
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def tiny_args(run_dir, bc_checkpoint, iterations: int, *extra: str) -> list[str]:
+    """A small run evaluated after every iteration, at a constant learning rate."""
+    return tiny_run(run_dir, bc_checkpoint, "--iterations", str(iterations), *extra, eval_every=1, **{"algorithm.lr_schedule": "constant"})
+
+
+def weights(directory) -> dict[str, np.ndarray]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoint) -> None:
+    run_dir = tmp_path / "run"
+    assert main(tiny_args(run_dir, bc_checkpoint, 2, "--set", "eval_videos=1")) == 0
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    # The default actors.policy_lag=1: iteration 2 was sampled with v0 while iteration 1 trained.
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0] and [r["rollout/weight_version_lag"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5  # ratio == 1 before each iteration's first step
+        assert row["logprob/behaviour_gap_max"] < 1e-5  # the learner scores v0's chains with v0, as the actors did
+        assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
+        assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
+        assert row["time/actors_env_cpu_seconds"] > 0 and row["time/update_cpu_seconds"] > 0
+        work = row["time/actors_env_cpu_seconds"] + row["time/actors_policy_cpu_seconds"] + row["time/update_cpu_seconds"]
+        assert row["time/env_cpu_share"] == pytest.approx(row["time/actors_env_cpu_seconds"] / work)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000002"
+    final, initial = weights(run_dir / "checkpoints" / "iter_000002"), weights(bc_checkpoint)
+    assert any(not np.array_equal(final[k], initial[k]) for k in final if k.startswith("velocity_net"))
+    state = __import__("torch").load(run_dir / "checkpoints" / "iter_000002" / "trainer_state.pt", weights_only=True)
+    assert state["version"] == 2 and state["iteration"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] == sum(r["rollout/env_steps"] for r in rows)
+    assert "initial_eval" in summary and summary["final_eval"]["eval/episodes"] == 4
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    # eval_videos=1: after each of the 3 evaluations (initial, iterations 1 and 2), one filmed held-out episode whose
+    # outcome in its name is the one its evaluation counted.
+    for iteration, row in zip((0, 1, 2), [summary["initial_eval"], *rows]):
+        (video,) = (run_dir / "videos" / f"iter_{iteration:06d}").glob("*.mp4")
+        with av.open(str(video)) as container:
+            assert sum(1 for _ in container.decode(video=0)) > 1
+        outcome = "success" if row["eval/success_rate"] == 1.0 else "failure" if row["eval/success_rate"] == 0.0 else None
+        assert outcome is None or f"_{outcome}_" in video.name
+
+
+def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """A held-out evaluation is submitted to the actors and collected once finished, while the loop goes on sampling
+    and training. With no evaluation ever reported finished, all 3 iterations still run before any of their
+    evaluations is collected, and the rows are written in order at the end, each with its own evaluation."""
+    from learner import actor_pool
+
+    events = []
+    collect_sample, collect_evaluate = actor_pool.ActorPool.collect_sample, actor_pool.ActorPool.collect_evaluate
+
+    def spy(name, method):
+        def wrapped(self, *args):
+            events.append(name)
+            return method(self, *args)
+
+        return wrapped
+
+    monkeypatch.setattr(actor_pool.ActorPool, "collect_sample", spy("sample", collect_sample))
+    monkeypatch.setattr(actor_pool.ActorPool, "collect_evaluate", spy("eval", collect_evaluate))
+    monkeypatch.setattr(actor_pool.ActorPool, "finished", staticmethod(lambda pending: False))
+    run_dir = tmp_path / "run"
+    assert main(tiny_args(run_dir, bc_checkpoint, 3)) == 0  # eval_every=1
+    assert events == ["eval"] + ["sample"] * 3 + ["eval"] * 3  # the initial evaluation, then training never waited
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["eval/episodes"] == 4 for r in rows)
+    assert rows[-1]["eval/success_rate"] == json.loads((run_dir / "summary.json").read_text())["final_eval"]["eval/success_rate"]
+
+
+@pytest.fixture(scope="module")
+def lagged_runs(tmp_path_factory, bc_checkpoint) -> dict[int, Path]:
+    """Three iterations at actors.policy_lag 0 and 1 (the default), evaluated only at the end: run directories by lag."""
+    runs = {lag: tmp_path_factory.mktemp(f"lag{lag}") / "run" for lag in (0, 1)}
+    for lag, run_dir in runs.items():
+        assert main(tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", f"actors.policy_lag={lag}")) == 0
+    return runs
+
+
+@pytest.mark.parametrize("policy_lag", [0, 1])
+def test_policy_lag_sets_which_version_samples_each_iteration(lagged_runs, policy_lag) -> None:
+    """actors.policy_lag=1 (default): iteration 1 trains on v0's rollouts (lag 0); from iteration 2 on, every rollout
+    comes from the version before the learner's (it was sampled during the previous update). The behaviour
+    log-probs the learner recomputes with those older weights equal the actors' own, and the ratio check passes.
+    actors.policy_lag=0 is the synchronous loop: every rollout from the learner's current version."""
+    run_dir = lagged_runs[policy_lag]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/weight_version_lag"] for r in rows] == ([0, 0, 0] if policy_lag == 0 else [0, 1, 1])
+    assert [r["rollout/weight_version"] for r in rows] == ([0, 1, 2] if policy_lag == 0 else [0, 0, 1])
+    for row in rows:
+        assert row["logprob/behaviour_gap_max"] < 1e-5 and row["ppo/first_minibatch_ratio_dev"] <= 1e-5
+        assert row["actor/0/weight_version_lag"] == row["rollout/weight_version_lag"]
+    if policy_lag:
+        assert all(0.5 < r["ppo/behaviour_weight_min"] <= r["ppo/behaviour_weight_max"] < 2 for r in rows[1:])
+    state = __import__("torch").load(run_dir / "checkpoints" / "iter_000003" / "trainer_state.pt", weights_only=True)
+    assert state["version"] == 3
+    assert sorted(state["published"]) == ([] if policy_lag == 0 else [2, 3])  # what iterations 3 and 4 would sample with
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint, lagged_runs) -> None:
+    """Stopped after 2 of 3 iterations and resumed, at the default lag 1: iteration 3 was sampled with v1 in the
+    uninterrupted run, so the checkpoint must hand v1 out again; the weights and every logged figure match. (Lag 0's
+    resume: tests/integration/test_learner.py::test_checkpoint_resume_reproduces_weights.) The interrupted run keeps
+    only its newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint (the default)."""
+    straight, interrupted = lagged_runs[1], tmp_path / "interrupted"
+    lag = ("--set", "eval_every=0")
+
+    def checkpoints(run) -> list[str]:
+        return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+    assert checkpoints(straight) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
+    assert main(tiny_args(interrupted, bc_checkpoint, 2, *lag, "--set", "keep_checkpoints=1")) == 0
+    assert checkpoints(interrupted) == ["iter_000002", "latest"]
+    assert main(tiny_args(interrupted, bc_checkpoint, 3, *lag, "--set", "keep_checkpoints=1", "--resume")) == 0
+    assert checkpoints(interrupted) == ["iter_000003", "latest"]
+    a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, interrupted)]
+    assert [r["iteration"] for r in rows[1]] == [1, 2, 3]
+    compared = ("rollout/weight_version", "rollout/episode_return", "losses/pg_loss", "losses/v_loss")
+    assert [[r[k] for k in compared] for r in rows[0]] == [[r[k] for k in compared] for r in rows[1]]
+    assert [r["rollout/weight_version"] for r in rows[1]] == [0, 0, 1]
+
+
+def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
+    """The learner publishes views of its weights (no copy, tests/unit/test_trajectory.py): ray.put serialises them
+    before it returns, so the updates that follow never reach the published version."""
+    import torch
+
+    from common.trajectory import WeightsPayload
+
+    weight = torch.zeros(1000)
+    ref = ray.put(WeightsPayload.from_state(7, {"w": weight}, copy=False))
+    weight += 1.0  # the next update, in place
+    assert ray.get(ref).params["w"].max() == 0.0
+
+
+def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_path, bc_checkpoint, monkeypatch) -> None:
+    """Start-up builds the benchmark tables in Ray tasks (one per 4 cores, asking for no CPU) beside the actors' own
+    start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
+    instead of simulating any benchmark. Tables the process holds already, or reads from the layout cache, go through
+    one put."""
+    import common.suites.metaworld as envs_module
+    from actors.rollout_actor import RolloutActor
+    from learner.startup import build_benchmark_tables
+
+    config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a process that has built no table
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty_cache"))  # on a machine that has cached none
+    assert len(build_benchmark_tables(config)) == 1  # this Ray has 2 CPUs
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    refs = build_benchmark_tables(config)
+    parts = ray.get(refs)
+    assert len(refs) == 3 and all(len(part) == 1 for part in parts)  # 3 distinct seeds, at most 16 // 4 tasks
+    built = {key: tasks for part in parts for key, tasks in part.items()}
+    assert built == envs_module.MetaworldSuite(config.env).layout_tables([("pick-place-v3", seed) for seed in (2, 3, 1)])
+    monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
+    monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
+    actor = RolloutActor(config, 0, bc_checkpoint, refs)
+    assert set(envs_module._BENCHMARK_TASKS) == set(built)
+    actor.vec_env.envs[0].set_layout(envs_module.Layout("pick-place-v3", 3, 49))  # any layout of the run resets without a benchmark build
+    actor.vec_env.envs[0].reset(seed=0)
+    # A later run in a process that holds the tables (start_actors adopts them) shares them with one put, no task.
+    monkeypatch.setattr(ray, "remote", lambda *args, **kwargs: pytest.fail("started a task for tables this process holds"))
+    (again,) = build_benchmark_tables(config)
+    assert ray.get(again) == built
+
+
+def test_the_bare_main_command_runs_the_embedded_default(tmp_path) -> None:
+    """The first iterations of what a user runs first, `python -m learner.main --num-actors 10`: the embedded default
+    config (no --config, no --set), its BC checkpoint chosen by the success window (built on first use, then cached),
+    10 actors x 2 envs x 50 decisions into the default update (the critic alone for its 3 warm-up iterations, then the
+    actor too), 100 held-out layouts before and after."""
+    from common.config import RunConfig, cache_dir
+
+    run_dir = tmp_path / "run"
+    assert main(["--num-actors", "10", "--iterations", "4", "--run-dir", str(run_dir)]) == 0
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["ppo/actor_lr"] > 0 for row in rows] == [False, False, False, True]
+    for row in rows:
+        assert row["rollout/decisions"] == 1000 and (row["ppo/num_minibatches"], row["ppo/minibatch_size"]) == (2, 500)
+        assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5 and row["logprob/behaviour_gap_max"] < 1e-5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    recorded = summary["manifest"]["config"]
+    default = RunConfig().to_dict()
+    assert {k: v for k, v in recorded.items() if k not in ("iterations", "run_dir")} == {
+        k: v for k, v in default.items() if k not in ("iterations", "run_dir")
+    }  # fmt: skip
+    start = summary["manifest"]["init_checkpoint"]
+    assert start["path"].startswith(str(cache_dir("bc"))) and 0.2 <= start["pretrain"]["eval_success_rate"] <= 0.7
+    assert summary["initial_eval"]["eval/episodes"] == summary["final_eval"]["eval/episodes"] == 100

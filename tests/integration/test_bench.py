@@ -1,0 +1,211 @@
+"""Smoke runs of the bench/ scripts that need no Ray, at their smallest sizes: the output parses, every figure is
+positive and finite, and each ratio printed is the quotient of the two figures it compares (also in the `name: value`
+lines). The SmolVLA bench runs the full-size path with the tiny VLM on CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bench import env_step, libero_step, overhead, policy_load, recompute, rllib_ppo, smolvla_gpu, videos
+from bench.report import flatten
+from common.config import RunConfig
+from tests.helpers.bench_output import TINY_MAIN_ARGS, assert_positive, printed
+
+
+def test_overheads_fingerprint_repeats_for_the_same_job_and_changes_with_any_bit_of_it(capsys):
+    """The fingerprint that checks a speed-up left the job's bits as they were: equal for a rerun, different for a
+    run whose rollouts differ (another seed) and for one whose first rollouts match but whose updates differ (another
+    learning rate)."""
+    tiny = ["--iterations", "2", "--warmup-iterations", "0", "--in-process-only", "--main-arg=--num-actors=2",
+            *(f"--main-arg={arg}" for arg in TINY_MAIN_ARGS)]  # fmt: skip
+    fingerprints = [
+        overhead.main([*tiny, *extra])["in_process_fingerprint"]
+        for extra in ([], [], ["--main-arg=--seed=1"], ["--main-arg=--set=algorithm.actor_lr=0.0002"])
+    ]
+    capsys.readouterr()
+    assert fingerprints[0] == fingerprints[1]
+    assert len(set(fingerprints)) == 3
+
+
+def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
+    results = recompute.main(["--repeats", "1", "--steps", "2,4", "--horizons", "4", "--batches", "20", "--plot", str(tmp_path / "r.png")])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert set(results["cases"]) == {"K2_H4_B500", "K4_H4_B500", "K4_H4_B20"}
+    for case in results["cases"].values():
+        assert_positive(case["sample_seconds"], case["recompute_seconds"], case["train_seconds"])
+        assert case["recompute_over_sample"] == pytest.approx(case["recompute_seconds"] / case["sample_seconds"], rel=1e-12)
+        assert case["train_over_sample"] == pytest.approx(case["train_seconds"] / case["sample_seconds"], rel=1e-12)
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_env_step_smallest_compares_both_variants_on_both_kinds_of_actions(capsys):
+    results = env_step.main(["--envs", "2", "--seconds", "0.2", "--rounds", "1"])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    for kind in ("random", "expert"):
+        assert_positive(results[f"{kind}_metaworld_us_per_step"], results[f"{kind}_project_us_per_step"])
+        assert results[f"{kind}_project_over_metaworld"] == pytest.approx(
+            results[f"{kind}_project_us_per_step"] / results[f"{kind}_metaworld_us_per_step"], rel=1e-12
+        )
+    for variant in ("metaworld", "project"):
+        assert results[f"expert_over_random_{variant}"] == pytest.approx(
+            results[f"expert_{variant}_us_per_step"] / results[f"random_{variant}_us_per_step"], rel=1e-12
+        )
+
+
+def test_libero_step_smallest_prices_a_state_step_each_render_and_a_reset(capsys):
+    results = libero_step.main(["--sizes", "32", "--decisions", "1", "--rounds", "1"])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert_positive(results["state_ms_per_step"], results["32px_render_ms"], results["32px_shadows_render_ms"], results["reset_ms"])
+    assert results["32px_ms_per_decision"] == pytest.approx(4 * results["32px_ms_per_step"], rel=1e-12)  # one render per 4 steps
+    assert results["32px_ms_per_decision"] > results["32px_render_ms"]
+
+
+def test_rllib_env_draws_a_training_layout_at_every_reset_from_its_seed():
+    # The env RLlib's runners build (bench/rllib_ppo.py), checked here without RLlib: the project's env has none.
+    assert "ray.rllib" not in sys.modules  # importing the bench module did not import RLlib
+    config = RunConfig().env
+    train = {(seed, index) for seed in config.train_benchmark_seeds for index in range(50)}
+
+    def layout_sequence(env: rllib_ppo.TrainingLayoutEnv, resets: int) -> list[tuple[int, int]]:
+        drawn = []
+        for _ in range(resets):
+            observation, info = env.reset()
+            assert observation.shape == (39,) and observation.dtype == np.float32
+            drawn.append((info["benchmark_seed"], info["layout_index"]))
+            assert drawn[-1] == (env.layout.benchmark_seed, env.layout.index)
+            done = False
+            while not done:  # an episode to its end (5 steps), then the next reset
+                observation, reward, terminated, truncated, info = env.step(env.action_space.sample())
+                assert observation.shape == (39,) and set(info) == {"success"}
+                done = terminated or truncated
+        return drawn
+
+    envs = [rllib_ppo.make_env({"seed": seed, "max_episode_steps": 5}) for seed in (3, 3, 4)]
+    try:
+        assert envs[0].action_space.shape == (4,) and envs[0].observation_space.shape == (39,)
+        first, again, other = (layout_sequence(env, 6) for env in envs)
+        assert first == again  # the same seed draws the same layouts
+        assert first != other
+        assert len(set(first)) > 1 and set(first + other) <= train  # a new training layout after each episode
+        envs[1].reset(seed=3)  # a reset's seed restarts the sequence with that seed
+        assert layout_sequence(envs[1], 5) == first[1:]
+        # RLlib's runners tell their envs apart by worker index: the same seed on another runner draws other layouts.
+        runner_two = rllib_ppo.make_env({"seed": 3, "max_episode_steps": 5, "worker_index": 2})
+        assert layout_sequence(runner_two, 6) != first
+        runner_two.close()
+    finally:
+        for env in envs:
+            env.close()
+
+
+def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
+    """The full-size SmolVLA bench's path with the tiny VLM on CPU: the stand-in checkpoint loads strictly, the ratio
+    check passes, the scoring pass encodes by micro-batch (and, asked, the whole batch at once), version 1 reaches
+    the actor."""
+    assert smolvla_gpu.main(["--size", "tiny", "--rollouts", "2", "--batch-sizes", "1,2", "--prepare-whole-batch"]) == 0
+    results = printed(capsys)
+    assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
+    assert results["build"]["trainable_parameters"] < results["build"]["parameters"]  # the VLM is frozen
+    assert results["update"]["decisions"] == 2 * 2 and results["update"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert results["update"]["ppo/actor_lr"] > 0  # an update that trains the actor, not the recipe's critic warm-up
+    assert 0 < results["update"]["scoring_pass_seconds"] < results["update"]["seconds"]  # the update times its own scoring pass
+    assert (results["prepare"]["rows_per_encode"], results["prepare_whole_batch"]["rows_per_encode"]) == (2, 4)
+    assert results["publish_load_sample_v1"]["version"] == 1
+    latency = results["decision_latency"]
+    # On CPU the eager path alone, with the host's op count per decision (a CUDA graph replays them in one launch); no
+    # launches to count (the profiler runs on a GPU only).
+    assert latency["eager_batch2_aten_ops"] > latency["eager_batch1_aten_ops"] > 1000 and "eager_batch1_kernel_launches" not in latency
+    assert not [name for name in latency if name.startswith("graph_")]
+    # FLOPs: every env's decision is the same arithmetic; the vision tower is part of the encode, the encode of the decision.
+    assert latency["batch2_flops"] == 2 * latency["batch1_flops"]
+    assert 0 < latency["batch1_vision_flops"] < latency["batch1_encode_flops"] < latency["batch1_flops"]
+    assert 0 < latency["batch1_encode_aten_ops"] < latency["eager_batch1_aten_ops"]  # the denoising steps dispatch the rest
+    assert 0 < results["update"]["vision_flops"] <= results["update"]["scoring_pass_flops"] < results["update"]["flops"]
+    assert_positive(latency["eager_batch1_seconds"], results["sample_v0"]["env_steps_per_second"],
+                    results["publish_load_sample_v1"]["rollout_env_steps_per_second"])  # fmt: skip
+
+
+def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_ones(capsys):
+    """--compile-steps: each decision path again with its denoising steps compiled, its steps dispatching under a
+    quarter of the eager steps' ATen ops; --compile-vision: again with the vision tower compiled too, its encode
+    dispatching fewer ops still. With a float32 actor both give the eager path's outputs on the same noise within float
+    rounding."""
+    torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
+    argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--compile-vision", "--set",
+            "actors.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
+    assert smolvla_gpu.main(argv) == 0
+    latency = printed(capsys)["decision_latency"]
+    assert not [name for name in latency if name.startswith("graph") or name.endswith("_error")]  # no graphs on CPU
+    encode_ops = latency["batch2_encode_aten_ops"]
+    assert 0 < latency["eager_compiled_batch2_aten_ops"] - encode_ops < (latency["eager_batch2_aten_ops"] - encode_ops) / 4
+    assert 0 < latency["eager_compiled_vision_batch2_aten_ops"] < latency["eager_compiled_batch2_aten_ops"]  # the tower's fused
+    assert latency["eager_compiled_batch2_generated_kernels"] > 0 and latency["eager_compiled_vision_batch2_generated_kernels"] > 0
+    for path in ("eager_compiled", "eager_compiled_vision"):
+        assert latency[f"{path}_batch2_first_call_seconds"] > latency[f"{path}_batch2_seconds"] > 0  # the compile
+        for name in ("chain", "log_prob_per_element", "value"):
+            assert latency[f"{path}_vs_eager_batch2_max_abs_{name}"] <= 1e-5
+    assert latency["eager_compiled_speedup_batch2"] > 0 and latency["eager_compiled_vision_speedup_batch2"] > 0
+
+
+def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):
+    """--update-variants: each variant's learner updates on the same rollouts, and is built after the previous learner
+    is gone, whose memory would otherwise count in the variant's peak."""
+    import weakref
+
+    from learner import learner as learner_module
+
+    built, alive_at_build = [], []
+
+    class Counted(learner_module.Learner):
+        def __init__(self, *args, **kwargs):
+            alive_at_build.append(sum(ref() is not None for ref in built))
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(learner_module, "Learner", Counted)
+    compiled = "learner.steps_in_one_pass=true,learner.compile_steps=true"
+    variants = f"learner.recompute_steps=true;algorithm.grad_accum=1;learner.steps_in_one_pass=true;{compiled}"
+    argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
+    assert smolvla_gpu.main(argv) == 0
+    results = printed(capsys)
+    assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
+    assert alive_at_build == [0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
+    for name in (
+        "update",
+        "update[learner.recompute_steps=true]",
+        "update[algorithm.grad_accum=1]",
+        "update[learner.steps_in_one_pass=true]",
+        f"update[{compiled}]",
+    ):
+        assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    recomputed = results["update[learner.recompute_steps=true]"]
+    numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(("aten_ops", "flops"))]  # not the work's cost
+    assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
+    assert 0 < results["update[learner.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
+    # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
+    assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
+    assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.steps_in_one_pass=true]"]["aten_ops"]
+
+
+def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
+    """The tiny SmolVLA's checkpoint loaded twice by each path (built with its initialisation, and without): the same
+    tensors, the buffers no file holds included, and the speed-up is the quotient of the two times."""
+    assert policy_load.main(["--size", "tiny", "--repeats", "2"]) == 0
+    results = printed(capsys)
+    assert results["same_tensors"] is True and results["policy_type"] == "smolvla"
+    assert_positive(results["load_initialised_init_seconds"], results["load_skipped_init_seconds"], results["parameters"],
+                    results["lerobot_checkpoint_load_seconds"], results["verify_checksums_hashed_seconds"],
+                    results["verify_checksums_digests_kept_seconds"])  # fmt: skip
+    assert results["speedup"] == results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]
+
+
+def test_the_bench_films_the_episodes_it_evaluated(bc_checkpoint, capsys) -> None:
+    results = videos.main(["--checkpoint", str(bc_checkpoint), "--layouts", "3", "--episodes", "2", "--size", "32"])
+    assert results["recorded_outcomes_match"] is True and results["episodes_filmed"] == 2
+    assert results["film_over_eval"] == pytest.approx((results["record_seconds"] + results["write_seconds"]) / results["eval_seconds"])
+    assert f"film_over_eval: {results['film_over_eval']}" in capsys.readouterr().out

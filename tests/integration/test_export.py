@@ -1,0 +1,212 @@
+"""learner.export on the tiny SmolVLA (offline, CPU, on whichever supported lerobot is installed): lerobot's own loaders
+read the export strictly, every tensor is the project's, and lerobot's pipeline (its env-observation conversion,
+preprocessor, sampler and postprocessor) turns env-unit state and frames into the project's env actions; the refusals;
+the command line on a run directory.
+
+Where the two sides meet: both take the same uint8 frames, divide by 255, resize with lerobot's resize_with_pad to the
+backbone's image size and map to [-1, 1], so identical frames give identical image inputs. lerobot normalises the
+state by (x - mean) / (std + 1e-8) where the project divides by std and clips to +-OBS_CLIP, so the states agree for
+states within the clip; lerobot's unnormalised actions are not clipped to [-1, 1] as the project's are (Metaworld
+clips them itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import PolicyConfig, RunConfig
+from common.policy import OBS_CLIP, build_policy, write_directory_atomically
+from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
+from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from learner.checkpoints import TRAINER_STATE_FILE
+from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
+from tests.conftest import REPO
+from tests.helpers.lerobot_export import (  # lerobot's names through it: imported after its torchvision shim
+    ACTION,
+    ACTION_DIM,
+    CAMERAS,
+    OBS_IMAGES,
+    OBS_LANGUAGE_ATTENTION_MASK,
+    OBS_LANGUAGE_TOKENS,
+    OBS_STATE,
+    check_lerobot_chunk_is_the_projects,
+    check_normaliser_statistics,
+    check_tensors_are_the_projects,
+    export,
+    get_policy_class,
+    instructions_of,
+    lerobot_observation,
+    make_pre_post_processors,
+    moved_off_init,
+    save_checkpoint,
+    within_clip,
+)
+from tests.helpers.vla import IMAGE_SIZE, INSTRUCTIONS, smolvla_config, tiny_observations, tiny_smolvla
+
+# Padded on both sides: lerobot's sampler integrates the padded action elements, the project's chain holds them at 0.
+SMOLVLA = {"max_state_dim": 42, "max_action_dim": 6}
+# The backbone's own image size is twice the frames': both sides resize the 32 px frames with padding to 64.
+VLM_IMAGE_SIZE = 2 * IMAGE_SIZE
+# float32: the project's chain runs t from 0 to 1 and lerobot's from 1 to 0, so the same steps round differently.
+ACTION_TOLERANCE = 3e-5  # env units; a chunk sampled with the padded elements free differs by more than 1e-3
+
+
+def trained_policy(seed: int) -> SmolVLAFlowPolicy:
+    """A tiny SmolVLA with two cameras, padded state and actions, a backbone of another image size, and moved_off_init."""
+    vlm_path = str(tiny_vlm_dir(TinyVLMSpec(image_size=VLM_IMAGE_SIZE)))
+    return moved_off_init(tiny_smolvla(seed, cameras=CAMERAS, smolvla={**SMOLVLA, "vlm_path": vlm_path}), seed)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[SmolVLAFlowPolicy, Path, Path]:
+    """(the policy, its project checkpoint, the lerobot export of that checkpoint)."""
+    root = tmp_path_factory.mktemp("export")
+    policy = trained_policy(seed=20)
+    checkpoint = save_checkpoint(policy, root / "checkpoint")
+    status, stdout, stderr = export(str(checkpoint), "--out", str(root / "lerobot"))
+    assert status == 0, stderr
+    assert "SmolVLAPolicy weights" in stdout and 'get_policy_class("smolvla").from_pretrained(' in stdout
+    return policy, checkpoint, root / "lerobot"
+
+
+def load_lerobot(directory: Path) -> tuple[SmolVLAPolicy, object, object]:
+    """As the exporter tells users to: lerobot's policy class by type, strictly, and its processor pipelines."""
+    policy = get_policy_class("smolvla").from_pretrained(str(directory), strict=True)
+    preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path=str(directory))
+    return policy, preprocessor, postprocessor
+
+
+def test_lerobot_reads_every_tensor_and_the_normalisation_of_the_export(exported) -> None:
+    policy, _, out = exported
+    names = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "policy_preprocessor.json", "policy_postprocessor.json", "checksums.json"} <= names
+    assert any(n.startswith("policy_preprocessor_") for n in names) and any(n.startswith("policy_postprocessor_") for n in names)
+    loaded, preprocessor, postprocessor = load_lerobot(out)
+    assert type(loaded) is SmolVLAPolicy
+
+    config = loaded.config
+    assert config.vlm_model_name == str(tiny_vlm_dir(TinyVLMSpec(image_size=VLM_IMAGE_SIZE)))
+    assert {k: (f.type.name, tuple(f.shape)) for k, f in config.input_features.items()} == {
+        OBS_STATE: ("STATE", (39,)),
+        **{f"{OBS_IMAGES}.{camera}": ("VISUAL", (3, IMAGE_SIZE, IMAGE_SIZE)) for camera in CAMERAS},
+    }
+    assert {k: (f.type.name, tuple(f.shape)) for k, f in config.output_features.items()} == {ACTION: ("ACTION", (ACTION_DIM,))}
+    assert (config.chunk_size, config.num_steps, config.max_state_dim, config.max_action_dim) == (4, 3, 42, 6)
+
+    check_tensors_are_the_projects(policy, out, loaded)
+    check_normaliser_statistics(policy, preprocessor, postprocessor, {"mean": policy.obs_mean, "std": policy.obs_std})
+
+
+@pytest.mark.parametrize("start", ["zero", "gaussian"])
+def test_lerobot_pipeline_gives_the_projects_env_actions(exported, start) -> None:
+    """Env-unit state and frames in, env actions out: lerobot's pipeline on the export against the project's chain on
+    the same observation and initial noise. "zero" is the project's deterministic (evaluation) policy, a_0 = 0;
+    "gaussian" starts both from the same draw, the padded elements of lerobot's included."""
+    policy, _, out = exported
+    loaded, preprocessor, postprocessor = load_lerobot(out)
+    obs = within_clip(policy, tiny_observations(policy, 3, seed=21), seed=22)
+    batch = preprocessor(lerobot_observation(obs, instructions_of(3)))
+    assert torch.equal(batch[OBS_LANGUAGE_TOKENS], obs.tokens) and torch.equal(batch[OBS_LANGUAGE_ATTENTION_MASK], obs.token_mask)
+    torch.testing.assert_close(batch[OBS_STATE], policy.normalized_state(obs), atol=1e-6, rtol=0)  # lerobot adds 1e-8 to std
+    lerobot_chunk, noise = check_lerobot_chunk_is_the_projects(policy, loaded, postprocessor, obs, batch, start, ACTION_TOLERANCE)
+    # select_action serves the same chunk one action at a time.
+    loaded.reset()
+    torch.testing.assert_close(loaded.select_action(batch, noise=noise), lerobot_chunk[:, 0], atol=1e-6, rtol=0)
+
+
+def test_states_beyond_the_projects_clip_are_not_clipped_by_lerobot(exported) -> None:
+    """Where equality ends: the project clips normalised states to +-OBS_CLIP, lerobot's normaliser does not."""
+    policy, _, out = exported
+    _, preprocessor, _ = load_lerobot(out)
+    obs = tiny_observations(policy, 1, seed=24)
+    far = dataclasses.replace(obs, state=(policy.obs_mean + 2 * OBS_CLIP * policy.obs_std).unsqueeze(0))
+    lerobot_state = preprocessor(lerobot_observation(far, INSTRUCTIONS[:1]))[OBS_STATE]
+    torch.testing.assert_close(lerobot_state, torch.full((1, 39), 2.0 * OBS_CLIP), atol=1e-4, rtol=0)
+    assert torch.equal(policy.normalized_state(far), torch.full((1, 39), OBS_CLIP))
+
+
+# -- refusals: one line on stderr, exit status 2, nothing written -------------------------------------------------
+
+
+def refused(*argv: str) -> str:
+    status, stdout, stderr = export(*argv)
+    assert status == 2 and stdout == "" and stderr.count("\n") == 1 and stderr.startswith("python -m learner.export: error: ")
+    return stderr
+
+
+def test_an_mlp_checkpoint_has_nothing_to_export(tmp_path) -> None:
+    checkpoint = write_directory_atomically(tmp_path / "mlp", build_policy(PolicyConfig()).save_pretrained)
+    assert "policy.type 'mlp_flow' policy, which has no lerobot counterpart" in refused(str(checkpoint), "--out", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_and_corrupt_checkpoints_are_refused(exported, tmp_path) -> None:
+    _, checkpoint, _ = exported
+    assert "does not exist" in refused(str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in refused(str(tmp_path / "empty"), "--out", str(tmp_path / "out"))
+    corrupt = tmp_path / "corrupt"
+    save_checkpoint(SmolVLAFlowPolicy.from_pretrained(checkpoint), corrupt)
+    weights = bytearray((corrupt / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (corrupt / "model.safetensors").write_bytes(bytes(weights))
+    assert "model.safetensors does not match its sha256" in refused(str(corrupt), "--out", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_out_is_replaced_only_with_overwrite(exported, tmp_path) -> None:
+    _, checkpoint, _ = exported
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert f"--out {out} exists: pass --overwrite" in refused(str(checkpoint), "--out", str(out))
+    assert (out / "keep.txt").read_text() == "mine"
+    assert "holds the checkpoint" in refused(str(checkpoint), "--out", str(checkpoint.parent), "--overwrite")
+    status, _, stderr = export(str(checkpoint), "--out", str(out), "--overwrite")
+    assert status == 0, stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+# -- the command line on a run directory --------------------------------------------------------------------------
+
+
+def test_the_command_exports_a_run_directorys_latest_checkpoint(tmp_path) -> None:
+    """`python -m learner.export RUN_DIR --out DIR` in a fresh process: the checkpoint `latest` names, not an earlier one."""
+    run = RunDirectory(tmp_path / "run")
+    run.path.mkdir()
+    config = RunConfig(policy=smolvla_config(cameras=CAMERAS, smolvla=SMOLVLA))
+    (run.path / RUN_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+    policies = {}
+    for seed, name in ((30, "iter_000001"), (31, "iter_000002")):
+        policies[name] = trained_policy(seed)
+
+        def write(tmp: Path, policy: SmolVLAFlowPolicy = policies[name], name: str = name) -> None:
+            policy.save_pretrained(tmp)
+            torch.save({"iteration": int(name.removeprefix("iter_"))}, tmp / TRAINER_STATE_FILE)
+
+        write_directory_atomically(run.checkpoints / name, write)
+        run.write_latest(name)
+
+    out = tmp_path / "lerobot"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "learner.export", str(run.path), "--out", str(out)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()  # the summary alone: lerobot's own messages go to stderr
+    assert lines[0] == f"wrote a lerobot smolvla checkpoint of {run.checkpoints / 'iter_000002'} to {out}:"
+    assert any(line.startswith("  model.safetensors: SmolVLAPolicy weights") for line in lines)
+    assert any(line.startswith("  policy_preprocessor.json, ") for line in lines)
+    assert any(line.startswith("  checksums.json: ") for line in lines)
+    exported_bias = load_file(str(out / "model.safetensors"))["model.action_time_mlp_out.bias"]
+    assert torch.equal(exported_bias, policies["iter_000002"].vla.model.action_time_mlp_out.bias)
+    assert not torch.equal(exported_bias, policies["iter_000001"].vla.model.action_time_mlp_out.bias)

@@ -1,0 +1,126 @@
+"""Multi-task runs in one process: a state policy reads the task's one-hot, BC learns every task, an actor rolls out
+and evaluates each task, and a multi-task policy replays one of its tasks."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+
+from actors.rollout_actor import RolloutActor, close_and_free
+from common.config import ConfigError, EnvConfig
+from common.metrics import eval_metrics, rollout_metrics
+from common.policy import FlowPolicy, build_policy
+from common.suites import Layout, make_suite
+from common.suites.metaworld import MetaworldTaskEnv
+from learner.learner import Learner
+from learner.pretrain import demonstrations, pretrain
+from learner.startup import preflight
+from tests.conftest import tiny_config
+
+TWO_TASKS = "reach-v3,pick-place-v3"
+
+
+def two_task_config(tmp_path, **sections):
+    return tiny_config(tmp_path, **{"env.task": TWO_TASKS, "policy.obs_dim": 41, **sections})
+
+
+@pytest.fixture(scope="module")
+def two_task_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bc2") / "checkpoint"
+    report = pretrain(two_task_config(tmp_path_factory.mktemp("cfg"), **{"pretrain.eval_episodes": 4}), out, progress=False)
+    return out, report
+
+
+def test_the_state_ends_in_the_tasks_one_hot_and_the_rest_is_the_tasks_own() -> None:
+    single, multi = make_suite(EnvConfig(task="pick-place-v3")), make_suite(EnvConfig(task=TWO_TASKS))
+    layout = Layout("pick-place-v3", 2, 7)
+    own, _ = single.make_env("pick-place-v3", layout=layout).reset(options={"layout": layout})
+    env = multi.make_env("pick-place-v3", layout=layout)
+    state, _ = env.reset(options={"layout": layout})
+    np.testing.assert_array_equal(state, np.concatenate([own, [0.0, 1.0]]).astype(np.float32))
+    after, *_ = env.step(np.zeros(4, np.float32))
+    np.testing.assert_array_equal(after[-2:], [0.0, 1.0])
+    assert env.observation_space.shape == (41,) and env.observation_space.contains(after)
+    with pytest.raises(ValueError, match="a layout of reach-v3 given to an env of pick-place-v3"):
+        env.reset(options={"layout": Layout("reach-v3", 2, 0)})
+
+
+def test_bc_learns_every_task_and_reports_each(two_task_checkpoint) -> None:
+    _, report = two_task_checkpoint
+    assert report["demos"] == 2 * 2  # pretrain.num_demos of each task
+    assert report["demos_per_task"] == {"reach-v3": 2, "pick-place-v3": 2}
+    assert set(report["per_task"]) == {"reach-v3", "pick-place-v3"} and report["eval_episodes"] == 2 * 4
+    assert report["eval_layouts"] == "reach-v3,pick-place-v3 benchmark seeds [1, 6], first 4 of each of 2 tasks"
+    for rate, low, high in report["per_task"].values():
+        assert low <= rate <= high
+    assert report["eval_success_rate"] == pytest.approx(np.mean([rate for rate, _, _ in report["per_task"].values()]))
+
+
+def test_task_demos_sets_a_tasks_demonstrations_and_a_task_outside_the_run_is_refused(tmp_path) -> None:
+    config = two_task_config(tmp_path, **{"pretrain.num_demos": 1, "pretrain.task_demos": "{pick-place-v3: 3}"})
+    _, chunks, episodes = demonstrations(config, make_suite(config.env), build_policy(config.policy), [])
+    assert [(e.layout.task, e.layout.index) for e in episodes] == [("reach-v3", 0)] + [("pick-place-v3", i) for i in range(3)]
+    assert len(chunks) == sum(len(e.actions) for e in episodes)
+    stranger = two_task_config(tmp_path, **{"pretrain.task_demos": "{push-v3: 2}"})
+    with pytest.raises(ConfigError, match=r"pretrain\.task_demos names \['push-v3'\], not among the run's tasks"):
+        preflight(stranger, address=None, resume=False)
+
+
+def test_envs_an_actor_drops_are_freed_at_once() -> None:
+    # An actor of a many-task run builds and drops each task's evaluation envs in turn; envs left to Python's
+    # occasional cycle collection would pile up (gigabytes over MT10's ten tasks).
+    envs = [MetaworldTaskEnv("push-v3") for _ in range(2)]
+    envs[0].reset()
+    envs[0].step(np.zeros(4, dtype=np.float32))
+    refs = [weakref.ref(env._env) for env in envs]  # Metaworld's env, which sits in the cycles
+    close_and_free(envs)
+    assert envs == [] and [ref() for ref in refs] == [None, None]
+
+
+def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoint) -> None:
+    checkpoint, _ = two_task_checkpoint
+    config = two_task_config(tmp_path, **{"env.max_episode_steps": 16})  # every env ends episodes within the 32-step rollout
+    actor = RolloutActor(config, 0, checkpoint)
+    assert [env.task for env in actor.vec_env.envs] == ["reach-v3", "pick-place-v3"]
+    learner = Learner(config, FlowPolicy.from_pretrained(checkpoint))
+    actor.load_weights(learner.broadcast())
+    batch = actor.sample(None, iteration=0)
+    np.testing.assert_array_equal(batch.obs[:, :, -2:], np.broadcast_to([[1.0, 0.0], [0.0, 1.0]], batch.obs[:, :, -2:].shape))
+    ended = (batch.terminated | batch.truncated).sum(axis=0)  # episodes each env ended: env 0 runs reach, env 1 pick-place
+    assert sorted(batch.episode_tasks) == sorted(["reach-v3"] * ended[0] + ["pick-place-v3"] * ended[1]) and ended.min() > 0
+    rollout = rollout_metrics(batch, learner_version=0)
+    env_task = ["reach-v3", "pick-place-v3"]
+    per_task = {task: (rollout[f"rollout/task/{task}/episodes"], rollout[f"rollout/task/{task}/success_rate"]) for task in env_task}
+    assert [count for count, _ in per_task.values()] == list(ended)
+    assert sum(count * rate for count, rate in per_task.values()) / sum(ended) == pytest.approx(rollout["rollout/success_rate"])
+    metrics = learner.update(batch)
+    assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
+
+    held_out = make_suite(config.env).held_out(3)
+    version, successes = actor.evaluate(None, held_out)
+    assert len(successes) == 6 and actor._eval_envs[0] == "pick-place-v3"  # only the last task's envs are kept
+    positions = [i for i, layout in enumerate(held_out) if layout.task == "reach-v3"]
+    rebuilt = actor.evaluate(None, [held_out[i] for i in positions])[1]
+    reused = actor.evaluate(None, [held_out[i] for i in positions])[1]
+    np.testing.assert_array_equal(rebuilt, successes[positions])
+    np.testing.assert_array_equal(reused, successes[positions])
+    metrics = eval_metrics(successes, held_out)
+    assert metrics["eval/task/reach-v3/episodes"] == 3 and metrics["eval/task/pick-place-v3/episodes"] == 3
+    assert metrics["eval/success_rate"] == pytest.approx(np.mean(successes))
+    recordings = actor.record_episodes(None, held_out, 32, positions=[1, 4])
+    assert [(r.task, r.layout) for r in recordings] == [(held_out[1].task, held_out[1]), (held_out[4].task, held_out[4])]
+    assert [r.success for r in recordings] == [successes[1], successes[4]]
+    actor.close()
+
+
+def test_one_task_of_a_multi_task_policy_replays_with_its_task_input(tmp_path, two_task_checkpoint, capsys) -> None:
+    from learner.replay import main as replay
+
+    checkpoint, _ = two_task_checkpoint
+    out = tmp_path / "videos"
+    assert replay([str(checkpoint), "--task", "pick-place-v3", "--episodes", "1", "--size", "32", "--out", str(out)]) == 0
+    assert [path.name.split("_")[0] for path in out.iterdir()] == ["pick-place-v3"]
+    assert replay([str(checkpoint), "--task", "push-v3", "--out", str(out)]) == 2
+    assert "--task push-v3 is not one of the multi-task policy's tasks ['reach-v3', 'pick-place-v3']" in capsys.readouterr().err

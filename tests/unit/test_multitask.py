@@ -1,0 +1,75 @@
+"""Multi-task runs, before any env steps: env.task names several tasks (or MT10/MT50), the envs take them in turn, the
+checks before a run, and gauges tagged per task."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, EnvConfig, PolicyConfig
+from common.config_loading import load_config
+from common.rollout import env_tasks
+from common.suites import make_suite
+from common.suites.metaworld import TASK_SETS, TASKS
+from learner.monitoring import GaugeExporter
+from learner.startup import preflight
+from tests.conftest import REPO, tiny_config
+
+TWO_TASKS = "reach-v3,pick-place-v3"
+
+
+def test_task_names_and_sets_resolve_and_bad_ones_are_named() -> None:
+    assert make_suite(EnvConfig(task="MT10")).tasks() == list(TASK_SETS["MT10"])
+    assert len(make_suite(EnvConfig(task="MT50")).tasks()) == 50 and set(TASK_SETS["MT50"]) == set(TASKS)
+    assert make_suite(EnvConfig(task=" reach-v3 , push-v3")).tasks() == ["reach-v3", "push-v3"]
+    with pytest.raises(ValueError, match="unknown task 'fly-v3'"):
+        make_suite(EnvConfig(task="reach-v3,fly-v3")).tasks()
+    with pytest.raises(ValueError, match="names a task twice"):
+        make_suite(EnvConfig(task="reach-v3,reach-v3")).tasks()
+    suite = make_suite(EnvConfig(task=TWO_TASKS))
+    assert suite.state_dim() == 39 + 2
+    with pytest.raises(ConfigError, match=r"policy\.obs_dim=39 but the state of the 2 tasks of .* has 41 elements"):
+        suite.check(PolicyConfig())
+
+
+def test_envs_take_the_tasks_in_turn_and_every_iteration_samples_each_equally() -> None:
+    tasks = ["a", "b", "c"]
+    everyone = [task for actor in range(3) for task in env_tasks(tasks, actor, 2)]
+    assert everyone == ["a", "b", "c", "a", "b", "c"]
+    grouped = [task for actor in range(3) for task in env_tasks(tasks, actor, 4, group_size=2)]
+    assert grouped == ["a", "a", "b", "b", "c", "c", "a", "a", "b", "b", "c", "c"]  # a GRPO group shares its task
+
+
+def test_a_run_whose_envs_do_not_divide_among_the_tasks_is_refused(tmp_path) -> None:
+    config = tiny_config(tmp_path, **{"env.task": "reach-v3,push-v3,pick-place-v3", "policy.obs_dim": 42})
+    with pytest.raises(ConfigError, match=r"make 4 envs for the 3 tasks .* only with a multiple of 3"):
+        preflight(config, address=None, resume=False)
+    config = tiny_config(tmp_path, **{"env.task": "reach-v3,push-v3,pick-place-v3", "policy.obs_dim": 42, "actors.num_actors": 3})
+    layouts = preflight(config, address=None, resume=False)
+    assert [layout.task for layout in layouts] == ["reach-v3"] * 4 + ["push-v3"] * 4 + ["pick-place-v3"] * 4
+
+
+def test_per_task_metrics_set_the_runs_gauges_tagged_by_task(monkeypatch) -> None:
+    exporter, seen = GaugeExporter("MT10"), []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def set(self, value: float, tags: dict) -> None:
+            seen.append((self.name, value, tags))
+
+    monkeypatch.setattr(exporter, "_gauge", lambda name, description, tag_keys: Recorder(name))
+    exporter.export({"eval/success_rate": 0.5, "eval/task/reach-v3/success_rate": 0.75, "eval/task/push-v3/success_rate": 0.25})
+    assert seen == [("flowrl_eval_success_rate", 0.5, {"task": "MT10"}), ("flowrl_eval_success_rate", 0.75, {"task": "reach-v3"}),
+                    ("flowrl_eval_success_rate", 0.25, {"task": "push-v3"})]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "tasks"), [("mt10.yaml", list(TASK_SETS["MT10"])), ("smolvla_tiny_three_tasks.yaml", ["reach-v3", "push-v3", "pick-place-v3"])]
+)
+def test_the_shipped_multi_task_configs_pass_the_checks_before_a_run(name, tasks) -> None:
+    config = load_config(REPO / "configs" / name)
+    layouts = preflight(config, address=None, resume=False)
+    assert make_suite(config.env).tasks() == tasks and [layout.task for layout in layouts] == [
+        t for t in tasks for _ in range(config.eval_episodes)
+    ]
