@@ -11,7 +11,7 @@ episodes reset as in training, training layouts) by one process, in one thread:
     policy produces: the gripper closes on the block, and successful episodes end (and reset) early.
 For each kind, `metaworld` builds the envs with metaworld_shortcuts=False (Metaworld's own reset, with its first
 reset_model() call, and its per-contact Python loop in touching_object) and `project` with the shortcuts, which give
-the same observations, rewards and infos bit for bit (tests/test_envs.py). The cases take turns, --rounds times, after
+the same observations, rewards and infos bit for bit (tests/integration/test_envs.py). The cases take turns, --rounds times, after
 an untimed warm-up; each figure is the median of its rounds. `<kind>_<variant>_us_per_step` is CPU microseconds
 (thread time) per env step, resets included; `<kind>_project_over_metaworld` < 1 means the project's is cheaper; and
 `expert_over_random_<variant>` is how much more a step of real manipulation costs than a random one.

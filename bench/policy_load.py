@@ -7,7 +7,7 @@ the checkpoint's checksums by hashing its files against taking the digests a run
 
     python bench/policy_load.py --recipe configs/pi0_pick.yaml      # full-size pi0: 4B parameters, 16 GB in float32
     python bench/policy_load.py --recipe configs/smolvla_pick.yaml  # smolvla_base's shapes
-    python bench/policy_load.py --size tiny                         # seconds (tests/test_bench.py)
+    python bench/policy_load.py --size tiny                         # seconds (tests/integration/test_bench.py)
 
 The checkpoint is written as bench/smolvla_gpu.py writes it (an offline stand-in for the recipe's lerobot checkpoint,
 loaded strictly and saved as the project's checkpoint). The file is read once before timing, so both paths find it in

@@ -3,7 +3,7 @@ configs/smolvla_pick.yaml (3 cameras at 256 px, 50-action chunks, 10 denoising s
 float32 learner), timed stage by stage, with the numerics the learner checks.
 
     python bench/smolvla_gpu.py                 # full size; needs a GPU (a chunk takes tens of seconds on CPU)
-    python bench/smolvla_gpu.py --size tiny     # the same path with the tiny VLM, on CPU (tests/test_bench.py)
+    python bench/smolvla_gpu.py --size tiny     # the same path with the tiny VLM, on CPU (tests/integration/test_bench.py)
     python bench/smolvla_gpu.py --recipe configs/pi0_pick.yaml [--size tiny]   # pi0 (pi05_pick.yaml: pi0.5); lerobot 0.6
 
 Nothing downloads. The backbone directory is written offline at SmolVLM2-500M's shapes

@@ -99,7 +99,7 @@ def compile_steps(policy: FlowPolicy, field: str) -> None:
     2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far fewer kernels.
     A step compiles at its first call with a new shape (a second batch size compiles once more, for every size after
     it), and again for a new grad or autocast mode; its arithmetic differs from the eager step's in float rounding
-    only (tests/vla_checks.py). Weights changed in place (RolloutActor.load_weights, an optimiser step) need no new
+    only (tests/helpers/vla_checks.py). Weights changed in place (RolloutActor.load_weights, an optimiser step) need no new
     compile."""
     require_kernel_compiler(policy.obs_device.type, field)
     policy.compiled_step = torch.compile(functools.partial(gaussian_step, policy))

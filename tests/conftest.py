@@ -31,6 +31,15 @@ TINY_RUN = {
 }  # fmt: skip
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # torch.compile's CPU kernels without SIMD, which the C++ compiler builds much faster (README, Development); what
+    # the tests check of a compiled path (one graph, no break, the eager numbers within rounding, fewer ATen ops
+    # dispatched) holds the same. Runs compile for GPUs, whose kernels this does not touch.
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if (TESTS / "e2e") in Path(item.path).parents:

@@ -167,7 +167,7 @@ def embed_whole_frames(vlm_with_expert: nn.Module, images: Tensor, tower: Callab
     after the first call. SmolVLM's vision tower takes frames of any size: at every call it reads the patch mask's
     contents to number the patches (a boolean index and scalar reads) and to drop the attention mask, which stalls the
     CPU and rules out a CUDA graph. Every patch of a whole frame is real, so the numbering is fixed
-    (whole_frame_positions) and attention needs no mask: the same numbers (tests/test_decision_graph.py). `tower`:
+    (whole_frame_positions) and attention needs no mask: the same numbers (tests/integration/test_decision_graph.py). `tower`:
     whole_frame_tower, or a compiled copy of it."""
     vision = vlm_with_expert.get_vlm_model().vision_model
     pixels = images.to(dtype=vision.dtype)

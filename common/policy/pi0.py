@@ -48,7 +48,7 @@ from common.observation import Observation
 from common.policy import vla_common
 from common.policy.base import OBS_CLIP, CheckpointError, write_directory_atomically
 from common.policy.lerobot_compat import LEROBOT_LINE, LEROBOT_VERSION, SUPPORTED_LEROBOT, denoise_cache, make_att_2d_masks, pad_vector
-from common.policy.tiny_vlm import build_tokenizer
+from common.policy.tiny_vlm import build_tokenizer, writer_line
 from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, one_vision_pass, prefix_features
 
 if LEROBOT_LINE < (0, 6):
@@ -160,7 +160,8 @@ def write_pi_tokenizer(directory: str | Path, vocab_size: int | None = PALIGEMMA
 def pi_tokenizer_dir(vocab_size: int | None) -> Path:
     """The cached directory of write_pi_tokenizer(vocab_size), written on first use (atomically, so parallel actors
     never read a half-written one)."""
-    key = hashlib.sha256(json.dumps({"format": PI_TOKENIZER_FORMAT, "vocab_size": vocab_size}).encode()).hexdigest()[:16]
+    payload = {"format": PI_TOKENIZER_FORMAT, "written_by": writer_line(), "vocab_size": vocab_size}
+    key = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
     path = cache_dir("pi_tokenizer") / key
     if not (path / "tokenizer_config.json").is_file():
         write_directory_atomically(path, lambda tmp: write_pi_tokenizer(tmp, vocab_size))

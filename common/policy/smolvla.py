@@ -147,7 +147,7 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         torch.autocast); the projections, noise head and critic stay float32, as lerobot expects (it casts
         the expert output to float32 before action_out_proj). Why autocast alone is not enough: its cast
         cache keeps only weights that require grad, so over float32 weights the frozen VLM is recast at
-        every encode and the frozen expert at every denoising step (tests/test_smolvla.py counts them), and
+        every encode and the frozen expert at every denoising step (tests/integration/test_smolvla.py counts them), and
         each actor holds the float32 copy. The learner keeps float32; the behaviour-vs-learner log-prob gap
         this opens is a logged metric."""
         self.vla.model.vlm_with_expert.to(dtype)

@@ -48,6 +48,15 @@ EXTRA_SPECIAL_TOKENS = {
 TINY_VLM_FORMAT = 2
 
 
+def writer_line() -> str:
+    """The transformers line whose save_pretrained wrote a cached directory: part of its cache key, because a major
+    line reads another's tokenizer files only partly (transformers 4 cannot load the tokenizer class 5 names), and
+    two environments on one machine share the cache."""
+    import transformers
+
+    return f"transformers {transformers.__version__.split('.')[0]}"
+
+
 @dataclass(frozen=True)
 class TinyVLMSpec:
     """Sizes of the tiny SmolVLM. The defaults give ~0.1M VLM parameters (SmolVLA adds its expert)."""
@@ -80,7 +89,7 @@ class TinyVLMSpec:
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
 
     def key(self) -> str:
-        payload = json.dumps({"format": TINY_VLM_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        payload = json.dumps({"format": TINY_VLM_FORMAT, "written_by": writer_line(), **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

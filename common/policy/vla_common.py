@@ -137,8 +137,8 @@ def one_vision_pass(owner: nn.Module, images: list[Tensor], embed: Callable[[Ten
     frames. Inside this context the C cameras' frames go through the tower once, as one batch of C x B, and each of
     embed_prefix's calls, which must come in camera order with these very tensors, is handed its camera's share. The
     tower embeds every frame on its own, so only the batch changes: C times fewer kernel launches for the tower, whose
-    matmuls are C times taller (tests/test_smolvla.py and tests/test_pi0.py check the prefix against lerobot's loop).
-    What embeds the batch is `embed` (a policy's compiled_vision), else whatever `owner.embed_image` is on entry
+    matmuls are C times taller (tests/integration/test_smolvla.py and test_pi0.py check the prefix against lerobot's
+    loop). What embeds the batch is `embed` (a policy's compiled_vision), else whatever `owner.embed_image` is on entry
     (lerobot's, or a capture_context's)."""
     embedded = (embed or owner.embed_image)(torch.cat(images)).split([image.shape[0] for image in images])
     pending = list(zip(images, embedded, strict=True))
@@ -250,7 +250,7 @@ class VLAFlowPolicy(FlowPolicy):
         graph, as `field` asks (actors.compile_vision: the actor's decisions; learner.compile_vision: the learner's
         scoring pass). Its matmuls and attention stay library kernels; its layer norms, activations, casts and residual
         sums fuse into far fewer. It compiles at its first call, and once more for a second batch size; its embeddings
-        differ from eager ones in float rounding only (tests/vla_checks.py). Weights changed in place
+        differ from eager ones in float rounding only (tests/helpers/vla_checks.py). Weights changed in place
         (RolloutActor.load_weights, an optimiser step) need no new compile."""
         require_kernel_compiler(self.obs_device.type, field)
         self.compiled_vision = self.compiled_vision_tower()

@@ -47,12 +47,12 @@ class TaskSpec:
     # Metaworld's reset calls reset_model() twice, the first time before mj_resetData. For most tasks that first call
     # only costs time (half of every reset); for some (drawer and window tasks) the second call reads model state the
     # first one set, so skipping it changes the initial state. True: skip it (MetaworldTaskEnv._reset_simulation);
-    # tests/test_envs.py checks that every task's reset and later steps are still Metaworld's own, bit for bit.
+    # tests/integration/test_envs.py checks that every task's reset and later steps are still Metaworld's own, bit for bit.
     reset_model_once: bool = False
     # Every reset_model() starts with _reset_hand(): 50 simulated steps (about 5 ms) from mj_resetData's state to the
     # hand's start, the same steps for every layout when reset_model() changes nothing in the model but sites and
     # joint positions. True (with reset_model_once): simulate them once per env and copy the result afterwards
-    # (_ReplayedHandReset); tests/test_envs.py checks the whole MuJoCo state and every reset, bit for bit.
+    # (_ReplayedHandReset); tests/integration/test_envs.py checks the whole MuJoCo state and every reset, bit for bit.
     replay_hand_reset: bool = False
 
 
@@ -291,7 +291,7 @@ def _touching_object(env: Any, object_geom_id: int) -> bool:
 
     Metaworld evaluates it on every step of the grasping tasks, and its loop over data.contact was about a quarter of a
     step's CPU, more the more contacts there are: the real policy's grasps cost more per step than random actions. The
-    forces are summed in Metaworld's order, from 0, so the result is the same bit for bit (tests/test_envs.py)."""
+    forces are summed in Metaworld's order, from 0, so the result is the same bit for bit (tests/integration/test_envs.py)."""
     contact = env.data.contact
     geom1, geom2 = contact.geom1, contact.geom2
     touches_object = (geom1 == object_geom_id) | (geom2 == object_geom_id)

@@ -20,8 +20,11 @@ PLAN_ENV = "FLOWRL_TEST_FAULT_PLAN"
 
 
 def runtime_env(plan: Path) -> dict[str, Any]:
-    """The ray.init runtime_env that installs the faults of `plan` in every worker."""
-    return {"worker_process_setup_hook": f"{__name__}.install", "env_vars": {PLAN_ENV: str(plan)}}
+    """The ray.init runtime_env that installs the faults of `plan` in every worker. The workers import this tree's
+    modules first (PYTHONPATH): a worker imports the hook before it puts its working directory on sys.path, and a
+    `tests` package in site-packages (draccus installs one) would shadow this one."""
+    search_path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
+    return {"worker_process_setup_hook": f"{__name__}.install", "env_vars": {PLAN_ENV: str(plan), "PYTHONPATH": search_path}}
 
 
 def arm(plan: Path, *, kill_learner_at_optimizer_step: int | None = None, full_disk_for: tuple[str, ...] = ()) -> None:

@@ -25,7 +25,7 @@ if LEROBOT_LINE < (0, 6):
 from common.policy import OBS_CLIP, CheckpointError, build_policy  # noqa: E402
 from common.policy.pi0 import PiFlowPolicy, resolve_tokenizer_path, tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
 from tests.helpers import vla_checks  # noqa: E402
-from tests.helpers.vla import PI_TYPES, HostReads, pi_config, tiny_observations, tiny_pi  # noqa: E402
+from tests.helpers.vla import INSTRUCTIONS, PI_TYPES, HostReads, pi_config, tiny_observations, tiny_pi  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=PI_TYPES)
@@ -78,7 +78,7 @@ def test_pi05_prompt_spells_out_the_discretised_state() -> None:
     bins = np.minimum(np.floor((scaled + 1.0) * 128).astype(int), 255)  # bin i covers [-1 + i/128, -1 + (i+1)/128)
     assert 0 <= bins.min() and bins.max() <= 255 and len(set(bins[0].tolist())) > 5
     for row in range(2):
-        expected = f"<bos>Task: {vla_checks.INSTRUCTIONS[row]}, State: {' '.join(map(str, bins[row]))};\nAction: "
+        expected = f"<bos>Task: {INSTRUCTIONS[row]}, State: {' '.join(map(str, bins[row]))};\nAction: "
         assert policy.tokenizer.decode(ids[row][mask[row]]) == expected
     short = tiny_pi("pi05", pi0={"tokenizer_max_length": 100})
     with pytest.raises(ValueError, match=r"policy\.pi0\.tokenizer_max_length=100"):
