@@ -27,42 +27,6 @@ def weights(directory) -> dict[str, np.ndarray]:
     return load_file(str(directory / "model.safetensors"))
 
 
-def test_main_loop_trains_broadcasts_and_writes_everything(tmp_path, bc_checkpoint) -> None:
-    run_dir = tmp_path / "run"
-    assert main(tiny_args(run_dir, bc_checkpoint, 2, "--set", "eval_videos=1")) == 0
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [1, 2]
-    # The default actors.policy_lag=1: iteration 2 was sampled with v0 while iteration 1 trained.
-    assert [r["rollout/weight_version"] for r in rows] == [0, 0] and [r["rollout/weight_version_lag"] for r in rows] == [0, 1]
-    for row in rows:
-        assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5  # ratio == 1 before each iteration's first step
-        assert row["logprob/behaviour_gap_max"] < 1e-5  # the learner scores v0's chains with v0, as the actors did
-        assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
-        assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
-        assert row["time/actors_env_cpu_seconds"] > 0 and row["time/update_cpu_seconds"] > 0
-        work = row["time/actors_env_cpu_seconds"] + row["time/actors_policy_cpu_seconds"] + row["time/update_cpu_seconds"]
-        assert row["time/env_cpu_share"] == pytest.approx(row["time/actors_env_cpu_seconds"] / work)
-    assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000002"
-    final, initial = weights(run_dir / "checkpoints" / "iter_000002"), weights(bc_checkpoint)
-    assert any(not np.array_equal(final[k], initial[k]) for k in final if k.startswith("velocity_net"))
-    state = __import__("torch").load(run_dir / "checkpoints" / "iter_000002" / "trainer_state.pt", weights_only=True)
-    assert state["version"] == 2 and state["iteration"] == 2
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["env_steps"] == sum(r["rollout/env_steps"] for r in rows)
-    assert "initial_eval" in summary and summary["final_eval"]["eval/episodes"] == 4
-    assert (run_dir / "learning_curve.png").stat().st_size > 1000
-    assert list((run_dir / "wandb").glob("offline-run-*"))
-    # eval_videos=1: after each of the 3 evaluations (initial, iterations 1 and 2), one filmed held-out episode whose
-    # outcome in its name is the one its evaluation counted.
-    for iteration, row in zip((0, 1, 2), [summary["initial_eval"], *rows]):
-        (video,) = (run_dir / "videos" / f"iter_{iteration:06d}").glob("*.mp4")
-        with av.open(str(video)) as container:
-            assert sum(1 for _ in container.decode(video=0)) > 1
-        outcome = "success" if row["eval/success_rate"] == 1.0 else "failure" if row["eval/success_rate"] == 0.0 else None
-        assert outcome is None or f"_{outcome}_" in video.name
-
-
 def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """A held-out evaluation is submitted to the actors and collected once finished, while the loop goes on sampling
     and training. With no evaluation ever reported finished, all 3 iterations still run before any of their
@@ -90,13 +54,47 @@ def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) 
     assert rows[-1]["eval/success_rate"] == json.loads((run_dir / "summary.json").read_text())["final_eval"]["eval/success_rate"]
 
 
+LAGGED_EVALUATION = {0: ("--set", "eval_every=0"), 1: ("--set", "eval_videos=1")}  # lag 1, the default, evaluated and filmed
+
+
 @pytest.fixture(scope="module")
 def lagged_runs(tmp_path_factory, bc_checkpoint) -> dict[int, Path]:
-    """Three iterations at actors.policy_lag 0 and 1 (the default), evaluated only at the end: run directories by lag."""
+    """Three iterations at actors.policy_lag 0 and 1 (the default): run directories by lag. The default run is
+    evaluated after every iteration and films one held-out episode of each evaluation."""
     runs = {lag: tmp_path_factory.mktemp(f"lag{lag}") / "run" for lag in (0, 1)}
     for lag, run_dir in runs.items():
-        assert main(tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", f"actors.policy_lag={lag}")) == 0
+        assert main(tiny_args(run_dir, bc_checkpoint, 3, *LAGGED_EVALUATION[lag], "--set", f"actors.policy_lag={lag}")) == 0
     return runs
+
+
+def test_main_loop_trains_broadcasts_and_writes_everything(lagged_runs, bc_checkpoint) -> None:
+    run_dir = lagged_runs[1]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["rollout/env_steps"] > 0 and row["eval/episodes"] == 4
+        assert np.isfinite(row["losses/pg_loss"]) and np.isfinite(row["logprob/per_element"])
+        assert row["time/actors_env_cpu_seconds"] > 0 and row["time/update_cpu_seconds"] > 0
+        work = row["time/actors_env_cpu_seconds"] + row["time/actors_policy_cpu_seconds"] + row["time/update_cpu_seconds"]
+        assert row["time/env_cpu_share"] == pytest.approx(row["time/actors_env_cpu_seconds"] / work)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "iter_000003"
+    final, initial = weights(run_dir / "checkpoints" / "iter_000003"), weights(bc_checkpoint)
+    assert any(not np.array_equal(final[k], initial[k]) for k in final if k.startswith("velocity_net"))
+    state = __import__("torch").load(run_dir / "checkpoints" / "iter_000003" / "trainer_state.pt", weights_only=True)
+    assert state["version"] == 3 and state["iteration"] == 3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] == sum(r["rollout/env_steps"] for r in rows)
+    assert "initial_eval" in summary and summary["final_eval"]["eval/episodes"] == 4
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    # eval_videos=1: after each of the 4 evaluations (initial, iterations 1 to 3), one filmed held-out episode whose
+    # outcome in its name is the one its evaluation counted.
+    for iteration, row in zip((0, 1, 2, 3), [summary["initial_eval"], *rows]):
+        (video,) = (run_dir / "videos" / f"iter_{iteration:06d}").glob("*.mp4")
+        with av.open(str(video)) as container:
+            assert sum(1 for _ in container.decode(video=0)) > 1
+        outcome = "success" if row["eval/success_rate"] == 1.0 else "failure" if row["eval/success_rate"] == 0.0 else None
+        assert outcome is None or f"_{outcome}_" in video.name
 
 
 @pytest.mark.parametrize("policy_lag", [0, 1])
@@ -125,15 +123,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint, lagged
     resume: tests/integration/test_learner.py::test_checkpoint_resume_reproduces_weights.) The interrupted run keeps
     only its newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint (the default)."""
     straight, interrupted = lagged_runs[1], tmp_path / "interrupted"
-    lag = ("--set", "eval_every=0")
+    evaluation = LAGGED_EVALUATION[1]
 
     def checkpoints(run) -> list[str]:
         return sorted(p.name for p in (run / "checkpoints").iterdir())
 
     assert checkpoints(straight) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
-    assert main(tiny_args(interrupted, bc_checkpoint, 2, *lag, "--set", "keep_checkpoints=1")) == 0
+    assert main(tiny_args(interrupted, bc_checkpoint, 2, *evaluation, "--set", "keep_checkpoints=1")) == 0
     assert checkpoints(interrupted) == ["iter_000002", "latest"]
-    assert main(tiny_args(interrupted, bc_checkpoint, 3, *lag, "--set", "keep_checkpoints=1", "--resume")) == 0
+    assert main(tiny_args(interrupted, bc_checkpoint, 3, *evaluation, "--set", "keep_checkpoints=1", "--resume")) == 0
     assert checkpoints(interrupted) == ["iter_000003", "latest"]
     a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")
     assert a.keys() == b.keys()
