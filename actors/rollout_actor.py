@@ -55,7 +55,7 @@ class RolloutActor:
         """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a
         dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
         once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
-        itself (about 0.7 s each). niceness: the process's scheduling niceness from now on, if higher than it is
+        itself (50 simulated resets each). niceness: the process's scheduling niceness from now on, if higher than it is
         (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
         known_digests: the driver's file digests (common.file_digests.known_digests), so that the checkpoint's
         checksums, verified by the driver, are not hashed again where its files are unchanged."""

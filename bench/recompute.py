@@ -47,7 +47,7 @@ def median_seconds(work: Callable[[], object], repeats: int) -> float:
 
 def measure(num_steps: int, chunk_size: int, batch: int, repeats: int) -> dict[str, float]:
     torch.manual_seed(0)
-    policy = build_policy(PolicyConfig(num_steps=num_steps, chunk_size=chunk_size)).eval()
+    policy = build_policy(PolicyConfig(num_steps=num_steps, chunk_size=chunk_size, init_noise_std=1.0)).eval()
     obs = Observation(state=torch.randn(batch, policy.config.obs_dim))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

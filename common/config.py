@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.policy.pi0_config import Pi0Config
+from common.policy.registry import BACKENDS
 from common.policy.smolvla_config import SmolVLAConfig
 from common.validation import ConfigError as ConfigError  # raised by every section's validate(); imported from here
 from common.validation import require, require_choice, require_positive
@@ -28,24 +29,13 @@ def cache_dir(kind: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl" / kind
 
 
-# Policy backend name -> "module:Class" (common.policy.base.policy_class imports it on first use, so the MLP path
-# never imports a backend's heavy dependencies: SmolVLA needs lerobot and transformers, the MLP neither). Kept here,
-# free of torch, so that validating a config imports no policy.
-POLICY_TYPES: dict[str, str] = {
-    "mlp_flow": "common.policy.mlp:MLPFlowPolicy",
-    "smolvla": "common.policy.smolvla:SmolVLAFlowPolicy",
-    "pi0": "common.policy.pi0:PiFlowPolicy",
-    "pi05": "common.policy.pi0:PiFlowPolicy",
-}
-
-
 @dataclass
 class PolicyConfig:
     """The flow policy: the fields every backend reads (sizes, the denoising chain, noise bounds, cameras), the MLP
     backend's own architecture (the default backend, whose fields are read at this level), and one section per VLA
     backend, declared beside its model."""
 
-    type: str = "mlp_flow"  # backend registered in POLICY_TYPES
+    type: str = "mlp_flow"  # a backend of common.policy.registry.BACKENDS
     obs_dim: int = 39
     action_dim: int = 4  # A
     chunk_size: int = 4  # H: actions per decision, executed whole
@@ -58,9 +48,10 @@ class PolicyConfig:
     # [log sigma_min^2, log sigma_max^2] (ReinFlow). Bounds are fixed, not learned.
     sigma_min: float = 0.05
     sigma_max: float = 0.15
-    # Std of a_0 when sampling stochastically. 1.0 is the flow-matching prior N(0, I); 0 starts every
-    # chain at the prior's mode (then only the injected noise explores and a_0 has no log-prob term).
-    init_noise_std: float = 1.0
+    # Std of a_0 when sampling stochastically. 0 (RL's default) starts every chain at the prior's mode, where
+    # deterministic evaluation also starts: the injected noise alone explores (a_0 has no log-prob term), so improving
+    # the stochastic policy moves the evaluated one directly. 1.0 samples a_0 from the flow-matching prior N(0, I).
+    init_noise_std: float = 0.0
     # How a chain's log-prob is aggregated over its elements: "mean" (per element, ReinFlow; the
     # default: the ratio's sensitivity does not grow with chunk size) or "sum" (the exact joint log-density).
     log_prob_normalization: str = "mean"
@@ -85,15 +76,14 @@ class PolicyConfig:
         )
         require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
-        require(self.type in POLICY_TYPES, f"{path}.type must be one of {sorted(POLICY_TYPES)}, got {self.type!r}")
+        require(self.type in BACKENDS, f"{path}.type must be one of {sorted(BACKENDS)}, got {self.type!r}")
         self.smolvla.validate(f"{path}.smolvla")
         self.pi0.validate(f"{path}.pi0")
         vla = self.vla_section()
         if vla:
             require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type {self.type} (it reads camera frames), got 0")
             section = getattr(self, vla)
-            # pi0.5 writes the state into its prompt: no state width to fit
-            state_dim = self.obs_dim if self.type != "pi05" else 0
+            state_dim = 0 if BACKENDS[self.type].state_in_prompt else self.obs_dim
             require(
                 state_dim <= section.max_state_dim and self.action_dim <= section.max_action_dim,
                 f"{path}.obs_dim ({self.obs_dim}) / action_dim ({self.action_dim}) must not exceed {path}.{vla}.max_state_dim "
@@ -105,15 +95,16 @@ class PolicyConfig:
     SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization", "dropout")
 
     def vla_section(self) -> str | None:
-        """The subsection of a VLA backend ("smolvla", or "pi0" for pi0 and pi0.5), None for the MLP."""
-        return {"smolvla": "smolvla", "pi0": "pi0", "pi05": "pi0"}.get(self.type)
+        """The subsection policy.type reads ("smolvla", or "pi0" for pi0 and pi0.5), None for the MLP."""
+        return BACKENDS[self.type].section
 
     def sampling_overrides(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.SAMPLING_FIELDS}
 
     def unused_sections(self) -> list[str]:
         """The backend subsections (policy.<backend>) that policy.type does not read."""
-        return [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name)) and f.name != self.type]
+        used = self.vla_section()
+        return [f.name for f in dataclasses.fields(self) if dataclasses.is_dataclass(getattr(self, f.name)) and f.name != used]
 
     @property
     def action_elements(self) -> int:
@@ -460,10 +451,7 @@ class PretrainConfig:
 class RunConfig:
     """One training run: everything `python -m learner.main` needs."""
 
-    # RL samples chains from a_0 = 0 (the prior's mode, which deterministic evaluation also starts
-    # from): the injected noise alone explores, so improving the stochastic policy moves the evaluated
-    # one directly. Sampling from a_0 ~ N(0, I) stays available (policy.init_noise_std: 1.0).
-    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(init_noise_std=0.0))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

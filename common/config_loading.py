@@ -27,9 +27,8 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None)
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types by name.
 
     Fields absent from `data` keep their values in `base` (default: `cls()`), and nested sections start
-    from the enclosing default's section, not from the section class's own defaults: RunConfig's policy
-    samples from a_0 = 0 while PolicyConfig() keeps the N(0, I) prior, and `--set policy.sigma_max=0.2`
-    must change sigma_max alone, never silently reset init_noise_std.
+    from the enclosing default's section, not from the section class's own defaults, so that an override such as
+    `--set policy.sigma_max=0.2` changes sigma_max alone, whatever a recipe set beside it.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")

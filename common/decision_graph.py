@@ -1,9 +1,9 @@
 """Whole chunk decisions replayed as one CUDA graph: encode, the K denoising steps, the critic and the chain's
 log-probs, captured once per actor and batch size and replayed for every decision.
 
-Why: a VLA decision is thousands of small kernels (SmolVLA at smolvla_base's shapes launches about 13,000 for one
-decision), so on a GPU the CPU that launches them, not the GPU, sets its time. A graph replay launches them all at
-once. What changes against the eager path (common.rollout.decide without a graph):
+Why: a VLA decision is thousands of small kernels (bench/smolvla_gpu.py counts them), so on a GPU the CPU that
+launches them, not the GPU, sets its time. A graph replay launches them all at once. What changes against the eager
+path (common.rollout.decide without a graph):
   - the chain's noise is drawn in one call, (K+1, B, H, A) standard normals, into a fixed buffer the graph reads
     (common.flow.sample_chain's `noise`); deterministic decisions read zeros there, which gives the eager path's
     deterministic chain (a_0 = 0, no injected noise). A run with graphs therefore draws other noise than one

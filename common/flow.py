@@ -51,8 +51,7 @@ def time_grid(num_steps: int, device: torch.device | None = None) -> tuple[Tenso
 def step_time(num_steps: int, k: int, batch_size: int, device: torch.device) -> tuple[Tensor, float]:
     """t_k of time_grid for a batch, (batch_size,), and dt. The same tensor object for every call with the same
     arguments (never write into it), so a backend can compute what depends on t alone once per tensor rather than at
-    every step of every decision (MLPFlowPolicy.embed_time); building the grid anew each step cost an actor's
-    decisions for 2 envs 3%."""
+    every step of every decision (MLPFlowPolicy.embed_time), rather than building the grid anew at each step."""
     times, dt = time_grid(num_steps, device)
     return times[k].expand(batch_size), dt
 

@@ -8,9 +8,9 @@ project's normalisation. What the backend keeps to itself (the VLAs' noise head 
 written whole or not at all (write_directory_atomically, with a checksums.json); an existing DIR is replaced only
 with --overwrite.
 
-Nothing here depends on the backend: a backend exports when it names the lerobot policy type of each policy.type it
-serves (FlowPolicy.lerobot_types: SmolVLA's "smolvla", pi0's "pi0" and "pi05") and implements to_lerobot; the MLP has
-no lerobot counterpart and is refused. Bad input is one line on stderr and exit status 2, before anything is written.
+Nothing here depends on the backend: a backend exports when its record in common.policy.registry.BACKENDS names a
+lerobot type (SmolVLA's "smolvla", pi0's "pi0" and "pi05") and it implements to_lerobot; the MLP has no lerobot
+counterpart and is refused. Bad input is one line on stderr and exit status 2, before anything is written.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from common.policy import (
     CheckpointError,
     CheckpointWriteError,
     FlowPolicy,
-    policy_class,
     read_policy_config,
     write_directory_atomically,
 )
+from common.policy.registry import BACKENDS
 from learner.run_dir import policy_directory
 
 EXIT_BAD_INPUT = 2
@@ -57,7 +57,7 @@ def check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
 def load(checkpoint: Path) -> FlowPolicy:
     """The checkpoint's policy, loaded strictly, after checking that its backend has a lerobot counterpart."""
     config = read_policy_config(checkpoint)  # verifies the checksums
-    if config.type not in policy_class(config.type).lerobot_types:
+    if BACKENDS[config.type].lerobot_type is None:
         raise ValueError(
             f"{checkpoint} holds a policy.type {config.type!r} policy, which has no lerobot counterpart: "
             "there is nothing to export to lerobot (the VLA backends export)"

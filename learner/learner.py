@@ -119,9 +119,8 @@ def require_pretrained(policy: FlowPolicy, allow_random_init: bool) -> None:
 
 def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int, keep: Callable[[Any], Any] = lambda features: features) -> Any:
     """keep(policy.encode(...)) over `rows` observations at a time, joined. The learner never encodes more rows at once
-    than one micro-batch of its update, so a VLM's activations do not grow with the iteration: at smolvla_base's shapes
-    on an H100 (bench/smolvla_gpu.py), scoring the recipe's 512 decisions peaked at 32 GiB allocated (48.5 GiB
-    reserved) encoded at once, and at 17 GiB (18 GiB) by micro-batches of 16, in the same time."""
+    than one micro-batch of its update, so a VLM's activations do not grow with the iteration (the peak memory either
+    way: docs/performance.md)."""
     total = obs.batch_shape[0]
     return concat_features([keep(policy.encode(obs.index(slice(start, start + rows)))) for start in range(0, total, rows)])
 
@@ -389,8 +388,8 @@ class Learner:
         self.optimizer = torch.optim.Adam(
             [{"params": self.actor_params, "lr": self.cfg.actor_lr}, {"params": self.critic_params, "lr": self.cfg.critic_lr}],
             eps=1e-5,
-            # One kernel per parameter group on a GPU instead of several per tensor; on the CPU the plain loop, whose
-            # rounding the runs' recorded results were made with.
+            # One kernel per parameter group on a GPU instead of several per tensor; on the CPU the plain loop keeps
+            # runs bit-reproducible against docs/results.md.
             fused=policy.obs_device.type == "cuda",
         )
         self.iteration = 0  # completed updates

@@ -34,10 +34,9 @@ from learner.ray_runtime import (
 
 MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
 # The rollout actors' scheduling niceness. At policy_lag 1 the learner's update (one thread) runs while the actors
-# sample, and it is the iteration's critical path: at equal niceness, ten actors and the learner on two cores left
-# the update 3.6 s of wall time for 1.5 s of CPU, and one core idle once the actors were done. With the actors at a
-# lower priority the learner gets a core whenever it works, and the actors every cycle it leaves (bench/throughput.py,
-# default job: iterations 3.6 -> 3.3 s). The same arithmetic either way: only the order of who runs changes.
+# sample, and it is the iteration's critical path: with the actors at a lower priority the learner gets a core
+# whenever it works, and the actors every cycle it leaves (docs/performance.md, "The learner first"). The same
+# arithmetic either way: only the order of who runs changes.
 ACTOR_NICENESS = 19
 
 
@@ -185,7 +184,7 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
 
 
 def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
-    """Every actor needs the same layouts, each benchmark seed simulated once (0.7 s per seed): built by Ray tasks
+    """Every actor needs the same layouts, each benchmark seed simulated once (50 resets each): built by Ray tasks
     while the learner and the actors start, a group of seeds per task, one task per 4 cores (at least one), so that
     the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
     holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an

@@ -128,3 +128,17 @@ def no_ray() -> None:
     ray.shutdown()
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def hashed_files(monkeypatch) -> list[Path]:
+    """The files common.file_digests hashes from now on, in a process that keeps no digest yet; digests are kept at
+    once (no racy window)."""
+    from common import file_digests
+
+    hashed: list[Path] = []
+    monkeypatch.setattr(file_digests, "_digests", {})
+    monkeypatch.setattr(file_digests, "RACY_SECONDS", -1e9)
+    hash_file = file_digests.hash_file
+    monkeypatch.setattr(file_digests, "hash_file", lambda path: hashed.append(path) or hash_file(path))
+    return hashed

@@ -2,17 +2,23 @@
 in a torch-free module of its own (smolvla_config, pi0_config).
 
 `from common.policy import FlowPolicy, build_policy, ...` is the public surface; backends are looked up by
-`policy.type` through `POLICY_TYPES` and imported only when used. The names below are resolved on first access, so
+`policy.type` in the torch-free registry (`common.policy.registry.BACKENDS`, each declared once) and imported only
+when used. The names below are resolved on first access, so
 that importing a backend's config section (as common.config does) imports neither torch nor any model.
 """
 
 import importlib
 from typing import Any
 
-_BASE_NAMES = ("CHECKSUMS_FILE", "CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "POLICY_TYPES", "WEIGHTS_FILE", "CheckpointError",
+_BASE_NAMES = ("CHECKSUMS_FILE", "CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "WEIGHTS_FILE", "CheckpointError",
                "CheckpointWriteError", "FlowPolicy", "build_policy", "concat_features", "index_features",
                "policy_class", "read_policy_config", "verify_checksums", "write_directory_atomically")  # fmt: skip
-_PUBLIC = {**dict.fromkeys(_BASE_NAMES, "common.policy.base"), "MLPFlowPolicy": "common.policy.mlp"}  # name -> its module
+_PUBLIC = {
+    **dict.fromkeys(_BASE_NAMES, "common.policy.base"),
+    "MLPFlowPolicy": "common.policy.mlp",
+    "BACKENDS": "common.policy.registry",
+    "Backend": "common.policy.registry",
+}  # name -> its module
 
 __all__ = sorted(_PUBLIC)
 

@@ -31,17 +31,18 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from common.config import POLICY_TYPES, ConfigError, PolicyConfig
+from common.config import ConfigError, PolicyConfig
 from common.config_loading import from_dict
 from common.file_digests import file_sha256
 from common.observation import Observation
+from common.policy.registry import BACKENDS
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -78,9 +79,6 @@ class FlowPolicy(nn.Module, ABC):
     # gaussian_step compiled for this policy, (features, action, t, dt) -> (mean, std) (common.flow.compile_steps, set
     # by the rollout actor with actors.compile_steps); None: common.flow.transition runs the step eagerly.
     compiled_step: Any = None
-    # policy.type -> the lerobot policy type to_lerobot writes it as (python -m learner.export), for each type this
-    # backend serves that has a lerobot counterpart; empty for a backend with none (the MLP): nothing to export.
-    lerobot_types: ClassVar[dict[str, str]] = {}
 
     @property
     def chunk_size(self) -> int:
@@ -97,7 +95,7 @@ class FlowPolicy(nn.Module, ABC):
     @property
     def lerobot_type(self) -> str | None:
         """The lerobot policy type to_lerobot writes this policy as, or None where it has no lerobot counterpart."""
-        return self.lerobot_types.get(self.config.type)
+        return BACKENDS[self.config.type].lerobot_type
 
     @property
     def obs_device(self) -> torch.device:
@@ -220,7 +218,7 @@ class FlowPolicy(nn.Module, ABC):
         """Write this policy into the empty `directory` as a checkpoint of lerobot's `lerobot_type` policy, everything
         lerobot's own loaders read (the policy class's from_pretrained, make_pre_post_processors), the project's
         normalisation included -> {what a group of files holds: their names}. A backend with a lerobot counterpart
-        overrides this and lists its types in lerobot_types."""
+        overrides this and names its type in common.policy.registry.BACKENDS."""
         raise CheckpointError(f"policy.type {self.config.type!r} has no lerobot counterpart: there is nothing to export to lerobot")
 
     def save_pretrained(self, directory: str | Path) -> Path:
@@ -414,15 +412,15 @@ def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:
         config.validate()
     except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
-    if config.type not in POLICY_TYPES:
-        raise CheckpointError(f"{path}: unknown policy type {config.type!r}; known: {sorted(POLICY_TYPES)}")
+    if config.type not in BACKENDS:
+        raise CheckpointError(f"{path}: unknown policy type {config.type!r}; known: {sorted(BACKENDS)}")
     return config
 
 
 def policy_class(type_name: str) -> type[FlowPolicy]:
-    if type_name not in POLICY_TYPES:
-        raise ConfigError(f"policy.type must be one of {sorted(POLICY_TYPES)}, got {type_name!r}")
-    module_name, class_name = POLICY_TYPES[type_name].split(":")
+    if type_name not in BACKENDS:
+        raise ConfigError(f"policy.type must be one of {sorted(BACKENDS)}, got {type_name!r}")
+    module_name, class_name = BACKENDS[type_name].policy_class.split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 

@@ -24,10 +24,10 @@ def time_embedding(t: Tensor, dim: int) -> Tensor:
 class MLP(nn.Sequential):
     """Linear, Mish and dropout-slot layers in sequence, whose forward calls the layers' functional ops directly.
 
-    An actor's decision for a few envs is dispatch-bound: nn.Module's call machinery (hook and tracing checks, one
-    forward per layer) cost a fifth of it. The same ATen ops run on the same tensors, so the output is nn.Sequential's
-    bit for bit, under autograd and autocast alike; forward hooks registered on the layers themselves do not run.
-    Dropout, at p > 0, is still called as a module, so it keeps its train/eval behaviour."""
+    An actor's decision for a few envs is dispatch-bound, and nn.Module's call machinery (hook and tracing checks, one
+    forward per layer) is a sizeable part of it (docs/performance.md). The same ATen ops run on the same tensors, so
+    the output is nn.Sequential's bit for bit, under autograd and autocast alike; forward hooks registered on the layers
+    themselves do not run. Dropout, at p > 0, is still called as a module, so it keeps its train/eval behaviour."""
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self:

@@ -204,8 +204,6 @@ class PiFlowPolicy(VLAFlowPolicy):
     """lerobot's PI0Policy (policy.type pi0) or PI05Policy (pi05), attribute `vla`, plus a ReinFlow noise head and a
     critic head; settings in policy.pi0."""
 
-    lerobot_types = {"pi0": "pi0", "pi05": "pi05"}
-    section = "pi0"
     prefix_groups = ("vlm",)  # encode() runs PaliGemma alone: pi0's state_proj feeds the expert's suffix
 
     def __init__(self, config: PolicyConfig):

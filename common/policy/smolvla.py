@@ -104,8 +104,6 @@ def build_lerobot_config(config: PolicyConfig, vlm_path: Path) -> LerobotSmolVLA
 class SmolVLAFlowPolicy(VLAFlowPolicy):
     """lerobot's SmolVLAPolicy (attribute `vla`) plus a ReinFlow noise head and a critic head."""
 
-    lerobot_types = {"smolvla": "smolvla"}
-    section = "smolvla"
     prefix_groups = ("vlm", "state_proj")  # encode() runs the VLM over images, instruction and the projected state
 
     def __init__(self, config: PolicyConfig):

@@ -241,6 +241,11 @@ class VLAFlowPolicy(FlowPolicy):
         self.eval()
 
     @property
+    def section(self) -> str:
+        """The name of this backend's policy config section (common.policy.registry)."""
+        return self.config.vla_section()
+
+    @property
     def settings(self) -> Any:
         """This backend's policy config section (policy.smolvla, policy.pi0)."""
         return getattr(self.config, self.section)
@@ -414,8 +419,9 @@ class VLAFlowPolicy(FlowPolicy):
         """from_pretrained with policy.<section>.<field> (a local directory the weights do not hold: a backbone's
         config and tokenizer) replaced by `path` when given, the rest of the saved section kept."""
         if path is not None:
-            saved = dataclasses.asdict(getattr(read_policy_config(directory), cls.section))
-            overrides[cls.section] = {**saved, **overrides.get(cls.section, {}), field: path}
+            saved_config = read_policy_config(directory)
+            section = saved_config.vla_section()
+            overrides[section] = {**dataclasses.asdict(getattr(saved_config, section)), **overrides.get(section, {}), field: path}
         return super().from_pretrained(directory, **overrides)
 
 

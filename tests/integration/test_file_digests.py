@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
-
-import pytest
 
 from actors.rollout_actor import RolloutActor
 from common import file_digests
@@ -17,19 +14,8 @@ from learner.startup import resolve_init_checkpoint
 from tests.conftest import tiny_config
 
 
-@pytest.fixture
-def reads(monkeypatch) -> list[Path]:
-    """The files hash_file reads from now on, in a process that keeps no digest yet; digests are kept at once."""
-    read: list[Path] = []
-    monkeypatch.setattr(file_digests, "_digests", {})
-    monkeypatch.setattr(file_digests, "RACY_SECONDS", -1e9)
-    hash_file = file_digests.hash_file
-    monkeypatch.setattr(file_digests, "hash_file", lambda path: read.append(path) or hash_file(path))
-    return read
-
-
 def test_the_driver_verifies_the_initial_checkpoint_once_and_the_learner_and_actors_take_its_digests(
-    tmp_path, bc_checkpoint, monkeypatch, reads
+    tmp_path, bc_checkpoint, monkeypatch, hashed_files
 ) -> None:
     """The driver's side (resolve_init_checkpoint: the cached BC checkpoint verified before anything starts), then a
     learner and an actor built in a process that knows only what the driver handed over."""
@@ -40,21 +26,21 @@ def test_the_driver_verifies_the_initial_checkpoint_once_and_the_learner_and_act
     monkeypatch.setattr("learner.startup.ensure_bc_checkpoint", lambda config: checkpoint)
     assert resolve_init_checkpoint(config) == checkpoint
     file_sha256(weights)  # the banner's and the manifest's
-    assert reads.count(weights) == 1
+    assert hashed_files.count(weights) == 1
     handed = known_digests()
 
     monkeypatch.setattr(file_digests, "_digests", {})  # the learner's process
     LearnerActor(config, str(checkpoint), None, known_digests=handed)
     monkeypatch.setattr(file_digests, "_digests", {})  # an actor's
     RolloutActor(config, 0, checkpoint, known_digests=handed)
-    assert reads.count(weights) == 1
+    assert hashed_files.count(weights) == 1
 
     monkeypatch.setattr(file_digests, "_digests", {})
     RolloutActor(config, 1, checkpoint)  # nothing handed over: it verifies for itself
-    assert reads.count(weights) == 2
+    assert hashed_files.count(weights) == 2
 
     elsewhere = tmp_path / "elsewhere"  # another machine's copy: the same bytes in other files
     shutil.copytree(checkpoint, elsewhere)
     monkeypatch.setattr(file_digests, "_digests", {})
     RolloutActor(config, 2, elsewhere, known_digests=handed)
-    assert reads.count(elsewhere / WEIGHTS_FILE) == 1
+    assert hashed_files.count(elsewhere / WEIGHTS_FILE) == 1

@@ -4,6 +4,7 @@ errors (a run on a LIBERO task: tests/e2e/test_libero.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -277,7 +278,8 @@ def test_one_line_errors(cameras_env, monkeypatch):
 
 
 def test_importing_libero_never_asks_for_its_config(tmp_path):
-    """Without LIBERO_CONFIG_PATH the suite writes LIBERO's config under the project's cache; with it, a missing file is
+    """Without LIBERO_CONFIG_PATH the suite writes LIBERO's config under the project's cache, in a directory named for
+    the install it describes (two environments on one machine never share it); with it, a missing file is
     written there and an existing one is left alone. Standard input is closed: a prompt would fail the process."""
     script = "from common.suites.libero import libero; import os; libero(); print(os.environ['LIBERO_CONFIG_PATH'])"
     environment = {key: value for key, value in os.environ.items() if key != "LIBERO_CONFIG_PATH"}
@@ -290,8 +292,9 @@ def test_importing_libero_never_asks_for_its_config(tmp_path):
         return Path(done.stdout.strip().splitlines()[-1])
 
     own = run()
-    assert own == tmp_path / "cache" / "flowrl" / "libero"
+    assert own.parent == tmp_path / "cache" / "flowrl" / "libero"  # a directory per install: another one keeps its own
     written = yaml.safe_load((own / "config.yaml").read_text())
+    assert own.name == hashlib.sha256(written["benchmark_root"].encode()).hexdigest()[:16]
     assert (Path(written["bddl_files"]) / "libero_spatial" / f"{SPATIAL_0}.bddl").is_file()
     assert (Path(written["init_states"]) / "libero_spatial" / f"{SPATIAL_0}.pruned_init").is_file()
     assert (Path(written["assets"]) / "scenes" / "libero_tabletop_base_style.xml").is_file()

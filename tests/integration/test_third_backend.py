@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from actors.rollout_actor import RolloutActor
-from common.config import POLICY_TYPES, PolicyConfig
+from common.config import PolicyConfig
 from common.observation import Observation
-from common.policy import FlowPolicy, build_policy
+from common.policy import BACKENDS, Backend, FlowPolicy, build_policy
 from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
 from tests.conftest import tiny_config
@@ -67,7 +67,7 @@ class ProjectedStateFlowPolicy(FlowPolicy):
 
 @pytest.fixture
 def registered(monkeypatch):
-    monkeypatch.setitem(POLICY_TYPES, BACKEND, f"{__name__}:ProjectedStateFlowPolicy")
+    monkeypatch.setitem(BACKENDS, BACKEND, Backend(f"{__name__}:ProjectedStateFlowPolicy"))
 
 
 def test_a_backend_added_in_one_registry_line_runs_bc_rollouts_and_the_update(registered, tmp_path) -> None:

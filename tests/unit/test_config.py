@@ -134,7 +134,7 @@ def _changed(value, hint):
 
 def test_an_override_changes_only_the_field_it_names() -> None:
     """Every leaf of RunConfig: `--set path=value` moves that path and leaves all others at the run defaults
-    (a section rebuilt from its class defaults used to reset policy.init_noise_std from 0 to 1)."""
+    (a section rebuilt from its class defaults would undo what the run's defaults set in it)."""
     import json
 
     from common.config_loading import apply_override, from_dict
@@ -214,3 +214,33 @@ def test_an_explicit_minibatch_plan_that_cannot_work_names_both_fields() -> None
         ConfigError, match=r"algorithm\.grad_accum \(40\) exceeds .* smallest minibatch \(33 of 100, algorithm\.num_minibatches"
     ):
         load_config(None, ["actors.num_actors=1", "algorithm.num_minibatches=3", "algorithm.grad_accum=40"])
+
+
+@pytest.mark.parametrize(("policy_type", "shown"), [("mlp_flow", None), ("smolvla", "smolvla"), ("pi0", "pi0"), ("pi05", "pi0")])
+def test_the_banner_keeps_the_section_the_backend_reads_and_only_that_one(policy_type: str, shown: str | None) -> None:
+    from common.config import PolicyConfig
+
+    policy = PolicyConfig(type=policy_type, obs_dim=8, image_size=0 if policy_type == "mlp_flow" else 32)
+    policy.validate()
+    assert policy.vla_section() == shown
+    assert sorted(policy.unused_sections()) == sorted({"smolvla", "pi0"} - {shown})
+
+
+def test_a_vla_backend_registered_in_one_record_is_validated_shown_and_built_as_its_record_says(monkeypatch) -> None:
+    """One record in common.policy.registry.BACKENDS is the whole declaration: the type is accepted, the section it
+    names is the one validated against and shown, the class is imported from its record, and no lerobot type means
+    nothing to export."""
+    from common.config import PolicyConfig
+    from common.policy import BACKENDS, Backend, policy_class
+
+    monkeypatch.setitem(BACKENDS, "my_vla", Backend("common.policy.mlp:MLPFlowPolicy", section="pi0"))
+    with pytest.raises(ConfigError, match=r"policy.image_size must be > 0 for policy.type my_vla"):
+        PolicyConfig(type="my_vla").validate()
+    with pytest.raises(ConfigError, match=r"policy.pi0.max_state_dim"):
+        PolicyConfig(type="my_vla", image_size=32, obs_dim=PolicyConfig().pi0.max_state_dim + 1).validate()
+    policy = PolicyConfig(type="my_vla", obs_dim=8, image_size=32)
+    policy.validate()
+    assert policy.unused_sections() == ["smolvla"]
+    assert policy_class("my_vla").__name__ == "MLPFlowPolicy" and BACKENDS["my_vla"].lerobot_type is None
+    with pytest.raises(ConfigError, match=r"policy.type must be one of \[.*'my_vla'.*\], got 'other'"):
+        PolicyConfig(type="other").validate()

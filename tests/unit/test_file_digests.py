@@ -18,17 +18,6 @@ from learner.startup import resolve_init_checkpoint
 from tests.conftest import tiny_config
 
 
-@pytest.fixture
-def reads(monkeypatch) -> list[Path]:
-    """The files hash_file reads from now on, in a process that keeps no digest yet; digests are kept at once."""
-    read: list[Path] = []
-    monkeypatch.setattr(file_digests, "_digests", {})
-    monkeypatch.setattr(file_digests, "RACY_SECONDS", -1e9)
-    hash_file = file_digests.hash_file
-    monkeypatch.setattr(file_digests, "hash_file", lambda path: read.append(path) or hash_file(path))
-    return read
-
-
 def rewrite_keeping_size_and_mtime(path: Path, data: bytes) -> None:
     """New bytes of the same length, and the old modification time put back: only the change time tells."""
     stat = path.stat()
@@ -37,11 +26,11 @@ def rewrite_keeping_size_and_mtime(path: Path, data: bytes) -> None:
     assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
 
 
-def test_a_file_version_is_read_once_and_a_rewrite_or_a_copy_is_read_again(tmp_path, reads) -> None:
+def test_a_file_version_is_read_once_and_a_rewrite_or_a_copy_is_read_again(tmp_path, hashed_files) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"a" * 5000)
     assert file_sha256(path) == file_sha256(path) == hashlib.sha256(b"a" * 5000).hexdigest()
-    assert reads == [path]
+    assert hashed_files == [path]
 
     time.sleep(0.01)  # past the file system's clock tick, so that the change time moves
     rewrite_keeping_size_and_mtime(path, b"b" * 5000)
@@ -49,7 +38,7 @@ def test_a_file_version_is_read_once_and_a_rewrite_or_a_copy_is_read_again(tmp_p
     copy = tmp_path / "copy.bin"
     shutil.copy2(path, copy)  # the same bytes and mtime, another inode
     assert file_sha256(copy) == file_sha256(path)
-    assert reads == [path, path, copy]
+    assert hashed_files == [path, path, copy]
 
 
 def test_a_file_changed_moments_ago_is_read_at_every_call(tmp_path, monkeypatch) -> None:
@@ -62,13 +51,13 @@ def test_a_file_changed_moments_ago_is_read_at_every_call(tmp_path, monkeypatch)
     assert known_digests() == {}
 
 
-def test_a_checkpoint_corrupted_after_a_verified_load_is_refused(tmp_path, mlp_checkpoint, reads) -> None:
+def test_a_checkpoint_corrupted_after_a_verified_load_is_refused(tmp_path, mlp_checkpoint, hashed_files) -> None:
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(mlp_checkpoint, checkpoint)
     weights = checkpoint / WEIGHTS_FILE
     FlowPolicy.from_pretrained(checkpoint)
     FlowPolicy.from_pretrained(checkpoint)
-    assert reads.count(weights) == 1
+    assert hashed_files.count(weights) == 1
     time.sleep(0.01)
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # a flipped bit, same size, same mtime

@@ -24,8 +24,10 @@ from common.policy.mlp import time_embedding
 
 
 def make_policy(num_steps: int = 4, **overrides) -> MLPFlowPolicy:
+    """A small MLP policy whose chains start from the N(0, I) prior unless told otherwise, so a_0's term is checked too."""
     torch.manual_seed(0)
-    config = PolicyConfig(obs_dim=6, action_dim=3, chunk_size=2, num_steps=num_steps, hidden_dim=32, num_layers=2, **overrides)
+    config = PolicyConfig(**{"obs_dim": 6, "action_dim": 3, "chunk_size": 2, "num_steps": num_steps, "hidden_dim": 32, "num_layers": 2,
+                             "init_noise_std": 1.0, **overrides})  # fmt: skip
     return MLPFlowPolicy(config).eval()
 
 

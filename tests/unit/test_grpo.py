@@ -136,7 +136,7 @@ def test_an_episode_an_env_broke_takes_its_group_out_of_the_statistics() -> None
 
 def small_policy() -> FlowPolicy:
     torch.manual_seed(0)
-    config = PolicyConfig(chunk_size=2, action_dim=2, num_steps=2, hidden_dim=32, num_layers=2, init_noise_std=0.0)
+    config = PolicyConfig(chunk_size=2, action_dim=2, num_steps=2, hidden_dim=32, num_layers=2)
     return build_policy(config).eval()
 
 
