@@ -3,8 +3,8 @@ in a torch-free module of its own (smolvla_config, pi0_config).
 
 `from common.policy import FlowPolicy, build_policy, ...` is the public surface; backends are looked up by
 `policy.type` in the torch-free registry (`common.policy.registry.BACKENDS`, each declared once) and imported only
-when used. The names below are resolved on first access, so
-that importing a backend's config section (as common.config does) imports neither torch nor any model.
+when used. The names below are resolved on first access, so that importing a backend's config section (as
+common.config does) imports neither torch nor any model.
 """
 
 import importlib
