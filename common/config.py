@@ -192,8 +192,8 @@ class ActorsConfig:
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3  # per actor: a dead or wedged actor is restarted and its call retried this many times
     # Seconds one sample/evaluate call may take before its actor counts as wedged: it is killed, restarted and
-    # the call retried; the retry's allowance includes the restarted actor's start-up (a SmolVLA actor on CPU
-    # needs minutes per rollout: raise it there).
+    # the call retried. A restarted actor's start-up gets as long again, apart from the retried call (a SmolVLA
+    # actor on CPU needs minutes per rollout: raise it there).
     call_timeout_s: float = 900.0
     # Actors whose restarts are exhausted are dropped with a warning; below this many the run stops.
     min_alive: int = 1

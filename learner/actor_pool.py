@@ -1,7 +1,8 @@
 """The rollout actors as one pool: every call has a deadline, and a dead or wedged actor is restarted and asked again.
 
 A rollout actor that dies, or wedges (no answer within actors.call_timeout_s; it is killed), is restarted by Ray
-(actors.max_restarts) and its call retried with the same arguments. A rollout is a pure function of (weights, run
+(actors.max_restarts) and its call retried with the same arguments. A restarted actor's start-up has a deadline of its
+own (actors.call_timeout_s again), so the retried call's allowance is the call's alone. A rollout is a pure function of (weights, run
 seed, iteration, actor index), so the retry yields exactly the samples the dead attempt would have: its partial work
 never reaches the learner, nothing is lost or counted twice. With its restarts spent the actor is dropped with a
 warning and the rest go on; below actors.min_alive the run stops.
@@ -72,58 +73,70 @@ class ActorPool:
         timeout = self.cfg.call_timeout_s
         pending = {index: refs for index, refs in call.refs.items() if index in self.actors}  # not those dropped since
         # The deadline runs from now: a call submitted ahead (policy_lag) waited behind the actor's previous one.
-        since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt started
+        since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt (or its actor's restart) started
+        starting: dict[int, ray.ObjectRef] = {}  # actors restarting, by index: the reference that resolves once they are up
         done: dict[int, list[ray.ObjectRef]] = {}
         retried = call.retried
+
+        def retry(index: int) -> None:
+            """Ask the (restarting) actor again: its start-up, then the call, each within the deadline."""
+            retried.add(index)
+            starting[index] = self.actors[index].__ray_ready__.remote()  # an actor runs its calls in order: this one first
+            self._attempt(call, index)
+            pending[index], since[index] = call.refs[index], time.monotonic()
+
         while pending:
-            receipts = {refs[0]: index for index, refs in pending.items()}
+            receipts = {refs[0]: index for index, refs in pending.items()} | {ref: index for index, ref in starting.items()}
             wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
-            ready, _ = ray.wait(list(receipts), num_returns=len(receipts), timeout=wait)
+            # All answers at once (then handled in actor order), but a restarted actor's start-up as soon as it is up
+            ready = set(ray.wait(list(receipts), num_returns=1 if starting else len(receipts), timeout=wait)[0])
             for ref, index in receipts.items():
+                if index not in pending:  # dropped or done earlier in this pass
+                    continue
+                if starting.get(index) == ref:
+                    if ref in ready:  # up (or dead again, which its call's receipt tells): the call's own time starts
+                        del starting[index]
+                        since[index] = time.monotonic()
+                    continue
                 if ref in ready:
                     try:
                         receipt = ray.get(ref)
                     except ActorDiedError as exc:  # dead for good: Ray has no restart left for it
                         self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
                         del pending[index]
+                        starting.pop(index, None)
                         continue
                     except OwnerDiedError as exc:  # the weights it was given were put by a learner that has died since
                         raise LearnerDiedError(f"the learner that published the weights of rollout actor {index}'s {call.method} "
                                                "call died") from exc  # fmt: skip
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
-                        retried.add(index)
-                        if self._count_restarts(index, call.method):
-                            since[index] = time.monotonic()  # a fresh attempt on a fresh actor
+                        self._count_restarts(index, call.method)
                         time.sleep(0.5)
-                        self._attempt(call, index)
-                        pending[index] = call.refs[index]
+                        retry(index)
                         continue
                     done[index] = pending.pop(index)
                     if index in retried and isinstance(receipt, dict):
                         self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
                 elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
-                    print(f"[fault] rollout actor {index} wedged (no answer to {call.method} within actors.call_timeout_s="
+                    what = "its restart" if index in starting else call.method
+                    print(f"[fault] rollout actor {index} wedged (no answer to {what} within actors.call_timeout_s="
                           f"{timeout:g}s): killing it", flush=True)  # fmt: skip
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
-                    retried.add(index)
-                    self._attempt(call, index)
-                    pending[index], since[index] = call.refs[index], time.monotonic()
+                    retry(index)
         for index in retried & set(self.actors):
             self._count_restarts(index, call.method)
         return done
 
-    def _count_restarts(self, index: int, method: str) -> bool:
-        """Take actor `index`'s restart count from Ray's actor table (Ray restarts it; this only keeps the books).
-        True when it went up."""
+    def _count_restarts(self, index: int, method: str) -> None:
+        """Take actor `index`'s restart count from Ray's actor table (Ray restarts it; this only keeps the books)."""
         restarts = int(state.actors(actor_id=self.actors[index]._actor_id.hex()).get("NumRestarts", 0))
         if restarts <= self.restarts[index]:
-            return False
+            return
         self.faults["faults/actor_restarts"] += restarts - self.restarts[index]
         self.restarts[index] = restarts
         print(f"[fault] rollout actor {index} restarted ({restarts}/{self.cfg.max_restarts} restarts): its {method} call retried",
               flush=True)  # fmt: skip
-        return True
 
     def _drop(self, index: int, failure: str) -> None:
         """Go on without actor `index`; below actors.min_alive actors, stop."""
