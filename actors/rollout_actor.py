@@ -7,7 +7,7 @@ version by the learner through one `ray.put`) and never writes into them.
 Every rollout is a pure function of (weights, seed, iteration, actor index): the envs are reset at the
 start of each call with a seed derived from those three numbers and the sampling noise comes from a
 generator seeded the same way. Episodes still running when the call ends are cut and bootstrapped
-(next_obs + the learner's critic), so resuming from a checkpoint at iteration k reproduces the
+(the record's bootstrap observations and the learner's critic), so resuming from a checkpoint at iteration k reproduces the
 uninterrupted run exactly.
 """
 

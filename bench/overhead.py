@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import statistics
@@ -34,11 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import emit, load_average, put_repo_on_path, ratio  # noqa: E402
+from bench.report import emit, load_average, put_repo_on_path, ratio, record_arrays  # noqa: E402
 
 put_repo_on_path()
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -70,10 +68,8 @@ def in_process(
         metrics = learner.update(RolloutBatch.concat(batches))
         updated = time.perf_counter()
         for batch in batches:
-            for field in dataclasses.fields(batch):
-                value = getattr(batch, field.name)
-                if isinstance(value, np.ndarray):  # the record; its scalars are timings and counts
-                    fingerprint.update(field.name.encode() + value.tobytes())
+            for name, array in record_arrays(batch).items():  # the record; its scalars are timings and counts
+                fingerprint.update(name.encode() + array.tobytes())
         fingerprint.update(json.dumps(metrics, sort_keys=True).encode())
         weights = learner.broadcast()
         if iteration >= warmup:

@@ -33,7 +33,8 @@ from bench.report import emit  # noqa: E402
 from bench.smolvla_gpu import RECIPE, write_inputs  # noqa: E402
 from common.file_digests import forget_digests  # noqa: E402
 from common.policy import FlowPolicy, build_policy  # noqa: E402
-from common.policy.base import WEIGHTS_FILE, policy_class, read_policy_config, read_safetensors, verify_checksums  # noqa: E402
+from common.policy.base import WEIGHTS_FILE, policy_class, read_policy_config  # noqa: E402
+from common.storage import read_safetensors, verify_checksums  # noqa: E402
 
 
 def initialised_then_loaded(checkpoint: Path) -> FlowPolicy:

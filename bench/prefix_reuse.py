@@ -40,29 +40,29 @@ def policy_config(backend: str, image_size: int) -> PolicyConfig:
 
 
 def synthetic_rollout(policy: FlowPolicy, decisions: int, envs: int, seed: int) -> RolloutBatch:
-    """A (T=decisions, N=envs) record sampled by `policy` on random states and frames."""
+    """A (T=decisions, N=envs) record sampled by `policy` on random states and frames, no episode ending in it."""
     rng = np.random.default_rng(seed)
     total = (decisions + 1) * envs
     size = policy.config.image_size
     frames = rng.integers(0, 256, (total, len(policy.config.cameras), size, size, 3), dtype=np.uint8) if size else None
     tokens = policy.tokenize(["pick up the block and place it at the goal"] * total)
     obs = Observation(rng.normal(size=(total, policy.config.obs_dim)).astype(np.float32), frames, *(tokens or (None, None)))
-    now, after = obs.index(slice(0, decisions * envs)), obs.index(slice(envs, total))
+    now, last = obs.index(slice(0, decisions * envs)), obs.index(slice(decisions * envs, total))
     decision = decide(policy, now, deterministic=False, generator=torch.Generator().manual_seed(seed))
 
-    def per_decision(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array.reshape(decisions, envs, *array.shape[1:])
+    def per_decision(array: np.ndarray) -> np.ndarray:
+        return array.reshape(decisions, envs, *array.shape[1:])
 
     return RolloutBatch(
-        obs=per_decision(now.state), next_obs=per_decision(after.state), chains=per_decision(decision.chain),
-        actions=per_decision(decision.env_actions), rewards=rng.random((decisions, envs)).astype(np.float32),
+        obs=Observation(**{name: per_decision(array) for name, array in now.present().items()}),
+        chains=per_decision(decision.chain), rewards=rng.random((decisions, envs)).astype(np.float32),
         discounts=np.full((decisions, envs), 0.99**4, np.float32), terminated=np.zeros((decisions, envs), bool),
-        truncated=np.zeros((decisions, envs), bool), valid=np.ones((decisions, envs), bool), values=per_decision(decision.value),
-        log_probs=per_decision(decision.log_prob),
-        log_probs_per_element=per_decision(decision.log_prob_per_element), episode_returns=np.zeros(0, np.float32),
+        truncated=np.zeros((decisions, envs), bool), valid=np.ones((decisions, envs), bool),
+        log_probs=per_decision(decision.log_prob), log_probs_per_element=per_decision(decision.log_prob_per_element),
+        bootstrap_at=np.stack([np.full(envs, decisions - 1), np.arange(envs)], axis=1).astype(np.int64),
+        bootstrap_obs=Observation(last.state, last.images), episode_returns=np.zeros(0, np.float32),
         episode_successes=np.zeros(0, bool), episode_lengths=np.zeros(0, np.int64), weight_version=0, actor_index=0,
-        sample_seconds=0.0, env_steps=0, images=per_decision(now.images), next_images=per_decision(after.images),
-        tokens=per_decision(now.tokens), token_mask=per_decision(now.token_mask), actor_precision=policy.precision,
+        sample_seconds=0.0, env_steps=0, actor_precision=policy.precision,
     )  # fmt: skip
 
 

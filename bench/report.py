@@ -3,6 +3,7 @@ then the same figures as `name: value` lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,3 +145,15 @@ class ProcessTreeCPU:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._read()
+
+
+def record_arrays(record: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """Every numpy array of a record (a dataclass such as RolloutBatch), nested records included, by dotted field name."""
+    found = {}
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        if isinstance(value, np.ndarray):
+            found[prefix + field.name] = value
+        elif dataclasses.is_dataclass(value):
+            found |= record_arrays(value, f"{prefix}{field.name}.")
+    return found

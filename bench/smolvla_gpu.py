@@ -330,7 +330,7 @@ def timed_decisions(actor, obs: Observation, repeats: int, clock: Clock) -> tupl
 
 
 def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
-    """Max abs difference of a decision's chain, per-element log-prob and value, by the actor's policy as it is set (a
+    """Max abs difference of a decision's chain and per-element log-prob, by the actor's policy as it is set (a
     graph, a compiled step or vision tower) against the plain eager path on the same noise."""
     from common.rollout import decision_tensors
 
@@ -351,7 +351,7 @@ def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
         finally:
             policy.decision_graph, policy.compiled_step, policy.compiled_vision = graph, step, vision
     return {f"{prefix}_max_abs_{name}": float(np.abs(fast[name] - eager[name].float().cpu().numpy()).max())
-            for name in ("chain", "log_prob_per_element", "value")}  # fmt: skip
+            for name in ("chain", "log_prob_per_element")}  # fmt: skip
 
 
 def compiles(config: RunConfig) -> bool:
@@ -373,7 +373,8 @@ def rollout_figures(batch, seconds: float) -> dict[str, Any]:
 def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.device) -> None:
     """Every stage into `results`, on `device`."""
     from actors.rollout_actor import RolloutActor
-    from learner.learner import Learner, micro_batch_rows
+    from learner.learner import Learner
+    from learner.micro_batches import MicroBatchPlan
 
     cuda, clock = device.type == "cuda", Clock(device)
     # stdout carries the figures only: what lerobot and the stages print goes to stderr.
@@ -430,22 +431,19 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def prepare(rows: int | None) -> Callable[[], dict[str, Any]]:
             """The learner's scoring pass alone (encode, old log-probs, values, GAE), encoding `rows` observations at a
-            time (None: the update's largest micro-batch, micro_batch_rows)."""
+            time (None: the update's largest micro-batch, by the learner's plan)."""
 
             def stage() -> dict[str, Any]:
                 learner, batch = state["learner"], version_0_rollouts()
-                cfg = learner.cfg
+                plan = learner.plan
                 if rows is not None:
-                    learner.cfg = dataclasses.replace(cfg, minibatch_size=rows, grad_accum=1)
+                    learner.plan = MicroBatchPlan(dataclasses.replace(learner.cfg, minibatch_size=rows, grad_accum=1))
                 try:
                     start = clock.now()
                     learner.prepare(batch)
-                    return {
-                        "seconds": clock.now() - start,
-                        "rows_per_encode": rows or micro_batch_rows(cfg, batch.num_decisions * batch.num_envs),
-                    }
+                    return {"seconds": clock.now() - start, "rows_per_encode": learner.plan.rows(batch.num_decisions * batch.num_envs)}
                 finally:
-                    learner.cfg = cfg
+                    learner.plan = plan
 
             return stage
 

@@ -36,6 +36,8 @@ class PolicyConfig:
     backend, declared beside its model."""
 
     type: str = "mlp_flow"  # a backend of common.policy.registry.BACKENDS
+    # The state and action widths. A config file or --set that leaves them gets the suite's (its state, with a
+    # multi-task run's one-hot): common.config_loading.with_suite_sizes.
     obs_dim: int = 39
     action_dim: int = 4  # A
     chunk_size: int = 4  # H: actions per decision, executed whole
@@ -77,8 +79,8 @@ class PolicyConfig:
         require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
         require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
         require(self.type in BACKENDS, f"{path}.type must be one of {sorted(BACKENDS)}, got {self.type!r}")
-        self.smolvla.validate(f"{path}.smolvla")
-        self.pi0.validate(f"{path}.pi0")
+        for section in dict.fromkeys(backend.section for backend in BACKENDS.values() if backend.section):
+            getattr(self, section).validate(f"{path}.{section}")
         vla = self.vla_section()
         if vla:
             require(self.image_size > 0, f"{path}.image_size must be > 0 for policy.type {self.type} (it reads camera frames), got 0")

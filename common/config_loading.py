@@ -119,7 +119,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file at `path` (if any), then `overrides`; validated."""
+    """Defaults, then the YAML file at `path` (if any), then `overrides`, then the sizes the suite knows where neither
+    sets them (with_suite_sizes); validated."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -133,8 +134,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         config = from_dict(RunConfig, data)
     except TypeError as exc:  # a section given a scalar, for instance
         raise ConfigError(f"{path}: {exc}") from exc
+    config = with_suite_sizes(config, given=set((data.get("policy") or {}).keys()))
     config.validate()
     return config
+
+
+SUITE_SIZES = ("obs_dim", "action_dim")
+
+
+def with_suite_sizes(config: RunConfig, given: set[str]) -> RunConfig:
+    """`config` with the policy's input and output widths the suite's (its state, with a multi-task run's one-hot, and
+    its actions) where `given`, the policy fields a file or override set, leaves them: a recipe for one task list runs
+    on another unchanged. An env section the suite refuses is left for the run's checks to name (Suite.check)."""
+    missing = [name for name in SUITE_SIZES if name not in given]
+    if not missing:
+        return config
+    from common.suites import make_suite  # a suite's module imports its simulator
+
+    try:
+        suite = make_suite(config.env)
+        sizes = {"obs_dim": suite.state_dim(), "action_dim": suite.sizes(suite.tasks()[0])[1]}
+    except ValueError:  # ConfigError included
+        return config
+    return dataclasses.replace(config, policy=dataclasses.replace(config.policy, **{name: sizes[name] for name in missing}))
 
 
 # Fields whose values are mappings, not sections: flatten keeps each whole, as one field.

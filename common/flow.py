@@ -58,8 +58,8 @@ def step_time(num_steps: int, k: int, batch_size: int, device: torch.device) -> 
 
 def gaussian_step(policy: FlowPolicy, features: Any, action: Tensor, t: Tensor, dt: float) -> tuple[Tensor, Tensor]:
     """Mean and std (B, H, A) of the Gaussian step from `action` at times t (B,): the one place they are computed."""
-    mean = action + policy.velocity(action, t, features) * dt
-    return mean, policy.sigma(t, features)
+    velocity, std = policy.velocity_and_sigma(action, t, features)
+    return action + velocity * dt, std
 
 
 def transition(policy: FlowPolicy, features: Any, action: Tensor, k: int) -> tuple[Tensor, Tensor]:

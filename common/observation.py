@@ -98,6 +98,11 @@ class Observation:
         return Observation(**{name: array.reshape(-1, *array.shape[2:]) for name, array in self.present().items()})
 
     @staticmethod
+    def stack(observations: Sequence[Observation]) -> Observation:
+        """(N, ...) batches, one per decision of a rollout, as one (T, N, ...) record. Every batch sets the same fields."""
+        return Observation.concat([Observation(**{name: array[None] for name, array in obs.present().items()}) for obs in observations])
+
+    @staticmethod
     def concat(observations: Sequence[Observation], axis: int = 0) -> Observation:
         """Join along `axis` (0: the batch; 1: the env axis of (T, N) records). Every record must set the same fields."""
         if not observations:

@@ -32,13 +32,13 @@ class Decision:
     env_actions: np.ndarray  # (B, H, A) de-normalised, clipped to the action bounds
     log_prob: np.ndarray  # (B,)
     log_prob_per_element: np.ndarray  # (B,)
-    value: np.ndarray  # (B,)
 
 
 def decision_tensors(
     policy: FlowPolicy, obs: Observation, *, deterministic: bool, generator: torch.Generator | None = None, noise: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Encode torch observations once, sample the denoising chain, read the critic: Decision's fields as tensors."""
+    """Encode torch observations once and sample the denoising chain: Decision's fields as tensors. No critic: the
+    learner values the states itself, with its own weights."""
     features = policy.encode(obs)
     sample = sample_chain(
         policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=policy.obs_device, noise=noise
@@ -48,7 +48,6 @@ def decision_tensors(
         "env_actions": policy.to_env_action(sample.chain[:, -1]),
         "log_prob": sample.scores.log_prob,
         "log_prob_per_element": sample.scores.log_prob_per_element,
-        "value": policy.value(features),
     }
 
 
@@ -149,10 +148,14 @@ def collect_rollout(
     """Step every env for `num_decisions` chunk decisions; returns the record and the last observations.
 
     The record carries frames (obs.images) when the envs have cameras and the instruction's tokens when
-    the policy reads language; each env's instruction is tokenized once, here, not per decision."""
+    the policy reads language; each env's instruction is tokenized once, here, not per decision. An observation a
+    chunk led to is recorded only where the next decision does not read it (RolloutBatch.bootstrap_obs)."""
     start = time.perf_counter()
     token_ids, token_mask = instruction_tokens(policy, vec_env.envs)
     per_step: dict[str, list[np.ndarray]] = {}
+    observations: list[Observation] = []
+    bootstrap_at: list[np.ndarray] = []
+    bootstrap_obs: list[Observation] = []
     returns, successes, lengths, tasks = [], [], [], []
     env_steps = 0
     valid = np.ones((num_decisions, vec_env.num_envs), dtype=bool)
@@ -166,14 +169,15 @@ def collect_rollout(
         step = vec_env.step_chunk(decision.env_actions)
         policy_cpu, env_cpu = policy_cpu + stepped - decided, env_cpu + time.thread_time() - stepped
         row = {
-            "obs": obs.state, "next_obs": step.next_obs.state, "chains": decision.chain, "actions": decision.env_actions,
-            "rewards": step.reward, "discounts": step.discount, "terminated": step.terminated, "truncated": step.truncated,
-            "values": decision.value, "log_probs": decision.log_prob, "log_probs_per_element": decision.log_prob_per_element,
-            "images": obs.images, "next_images": step.next_obs.images, "tokens": token_ids, "token_mask": token_mask,
+            "chains": decision.chain, "rewards": step.reward, "discounts": step.discount, "terminated": step.terminated,
+            "truncated": step.truncated, "log_probs": decision.log_prob, "log_probs_per_element": decision.log_prob_per_element,
         }  # fmt: skip
         for name, value in row.items():
-            if value is not None:
-                per_step.setdefault(name, []).append(value)
+            per_step.setdefault(name, []).append(value)
+        observations.append(obs)
+        ended = np.flatnonzero(step.terminated | step.truncated) if t < num_decisions - 1 else np.arange(vec_env.num_envs)
+        bootstrap_at.append(np.stack([np.full(len(ended), t), ended], axis=1))
+        bootstrap_obs.append(step.next_obs.index(ended))
         for n in np.flatnonzero(step.nonfinite):  # the env broke: drop every decision of that episode
             valid[episode_start[n] : t + 1, n] = False
         episode_start[step.terminated | step.truncated] = t + 1
@@ -184,8 +188,11 @@ def collect_rollout(
         env_steps += int(step.steps.sum())
         obs = step.obs
     batch = RolloutBatch(
+        obs=Observation.stack(observations),
         **{name: np.stack(values) for name, values in per_step.items()},
         valid=valid,
+        bootstrap_at=np.concatenate(bootstrap_at).astype(np.int64),
+        bootstrap_obs=Observation.concat(bootstrap_obs),
         episode_returns=np.asarray(returns, dtype=np.float32),
         episode_successes=np.asarray(successes, dtype=bool),
         episode_lengths=np.asarray(lengths, dtype=np.int64),
@@ -198,7 +205,6 @@ def collect_rollout(
         policy_cpu_seconds=policy_cpu,
         env_cpu_seconds=env_cpu,
     )
-    batch.validate()
     return batch, obs
 
 

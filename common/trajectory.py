@@ -17,22 +17,27 @@ from common.observation import Observation
 
 @dataclass
 class RolloutBatch:
-    """T chunk decisions in each of N envs, all sampled with one weight version. Shapes below."""
+    """T chunk decisions in each of N envs, all sampled with one weight version: what the learner reads, once each.
+    Shapes below (M: the bootstrap rows)."""
 
-    obs: np.ndarray  # (T, N, obs_dim) float32   state the chunk was chosen in
-    next_obs: np.ndarray  # (T, N, obs_dim) float32   state after the chunk (final state if the episode ended)
+    # (T, N, ...) what each chunk was chosen on: state, and frames and instruction tokens when the policy reads them;
+    # compact on purpose: frames stay uint8 and the instruction travels as token ids
+    obs: Observation
     chains: np.ndarray  # (T, N, K+1, H, A) float32 the whole denoising chain, normalised units
-    actions: np.ndarray  # (T, N, H, A) float32      executed env actions (de-normalised, clipped)
     rewards: np.ndarray  # (T, N) float32            sum_i gamma^i r_i over the chunk's executed steps
     discounts: np.ndarray  # (T, N) float32          gamma ** executed steps
     terminated: np.ndarray  # (T, N) bool
     truncated: np.ndarray  # (T, N) bool
-    values: np.ndarray  # (T, N) float32             behaviour critic V(obs)
     log_probs: np.ndarray  # (T, N) float32          behaviour chain log-prob (policy's normalisation)
     log_probs_per_element: np.ndarray  # (T, N) float32
     # (T, N) bool: False on every decision of an episode that an env ended with NaN/Inf output (its samples are
     # dropped by the learner, and the episode is left out of the episode statistics)
     valid: np.ndarray
+    # The observations a chunk led to where they are not the next decision's of its env: its episode ended (the final
+    # observation, before the reset), or it was the rollout's last decision. (M, 2) int64 (decision, env), in that
+    # order, and (M, ...) state and frames; the instruction is the env's, in `obs`.
+    bootstrap_at: np.ndarray
+    bootstrap_obs: Observation
     episode_returns: np.ndarray  # (E,) float32      episodes that ended during this rollout
     episode_successes: np.ndarray  # (E,) bool
     episode_lengths: np.ndarray  # (E,) int64
@@ -40,12 +45,6 @@ class RolloutBatch:
     actor_index: int
     sample_seconds: float
     env_steps: int
-    # Per decision like the arrays above, present only when the policy reads them (None otherwise);
-    # compact on purpose: frames stay uint8 and the instruction travels as token ids.
-    images: np.ndarray | None = None  # (T, N, C, H, W, 3) uint8  camera frames the chunk was chosen on
-    next_images: np.ndarray | None = None  # (T, N, C, H, W, 3) uint8  frames after the chunk (as next_obs)
-    tokens: np.ndarray | None = None  # (T, N, L) int64           the env's instruction as token ids
-    token_mask: np.ndarray | None = None  # (T, N, L) bool        True on real tokens
     actor_precision: str = ""  # the behaviour policy's parameter dtype(s) and device, e.g. "bfloat16 on cuda:0"
     # CPU seconds of the sampling thread in the policy (chunk decisions) and in the envs (stepping them): where an
     # actor's work goes, whatever the machine's load. Summed over the actors by concat.
@@ -55,61 +54,80 @@ class RolloutBatch:
     # run. Names, not an array: a record of what ran, not a quantity the update reads.
     episode_tasks: tuple[str, ...] = ()
 
-    PER_DECISION = ("obs", "next_obs", "chains", "actions", "rewards", "discounts", "terminated", "truncated",
-                    "values", "log_probs", "log_probs_per_element", "valid")  # fmt: skip
-    OPTIONAL_PER_DECISION = ("images", "next_images", "tokens", "token_mask")
+    PER_DECISION = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "log_probs_per_element", "valid")
 
     @property
     def num_decisions(self) -> int:
-        return self.rewards.shape[0]
+        return self.obs.batch_shape[0]
 
     @property
     def num_envs(self) -> int:
-        return self.rewards.shape[1]
+        return self.obs.batch_shape[1]
 
-    def present_optional(self) -> tuple[str, ...]:
-        return tuple(name for name in self.OPTIONAL_PER_DECISION if getattr(self, name) is not None)
+    def bootstrap_rows(self) -> np.ndarray:
+        """(M,) the bootstrap observations' rows in the flattened (B = T * N) order of the decisions."""
+        return self.bootstrap_at[:, 0] * self.num_envs + self.bootstrap_at[:, 1]
 
-    def observations(self, after_chunk: bool = False) -> Observation:
-        """The (T, N) observations the chunks were chosen in (or, after_chunk, those they led to), as one
-        numpy record; `.flatten_leading()` makes it a batch of B = T * N."""
-        return Observation(self.next_obs if after_chunk else self.obs, self.next_images if after_chunk else self.images,
-                           self.tokens, self.token_mask)  # fmt: skip
+    def bootstrap_observations(self) -> Observation:
+        """(M, ...) the bootstrap observations, with their envs' instruction tokens when the policy reads language."""
+        rows = self.bootstrap_rows()
+        tokens = {name: array.reshape(-1, array.shape[-1])[rows] for name, array in self.obs.present().items()
+                  if name in ("tokens", "token_mask")}  # fmt: skip
+        return Observation(**self.bootstrap_obs.present(), **tokens)
 
-    def validate(self, finite: bool = True) -> None:
-        """Shapes and dtypes agree and (with `finite`) every float is finite; raises ValueError / NonFiniteError naming
-        the field. The learner checks finiteness itself, inside the update it can roll back (Learner.update)."""
-        leading = (self.num_decisions, self.num_envs)
-        for name in self.PER_DECISION + self.present_optional():
-            array = getattr(self, name)
-            if array.shape[:2] != leading:
-                raise ValueError(f"RolloutBatch.{name} has shape {array.shape}, expected leading dims {leading}")
-        if (self.images is None) != (self.next_images is None):
-            raise ValueError("RolloutBatch.images and RolloutBatch.next_images must be given together")
+    def validate(self) -> None:
+        """Shapes and dtypes agree, the bootstrap rows are those the learner needs, and every float is finite; raises
+        ValueError, or NonFiniteError naming the field (Learner.update rolls such an iteration back)."""
+        where = f"rollout from actor {self.actor_index}" if self.actor_index >= 0 else "rollouts"
         try:
-            self.observations(), self.observations(after_chunk=True)  # dtypes: uint8 frames, int64 tokens, bool mask
+            self.obs.validate(), self.bootstrap_obs.validate()  # dtypes: uint8 frames, int64 tokens, bool mask
         except ValueError as exc:
-            raise ValueError(f"rollout from actor {self.actor_index}: {exc}") from exc
+            raise ValueError(f"{where}: {exc}") from exc
+        leading = self.obs.batch_shape
+        if len(leading) != 2:
+            raise ValueError(f"{where}: RolloutBatch.obs must be (decisions, envs, ...), got leading dims {leading}")
+        for name in self.PER_DECISION:
+            if getattr(self, name).shape[:2] != leading:
+                raise ValueError(f"{where}: RolloutBatch.{name} has shape {getattr(self, name).shape}, expected leading dims {leading}")
+        needed = np.zeros(leading, dtype=bool)
+        needed[-1] = True
+        needed |= self.terminated | self.truncated
+        at = self.bootstrap_at
+        if at.dtype != np.int64 or at.ndim != 2 or at.shape[1] != 2 or not (at >= 0).all() or not (at < leading).all():
+            raise ValueError(f"{where}: RolloutBatch.bootstrap_at must be (M, 2) int64 (decision, env) pairs within {leading}")
+        if not np.array_equal(self.bootstrap_rows(), np.flatnonzero(needed)):
+            raise ValueError(f"{where}: RolloutBatch.bootstrap_at must name, in order, every decision whose episode ended and "
+                             "every env's last decision, and no other")  # fmt: skip
+        fields, want = sorted(self.bootstrap_obs.present()), sorted({"state", "images"} & set(self.obs.present()))
+        if self.bootstrap_obs.batch_shape != (len(at),) or fields != want:
+            raise ValueError(f"{where}: RolloutBatch.bootstrap_obs must hold {want} of the {len(at)} bootstrap rows, got "
+                             f"{self.bootstrap_obs.batch_shape} rows of {fields}")  # fmt: skip
         if self.episode_tasks and len(self.episode_tasks) != len(self.episode_successes):
-            raise ValueError(f"RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, expected {len(self.episode_successes)}")
-        if finite:
-            check_finite_arrays({name: getattr(self, name) for name in self.PER_DECISION}, f"rollout from actor {self.actor_index}")
+            raise ValueError(f"{where}: RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, "
+                             f"expected {len(self.episode_successes)}")  # fmt: skip
+        floats = {name: getattr(self, name) for name in self.PER_DECISION}
+        check_finite_arrays({"obs": self.obs.state, "bootstrap_obs": self.bootstrap_obs.state, **floats}, where)
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         """Join batches of the same length along the env axis (actor order is kept)."""
         if len({b.num_decisions for b in batches}) != 1:
             raise ValueError(f"rollouts have different lengths {[b.num_decisions for b in batches]}")
-        optional = {b.present_optional() for b in batches}
-        if len(optional) != 1:
-            raise ValueError(f"rollouts carry different observation fields {sorted(optional)}: actors built with different policy configs?")
-        names = RolloutBatch.PER_DECISION + optional.pop()
-        per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in names}
+        fields = {tuple(b.obs.present()) for b in batches}
+        if len(fields) != 1:
+            raise ValueError(f"rollouts carry different observation fields {sorted(fields)}: actors built with different policy configs?")
+        per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in RolloutBatch.PER_DECISION}
         per_episode = {
             n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")
         }
+        offsets = np.cumsum([0] + [b.num_envs for b in batches[:-1]])
+        at = np.concatenate([b.bootstrap_at + [0, offset] for b, offset in zip(batches, offsets, strict=True)])
+        order = np.lexsort((at[:, 1], at[:, 0]))  # by decision, then env: the flattened order
         return RolloutBatch(
+            obs=Observation.concat([b.obs for b in batches], axis=1),
             **per_decision,
+            bootstrap_at=at[order],
+            bootstrap_obs=Observation.concat([b.bootstrap_obs for b in batches]).index(order),
             **per_episode,
             weight_version=min(b.weight_version for b in batches),
             actor_index=-1,

@@ -26,8 +26,6 @@ the first minibatch's recomputed log-probs pass the same ratio == 1 check agains
 from __future__ import annotations
 
 import copy
-import dataclasses
-import gc
 import math
 import warnings
 from collections.abc import Callable
@@ -41,13 +39,9 @@ from torch import Tensor
 
 from common.config import AlgorithmConfig, RunConfig
 from common.diagnostics import (
-    BehaviourGapWarning,
-    MicroBatchSplitWarning,
     NonFiniteError,
     NonFiniteUpdateWarning,
-    PrecisionGapWarning,
     RandomInitError,
-    check_finite_arrays,
     check_finite_gradients,
     check_finite_tensors,
     check_ratio_is_one,
@@ -58,6 +52,9 @@ from common.policy import FlowPolicy, concat_features, index_features
 from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
 from learner.checkpoints import LearnerCheckpoint, TrainerState
+from learner.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
+from learner.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
+from learner.single_batch import describe, micro_batch_line, minibatch_line
 from learner.weight_versions import WeightVersions
 
 
@@ -127,30 +124,17 @@ def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int, keep: Call
 
 def next_observation_values(policy: FlowPolicy, batch: RolloutBatch, features: Any, rows: int) -> Tensor:
     """(T, N): the critic's values of the observations the chunks led to, given `features`, the encoded observations
-    the chunks were chosen in (B = T * N rows). Where a chunk led to the very observation (bit for bit) that its env's
-    next decision read, that decision's features serve; only the others (the last decision's, and those an episode
-    ended on before its env reset) are encoded, so a VLA's prefix pass does not run over the iteration twice."""
+    the chunks were chosen in (B = T * N rows). A chunk that left its episode running led to the observation its env's
+    next decision read, whose features serve; only the record's bootstrap observations (episode ends, and the last
+    decision's) are encoded, so a VLA's prefix pass does not run over the iteration twice."""
     num_decisions, num_envs = batch.num_decisions, batch.num_envs
-    before, after = batch.observations().present(), batch.observations(after_chunk=True).present()
-    carried = np.ones((num_decisions - 1, num_envs), dtype=bool)
-    for name, array in after.items():
-        same = bit_pattern(array[:-1]) == bit_pattern(before[name][1:])
-        carried &= same.reshape(num_decisions - 1, num_envs, math.prod(same.shape[2:])).all(axis=2)
-    fresh = np.ones((num_decisions, num_envs), dtype=bool)
-    fresh[:-1] = ~carried
-    fresh_obs = Observation(**{name: array[fresh] for name, array in after.items()}).to_torch(policy.obs_device)
-    source = torch.arange(num_envs, num_envs + fresh.size)  # row r's next observation is row r + N's observation...
-    source[torch.from_numpy(fresh.ravel())] = torch.arange(fresh.size, fresh.size + int(fresh.sum()))  # ...or encoded here
-    pool = concat_features([policy.critic_features(features), encode_in_chunks(policy, fresh_obs, rows, policy.critic_features)])
+    size, bootstrap = num_decisions * num_envs, batch.bootstrap_observations().to_torch(policy.obs_device)
+    source = torch.arange(num_envs, num_envs + size)  # row r's next observation is row r + N's observation...
+    source[torch.from_numpy(batch.bootstrap_rows())] = torch.arange(size, size + bootstrap.batch_shape[0])  # ...or a bootstrap one
+    pool = concat_features([policy.critic_features(features), encode_in_chunks(policy, bootstrap, rows, policy.critic_features)])
     # The critic runs over all B rows at once, as it would over every next observation encoded: where encode() treats a
     # row alike whatever rows are beside it (the MLP's normalisation), the values are those, bit for bit.
     return policy.value(index_features(pool, source)).view(num_decisions, num_envs)
-
-
-def bit_pattern(array: np.ndarray) -> np.ndarray:
-    """The array's elements as unsigned integers of their width (a view, no copy), so that equal means the same bits:
-    a NaN equals itself, -0.0 differs from 0.0."""
-    return array.view(np.dtype(f"u{array.dtype.itemsize}")) if array.dtype != np.bool_ else array
 
 
 def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int, steps_in_one_pass: bool) -> ChainLogProb:
@@ -158,37 +142,6 @@ def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int
     it scores, so scoring a whole iteration at once would hold a second copy of the iteration's cache (docs/pi0.md)."""
     return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows],
                                            steps_in_one_pass=steps_in_one_pass) for start in range(0, len(chains), rows)])  # fmt: skip
-
-
-def _numpy(values: Tensor | np.ndarray) -> np.ndarray:
-    return np.asarray(values.detach() if isinstance(values, Tensor) else values, dtype=np.float64)
-
-
-def _head(values: Tensor | np.ndarray, count: int = 6) -> str:
-    flat = _numpy(values).ravel()
-    return "[" + ", ".join(f"{v:+.4g}" for v in flat[:count]) + (", ...]" if len(flat) > count else "]")
-
-
-def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
-    """Every per-decision quantity of one iteration, for --single-batch: shape, moments, first values."""
-    quantities = {
-        "rewards": batch.rewards, "discounts": batch.discounts, "terminated": batch.terminated, "truncated": batch.truncated,
-        "behaviour log-prob (actor)": batch.log_probs, "old log-prob (learner)": data.old_log_probs,
-        "behaviour log-prob (learner)": data.behaviour_log_probs,
-        "per-element log-prob (actor)": batch.log_probs_per_element, "values": data.old_values,
-        "advantages": data.advantages, "returns": data.returns,
-    }  # fmt: skip
-    lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
-    for name, values in quantities.items():
-        if values is None:  # GRPO: no critic values or returns; no weight lag: behaviour = old
-            continue
-        array = _numpy(values)
-        lines.append(
-            f"  {name:<30} shape {str(array.shape):<10} mean {array.mean():+.4g} std {array.std():.4g} "
-            f"min {array.min():+.4g} max {array.max():+.4g} first {_head(array)}"
-        )
-    lines += [f"  {key:<30} {value:.6g}" for key, value in data.metrics.items()]
-    return "\n".join(lines)
 
 
 @dataclass
@@ -267,7 +220,7 @@ class GRPO:
 
     def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
         cfg = self.cfg
-        check_groups_share_initial_states(t["obs"], t["terminated"] | t["truncated"], cfg.group_size)
+        check_groups_share_initial_states(torch.from_numpy(np.array(batch.obs.state)), t["terminated"] | t["truncated"], cfg.group_size)
         advantages, keep, grpo_metrics = grpo_advantages(
             t["rewards"], t["discounts"], t["terminated"], t["truncated"], t["valid"], cfg.group_size, cfg.grpo_std_normalization
         )
@@ -280,36 +233,6 @@ class GRPO:
 
 
 ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # algorithm.algo -> its strategy
-
-
-def micro_batch_rows(cfg: AlgorithmConfig, decisions: int) -> int:
-    """The most decisions one forward pass of the update over `decisions` holds: the largest minibatch's largest micro-batch."""
-    return -(-cfg.minibatch_sizes(decisions)[0] // cfg.grad_accum)
-
-
-def micro_batches_within(budget: float, allocated: float, per_row: float, rows: int) -> int:
-    """The fewest micro-batches a minibatch of `rows` decisions splits into (as tensor_split does: at most ceil(rows /
-    count) decisions each) for `allocated` bytes plus `per_row` bytes per decision of the largest to stay within
-    `budget`; `rows`, one decision each, where none does."""
-    if per_row <= 0:
-        return 1 if allocated <= budget else rows
-    fit = math.floor((budget - allocated) / per_row)
-    return rows if fit < 1 else min(rows, -(-rows // fit))
-
-
-class AllocatorMemory:
-    """The bytes the CUDA allocator holds on a device, now and at its peak: what micro-batch sizing reads
-    (learner.micro_batch_memory_gib). The peak is never reset here, so a reading taken around a whole update stands;
-    a peak set earlier and higher makes the sizing's estimate an upper bound."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
 
 
 def update_shape(config: RunConfig) -> str:
@@ -366,10 +289,6 @@ def minibatch_loss(
     return actor_loss + cfg.vf_coef * v_loss, metrics
 
 
-LOSS_TERMS = ("pg_loss", "v_loss", "entropy", "kl_ref")  # checked finite before every backward pass
-PRECISION_GAP_ROWS = 16  # chains a bfloat16 learner also scores in float32 each iteration (check_precision_gap)
-
-
 class Learner:
     def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None):
         """`memory`: what learner.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device)."""
@@ -408,11 +327,10 @@ class Learner:
             policy.compile_vision("learner.compile_vision")
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
-        self.memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
-        if config.learner.micro_batch_memory_gib and self.memory is None:
+        memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
+        if config.learner.micro_batch_memory_gib and memory is None:
             raise ValueError(f"learner.micro_batch_memory_gib reads a GPU's allocator; this learner runs on {policy.obs_device}")
-        self.micro_batches_sized = not config.learner.micro_batch_memory_gib  # sized once, at the first step that trains the actor
-        self.out_of_memory_splits = 0
+        self.plan = MicroBatchPlan(self.cfg, config.learner.micro_batch_memory_gib, memory)  # the learner's, not the config's
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -449,10 +367,11 @@ class Learner:
 
     def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
         policy, cfg = self.policy, self.cfg
-        t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(RolloutBatch.PER_DECISION).items()}
-        b_obs = batch.observations().flatten_leading().to_torch(policy.obs_device)  # (B, ...)
+        read = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "valid")
+        t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(read).items()}
+        b_obs = batch.obs.flatten_leading().to_torch(policy.obs_device)  # (B, ...)
         b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
-        rows = micro_batch_rows(cfg, len(b_chains))  # the most rows the update's model sees at once
+        rows = self.plan.rows(len(b_chains))  # the most rows the update's model sees at once
         one_pass = self.config.learner.steps_in_one_pass  # the update's passes score the same way
         features = encode_in_chunks(policy, b_obs, rows)
         old = score_in_chunks(policy, features, b_chains, rows, one_pass)
@@ -490,9 +409,10 @@ class Learner:
         finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
         finite |= {} if b_values is None else {"values": b_values}
         check_finite_tensors(finite, "learner.prepare")
-        self.check_behaviour_gap(batch, metrics["logprob/behaviour_gap_max"])
+        warn_on_behaviour_gap(metrics["logprob/behaviour_gap_max"], self.config.learner.behaviour_gap_warn, batch.actor_precision,
+                              policy.precision, batch.weight_version)  # fmt: skip
         if self.config.learner.precision == "bfloat16":
-            metrics["logprob/precision_gap_max"] = self.check_precision_gap(b_obs, b_chains, old.log_prob, one_pass)
+            metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
         cached = None if policy.encoder_is_trainable else features
         if lag:
             weight = (old.log_prob - behaviour.log_prob).exp()
@@ -508,46 +428,6 @@ class Learner:
         if not keep_decisions.all():
             data = index_features(data, keep_decisions.nonzero().squeeze(1))
         return data
-
-    def check_precision_gap(self, obs: Observation, chains: Tensor, log_probs: Tensor, steps_in_one_pass: bool) -> float:
-        """Max |log-prob| difference between this bfloat16 learner's scores of the first PRECISION_GAP_ROWS chains and
-        the same weights' float32 scores, encode included; warns when it reaches half of PPO's clip range in log space.
-        Rounding changes from one optimiser step to the next, so a gap that size swings the ratio across the clip on
-        its own. Scored every iteration, since the gap follows the weights."""
-        policy, rows = self.policy, min(PRECISION_GAP_ROWS, len(chains))
-        with torch.autocast(policy.obs_device.type, enabled=False):
-            exact = chain_log_prob(policy, policy.encode(obs.index(slice(0, rows))), chains[:rows], steps_in_one_pass=steps_in_one_pass)
-        gap = (log_probs[:rows].float() - exact.log_prob).abs().max().item()
-        limit = 0.5 * math.log1p(self.cfg.clip_eps)
-        if gap > limit:
-            warnings.warn(
-                f"bfloat16 rounding moves the learner's log-probs by up to {gap:.3g} against float32 on the same weights, "
-                f"more than half of the clip range log(1 + clip_eps) = {2 * limit:.3g}: PPO clips on rounding, not on the "
-                f"policy's change; set learner.precision: float32",
-                PrecisionGapWarning,
-                stacklevel=2,
-            )
-        return gap
-
-    def check_behaviour_gap(self, batch: RolloutBatch, gap: float) -> None:
-        """Warn when actors and learner score the same weights differently (the learner scores a lagged rollout
-        with the weights that sampled it, so the gap means the same at any lag)."""
-        threshold = self.config.learner.behaviour_gap_warn
-        if threshold is None or gap <= threshold:
-            return
-        actors, learner = batch.actor_precision or "not reported", self.policy.precision
-        cause = (
-            "actors and learner run different precisions/devices: the ratio starts this far from 1; run the actors in the "
-            "learner's precision, or raise learner.behaviour_gap_warn if the gap is accepted"
-            if actors != learner
-            else "same precision on both sides: look for weights that differ, a different time grid, or non-deterministic kernels"
-        )
-        warnings.warn(
-            f"behaviour log-probs differ from the learner's by up to {gap:.3g} > learner.behaviour_gap_warn={threshold} on "
-            f"weight version {batch.weight_version}: actors {actors}, learner {learner}; {cause}",
-            BehaviourGapWarning,
-            stacklevel=2,
-        )
 
     def update(self, batch: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         """One iteration, all or nothing: a NaN/Inf anywhere (rollout, log-prob, ratio, value, advantage, loss,
@@ -565,17 +445,17 @@ class Learner:
                 return self._skip_update(batch, exc)
             except torch.OutOfMemoryError as exc:
                 self._roll_back(before)
-                if not self.config.learner.split_on_out_of_memory or micro_batch_rows(self.cfg, decisions) == 1:
+                if not self.config.learner.split_on_out_of_memory or self.plan.rows(decisions) == 1:
                     raise
                 error = str(exc).splitlines()[0]
             # Out of the except block, so the error's frames, and the tensors they hold, are gone before the retry.
-            self._split_micro_batches(decisions, error)
+            self.plan.split_after_out_of_memory(decisions, error, self.iteration)
         self.nonfinite_streak = 0
         metrics.update({"faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff})
-        if self.out_of_memory_splits:
-            metrics["faults/grad_accum"] = self.cfg.grad_accum
+        if self.plan.out_of_memory_splits:
+            metrics["faults/grad_accum"] = self.plan.grad_accum
         if self.config.learner.micro_batch_memory_gib:
-            metrics["ppo/micro_batch_rows"] = micro_batch_rows(self.cfg, decisions)
+            metrics["ppo/micro_batch_rows"] = self.plan.rows(decisions)
         return metrics
 
     def _roll_back(self, before: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
@@ -584,40 +464,6 @@ class Learner:
             for name, param in self.trainable_state().items():
                 param.copy_(before[0][name])
         self.optimizer.load_state_dict(before[1])
-
-    def _split_micro_batches(self, decisions: int, error: str) -> None:
-        """Twice the micro-batches per minibatch from now on (learner.split_on_out_of_memory), after a GPU ran out of
-        memory on an update of `decisions` decisions. The run's config keeps the configured grad_accum."""
-        rows, accum = micro_batch_rows(self.cfg, decisions), self.cfg.grad_accum
-        self.cfg = self.algorithm.cfg = dataclasses.replace(self.cfg, grad_accum=min(2 * accum, self.cfg.minibatch_sizes(decisions)[0]))
-        self.out_of_memory_splits += 1
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        warnings.warn(
-            f"iteration {self.iteration}: out of GPU memory with micro-batches of {rows} decisions ({error}); the update runs "
-            f"again from its start with micro-batches of <= {micro_batch_rows(self.cfg, decisions)} (algorithm.grad_accum "
-            f"{accum} -> {self.cfg.grad_accum}, kept from now on)",
-            MicroBatchSplitWarning,
-            stacklevel=3,
-        )
-
-    def _size_micro_batches(self, allocated: int, rows: int, minibatch_rows: int) -> None:
-        """learner.micro_batch_memory_gib: the split of every minibatch from the next one on, estimated from the micro-batch
-        of `rows` decisions just run (`allocated` bytes when it began, the allocator's peak after its backward pass)."""
-        per_row = (self.memory.peak() - allocated) / rows
-        budget = self.config.learner.micro_batch_memory_gib * 2**30
-        accum = micro_batches_within(budget, allocated, per_row, minibatch_rows)
-        self.cfg = self.algorithm.cfg = dataclasses.replace(self.cfg, grad_accum=accum)
-        self.micro_batches_sized = True
-        if allocated + per_row > budget:
-            warnings.warn(
-                f"learner.micro_batch_memory_gib={self.config.learner.micro_batch_memory_gib}: one decision alone needs about "
-                f"{(allocated + per_row) / 2**30:.2f} GiB ({allocated / 2**30:.2f} GiB allocated before the micro-batch); the update "
-                "goes on with one decision per micro-batch",
-                MicroBatchSplitWarning,
-                stacklevel=4,
-            )
 
     def _skip_update(self, batch: RolloutBatch, error: NonFiniteError) -> dict[str, float]:
         """Count a rolled-back iteration; after nonfinite_backoff_after in a row, back the learning rates off."""
@@ -639,10 +485,11 @@ class Learner:
                 "ppo/actor_lr": 0.0, "ppo/critic_lr": 0.0}  # fmt: skip
 
     def _update(self, batch: RolloutBatch, verbose: bool) -> dict[str, float]:
-        cfg = self.cfg
-        self.policy.eval()
-        check_finite_arrays({name: getattr(batch, name) for name in RolloutBatch.PER_DECISION},
-                            f"rollout of weights v{batch.weight_version}")  # fmt: skip
+        """PPO (or GRPO) on one rollout, top to bottom: the old log-probs and advantages, the learning rates, then epochs x
+        minibatches, each one optimiser step over the plan's micro-batches. The shell around it (update) rolls back."""
+        cfg, policy, plan, learner_cfg = self.cfg, self.policy, self.plan, self.config.learner
+        policy.eval()
+        batch.validate()  # where the rollout enters the learner: NaN/Inf in it rolls the iteration back as any other
         data = self.prepare(batch)
         if verbose:
             print(describe(batch, data), flush=True)
@@ -656,20 +503,46 @@ class Learner:
         batch_size = len(data.old_log_probs)
         minibatch_sizes = cfg.minibatch_sizes(batch_size)
         history: dict[str, list[float]] = {}
-        first_ratio_deviation = 0.0  # max |ratio - 1| over the first minibatch
-        optimizer_steps = 0
-        stopped_early = False
+        first_ratio_deviation = 0.0  # max |ratio - 1| over the first minibatch (the old log-probs' weights)
+        optimizer_steps, stopped_early = 0, False
         for epoch in range(cfg.update_epochs):
             b_inds = torch.randperm(batch_size, generator=generator)
             for index, mb_inds in enumerate(b_inds.split(minibatch_sizes)):
                 where = f"epoch {epoch} minibatch {index}"
-                mb_metrics, deviation = self._step(data, mb_inds, train_actor, optimizer_steps == 0, where, verbose)
-                first_ratio_deviation = max(first_ratio_deviation, deviation)
+                self.optimizer.zero_grad(set_to_none=True)
+                terms: dict[str, list[float]] = {}
+                for micro_index, micro in enumerate(plan.split(mb_inds)):
+                    measured = plan.measures(micro_index, train_actor)
+                    allocated = plan.memory.allocated() if measured else 0
+                    features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
+                    new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
+                    loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
+                    logratio = new.log_prob - data.old_log_probs[micro]
+                    check_micro_batch(new, logratio, metrics, where)
+                    if optimizer_steps == 0:
+                        first_ratio_deviation = max(first_ratio_deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
+                    if verbose:
+                        print(micro_batch_line(new, logratio))
+                    (loss * (len(micro) / len(mb_inds))).backward()
+                    for key, value in metrics.items():
+                        terms.setdefault(key, []).append(float(value.detach()))
+                    if measured:
+                        plan.size_from(allocated, len(micro), minibatch_sizes[0])
+                check_finite_gradients(policy, f"learner.update {where}")
+                actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
+                critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
+                self.optimizer.step()
+                check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
                 optimizer_steps += 1
+                mb_metrics = {key: float(np.mean(values)) for key, values in terms.items()}
+                mb_metrics.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]),
+                                  actor_grad_norm=float(actor_grad_norm))  # fmt: skip
+                if self.critic_params:  # none with GRPO
+                    mb_metrics["critic_grad_norm"] = float(critic_grad_norm)
                 for key, value in mb_metrics.items():
                     history.setdefault(key, []).append(value)
                 if verbose:
-                    print(f"  {where}: " + " ".join(f"{k}={v:.4g}" for k, v in mb_metrics.items()))
+                    print(minibatch_line(where, mb_metrics))
                 # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
                 stopped_early = cfg.target_kl is not None and train_actor and mb_metrics["approx_kl"] > cfg.target_kl
                 if stopped_early:
@@ -702,44 +575,6 @@ class Learner:
             "ppo/critic_lr": self.optimizer.param_groups[1]["lr"],
         })  # fmt: skip
         return metrics
-
-    def _step(
-        self, data: PreparedBatch, mb_inds: Tensor, train_actor: bool, first: bool, where: str, verbose: bool
-    ) -> tuple[dict[str, float], float]:
-        """One optimiser step on the decisions mb_inds of `data`, accumulated over cfg.grad_accum micro-batches. Returns the
-        minibatch's metrics and, when `first` (no step yet this iteration: the old log-probs' weights), max |ratio - 1|."""
-        cfg, policy, learner_cfg = self.cfg, self.policy, self.config.learner
-        self.optimizer.zero_grad(set_to_none=True)
-        terms: dict[str, list[float]] = {}
-        deviation = 0.0
-        sizing = train_actor and not self.micro_batches_sized
-        for index, micro in enumerate(mb_inds.tensor_split(min(cfg.grad_accum, len(mb_inds)))):
-            allocated = self.memory.allocated() if sizing and index == 0 else 0
-            features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-            new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
-            loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
-            logratio = new.log_prob - data.old_log_probs[micro]
-            finite = {"new log-prob": new.log_prob, "ratio": logratio.exp(), **{k: metrics[k] for k in LOSS_TERMS if k in metrics}}
-            check_finite_tensors(finite, f"learner.update {where}")
-            if first:
-                deviation = max(deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
-            if verbose:
-                print(f"  new log-prob {_head(new.log_prob)}  ratio {_head(logratio.exp())}")
-            (loss * (len(micro) / len(mb_inds))).backward()
-            for key, value in metrics.items():
-                terms.setdefault(key, []).append(float(value.detach()))
-            if sizing and index == 0:
-                self._size_micro_batches(allocated, len(micro), cfg.minibatch_sizes(len(data.old_log_probs))[0])
-        check_finite_gradients(policy, f"learner.update {where}")
-        actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
-        critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
-        self.optimizer.step()
-        check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
-        summary = {key: float(np.mean(values)) for key, values in terms.items()}
-        summary.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]), actor_grad_norm=float(actor_grad_norm))
-        if self.critic_params:  # none with GRPO
-            summary["critic_grad_norm"] = float(critic_grad_norm)
-        return summary, deviation
 
     # -- checkpoints ------------------------------------------------------------------------------
 

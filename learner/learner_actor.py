@@ -59,9 +59,7 @@ class LearnerActor:
         return self.learner.iteration, self.learner.env_steps
 
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
-        for batch in batches:
-            batch.validate(finite=False)  # NaN/Inf: Learner.update rolls the iteration back and counts it
-        batch = RolloutBatch.concat(list(batches))
+        batch = RolloutBatch.concat(list(batches))  # Learner.update validates it
         version_before = self.learner.version
         start, start_cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.update(batch, verbose=verbose)

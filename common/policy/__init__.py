@@ -10,11 +10,12 @@ common.config does) imports neither torch nor any model.
 import importlib
 from typing import Any
 
-_BASE_NAMES = ("CHECKSUMS_FILE", "CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "WEIGHTS_FILE", "CheckpointError",
-               "CheckpointWriteError", "FlowPolicy", "build_policy", "concat_features", "index_features",
-               "policy_class", "read_policy_config", "verify_checksums", "write_directory_atomically")  # fmt: skip
+_BASE_NAMES = ("CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "WEIGHTS_FILE", "FlowPolicy", "build_policy", "concat_features",
+               "index_features", "policy_class", "read_policy_config")  # fmt: skip
+_STORAGE_NAMES = ("CHECKSUMS_FILE", "CheckpointError", "CheckpointWriteError", "verify_checksums", "write_directory_atomically")
 _PUBLIC = {
     **dict.fromkeys(_BASE_NAMES, "common.policy.base"),
+    **dict.fromkeys(_STORAGE_NAMES, "common.storage"),
     "MLPFlowPolicy": "common.policy.mlp",
     "BACKENDS": "common.policy.registry",
     "Backend": "common.policy.registry",

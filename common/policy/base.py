@@ -1,12 +1,14 @@
-"""The policy interface every backend implements, checkpoint I/O, and the backend registry.
+"""The policy interface every backend implements, its checkpoint I/O (on common.storage), and the backend lookup.
 
 A backend provides these pieces, all on explicit tensors:
   encode(obs: Observation) -> features, computed once per decision and reused by every call below
                               (the MLP's normalised state; SmolVLA's prefix KV cache). Features are a
                               Tensor, or a dataclass / tuple / list / dict of them, batch first;
                               `index_features` slices any such structure, `concat_features` joins them.
-  velocity(a_t, t, feats)  -> (B, H, A) flow velocity
-  sigma(t, feats)          -> (B, H, A) injected-noise std, bounded to [sigma_min, sigma_max]
+  velocity(a_t, t, feats)  -> (B, H, A) flow velocity (behaviour cloning's target)
+  velocity_and_sigma(a_t, t, feats)
+                           -> the velocity and the injected-noise std (B, H, A), bounded to [sigma_min, sigma_max],
+                              of one denoising step, in one call
   value(feats)             -> (B,) critic value; critic_features(feats) keeps only what value() reads
   encoder_is_trainable     -> whether a trainable parameter feeds encode(). When it does not, the learner
                               encodes each rollout once per iteration and reuses the features in every
@@ -25,45 +27,30 @@ import contextlib
 import dataclasses
 import importlib
 import json
-import os
-import shutil
-import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from common.config import ConfigError, PolicyConfig
 from common.config_loading import from_dict
-from common.file_digests import file_sha256
 from common.observation import Observation
+from common.policy.initialisation import initialisation_skipped
 from common.policy.registry import BACKENDS
+from common.storage import (
+    CheckpointError,
+    read_safetensors,
+    verify_checksums,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 OBS_STD_FLOOR = 0.05  # in env units (metres for positions, unit quaternion components)
 OBS_CLIP = 5.0  # normalised state features are clipped to +-OBS_CLIP
-CHECKSUMS_FILE = "checksums.json"  # sha256 of every other file, written with the directory (write_directory_atomically)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, malformed, or does not match the model it is loaded into."""
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (a full disk, an unwritable directory): what it was to replace is untouched,
-    and no partial copy is left. Its text is one line: what, the system's reason, the file."""
-
-    @classmethod
-    def of(cls, what: str | Path, error: OSError) -> CheckpointWriteError:
-        """The error for writing `what` that failed with `error`, in one line: the system's reason and the file."""
-        reason = error.strerror or str(error)
-        return cls(f"could not write {what}: {reason}" + (f" ({Path(error.filename).name})" if error.filename else ""))
 
 
 class FlowPolicy(nn.Module, ABC):
@@ -150,8 +137,10 @@ class FlowPolicy(nn.Module, ABC):
         """action (B, H, A), t (B,) in [0, 1) -> velocity (B, H, A)."""
 
     @abstractmethod
-    def sigma(self, t: Tensor, features: Any) -> Tensor:
-        """t (B,) -> injected-noise std (B, H, A) in [sigma_min, sigma_max]."""
+    def velocity_and_sigma(self, action: Tensor, t: Tensor, features: Any) -> tuple[Tensor, Tensor]:
+        """action (B, H, A), t (B,) in [0, 1) -> the velocity and the injected-noise std (B, H, A) in [sigma_min, sigma_max]
+        of the Gaussian step from `action` (common.flow.gaussian_step). One call, so that a noise head reading the velocity
+        pass's hidden state (the VLAs') gets it from that pass."""
 
     @abstractmethod
     def value(self, features: Any) -> Tensor:
@@ -288,112 +277,6 @@ def concat_features(parts: list[Any]) -> Any:
         items = [concat_features([p[i] for p in parts]) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     return first
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
-    so a crash at any point leaves either the old directory or the new one, never half of either. A write that
-    fails (an OSError: a full disk, an unwritable directory) removes the temp directory and raises
-    CheckpointWriteError naming `directory`.
-
-    Before the swap, every file's sha256 goes into CHECKSUMS_FILE (verified by every load, verify_checksums)
-    and every file and directory is fsynced, so a power cut cannot leave a renamed directory of empty files."""
-    directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-    for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        write(tmp)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
-        (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
-        for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-            _fsync(path)
-    except BaseException as exc:  # a full disk, or any other stop: the half-written copy goes, the old directory stays
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise CheckpointWriteError.of(directory, exc) from exc
-        raise
-    if directory.exists():
-        directory.rename(old)
-    tmp.rename(directory)
-    _fsync(directory.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    return directory
-
-
-def verify_checksums(directory: str | Path) -> None:
-    """Every file listed in the directory's CHECKSUMS_FILE is there with its recorded sha256, or CheckpointError
-    names the file. A directory without the file (written by hand, or before checksums existed) passes."""
-    directory = Path(directory)
-    listing = directory / CHECKSUMS_FILE
-    if not listing.is_file():
-        return
-    try:
-        checksums = json.loads(listing.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{listing} is not valid JSON ({exc}): the checkpoint is corrupt") from None
-    for name, expected in checksums.items():
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing but {listing} lists it: the checkpoint is incomplete")
-        if file_sha256(path) != expected:
-            raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
-
-
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of a safetensors file; a corrupt or truncated file is a CheckpointError naming it."""
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise CheckpointError(f"{path} could not be read as safetensors: {exc}") from exc
-
-
-# torch.nn.init's fills, which module constructors call (nn.Linear's kaiming_uniform_, nn.Embedding's normal_, ...).
-TORCH_INIT_FILLS = (
-    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
-)  # fmt: skip
-
-
-@contextlib.contextmanager
-def initialisation_skipped() -> Iterator[None]:
-    """While open, modules are built with their weights as allocated, not filled: torch.nn.init's fills (wherever a
-    torch module imported them) and transformers' initialize_weights (when transformers is loaded) do nothing.
-    Buffers their constructors compute (rotary frequencies, position ids) are computed as ever, and transformers
-    still ties weights. For a model whose every tensor is then read from a file: a full-size pi0 spends most of its
-    construction on the CPU drawing random weights that the file replaces."""
-    import torch.nn.init as init
-
-    def unfilled(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return tensor
-
-    originals = {name: getattr(init, name) for name in TORCH_INIT_FILLS}
-    swapped: list[tuple[Any, str, Any]] = []
-    for module_name, module in list(sys.modules.items()):
-        if module is not None and (module_name == "torch.nn.init" or module_name.startswith("torch.nn.modules.")):
-            swapped += [(module, name, fill) for name, fill in originals.items() if getattr(module, name, None) is fill]
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    if modeling_utils is not None:
-        swapped.append((modeling_utils.PreTrainedModel, "initialize_weights", modeling_utils.PreTrainedModel.initialize_weights))
-    for owner, name, _ in swapped:
-        setattr(owner, name, unfilled)
-    try:
-        yield
-    finally:
-        for owner, name, original in swapped:
-            setattr(owner, name, original)
 
 
 def read_policy_config(directory: str | Path, **overrides: Any) -> PolicyConfig:

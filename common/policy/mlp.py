@@ -105,7 +105,11 @@ class MLPFlowPolicy(FlowPolicy):
         x = torch.cat([features, action.flatten(1), self.embed_time(t)], dim=-1)
         return self.velocity_net(x).view_as(action)
 
+    def velocity_and_sigma(self, action: Tensor, t: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        return self.velocity(action, t, features), self.sigma(t, features)
+
     def sigma(self, t: Tensor, features: Tensor) -> Tensor:
+        """The injected-noise std (B, H, A): the noise head reads the state and the time, not the action."""
         raw = self.noise_net(torch.cat([features, self.embed_time(t)], dim=-1))
         log_var = self.log_var_min + 0.5 * (torch.tanh(raw) + 1.0) * (self.log_var_max - self.log_var_min)
         return torch.exp(0.5 * log_var).view(-1, self.chunk_size, self.action_dim)

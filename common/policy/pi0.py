@@ -46,10 +46,11 @@ from torch import Tensor, nn
 from common.config import PolicyConfig, cache_dir
 from common.observation import Observation
 from common.policy import vla_common
-from common.policy.base import OBS_CLIP, CheckpointError, write_directory_atomically
+from common.policy.base import OBS_CLIP
 from common.policy.lerobot_compat import LEROBOT_LINE, LEROBOT_VERSION, SUPPORTED_LEROBOT, denoise_cache, make_att_2d_masks, pad_vector
 from common.policy.tiny_vlm import build_tokenizer, writer_line
 from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, one_vision_pass, prefix_features
+from common.storage import CheckpointError, write_directory_atomically
 
 if LEROBOT_LINE < (0, 6):
     raise ImportError(

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import cache_dir
-from common.policy.base import write_directory_atomically
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
+from common.storage import write_directory_atomically
 
 install_cpu_torchvision_shim()
 

@@ -33,17 +33,11 @@ from torch import Tensor, nn
 from common.config import PolicyConfig
 from common.flow import require_kernel_compiler
 from common.observation import Observation
-from common.policy.base import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    CheckpointError,
-    FlowPolicy,
-    initialisation_skipped,
-    read_policy_config,
-    read_safetensors,
-)
+from common.policy.base import CONFIG_FILE, WEIGHTS_FILE, FlowPolicy, read_policy_config
+from common.policy.initialisation import initialisation_skipped
 from common.policy.lerobot_compat import KVLayers, fill_prefix_cache, pad_vector
 from common.policy.mlp import mlp
+from common.storage import CheckpointError, read_safetensors
 
 STATE_PROJ_PREFIX = "model.state_proj."  # lerobot's state projection, (width, max_state_dim) + bias, in a lerobot state dict
 
@@ -98,9 +92,6 @@ class VLAFeatures:
     # What the expert reads beside the cache at every step: pi0's padded normalised state (B, max_state_dim); None
     # for the backends that put the state into the prefix (SmolVLA's state token, pi0.5's prompt).
     suffix_state: Tensor | None = None
-    # (t, expert hidden state (B, H, expert_width)) of the last velocity() call on these features, read by
-    # the sigma() call that follows it. Not an init field: index_features' copies start without it.
-    last_expert_hidden: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def kv(self) -> KVLayers:
         """The kept prefix cache as common.policy.lerobot_compat takes it."""
@@ -312,25 +303,22 @@ class VLAFlowPolicy(FlowPolicy):
         """The model's denoise_step: padded action (B, H, max_action_dim) at lerobot time (B,) -> its velocity, in
         lerobot's convention, computed through `vla.model.action_out_proj`."""
 
-    def velocity(self, action: Tensor, t: Tensor, features: VLAFeatures) -> Tensor:
-        """lerobot's denoise_step at (a_t, t), mapped to the project's convention; (B, H, A)."""
+    def velocity_with_hidden(self, action: Tensor, t: Tensor, features: VLAFeatures) -> tuple[Tensor, Tensor]:
+        """lerobot's denoise_step at (a_t, t), mapped to the project's convention, (B, H, A), and the action expert's
+        hidden state of that pass (B, H, expert_width)."""
         lerobot_t, sign = lerobot_flow_time(t)
         padded = pad_vector(action, self.settings.max_action_dim)
         v = self.denoise(features, padded, lerobot_t)
-        features.last_expert_hidden = (t, self.expert_hidden.take())
-        return sign * v[..., : self.config.action_dim]
+        return sign * v[..., : self.config.action_dim], self.expert_hidden.take()
 
-    def sigma(self, t: Tensor, features: VLAFeatures) -> Tensor:
-        """Injected-noise std (B, H, A) from the expert hidden state of the velocity() call just before,
-        at the same t and features (common.flow.gaussian_step calls them in that order). The head sees the
-        noisy action through that hidden state, which the interface's sigma(t, features) does not pass."""
-        stash, features.last_expert_hidden = features.last_expert_hidden, None
-        if stash is None or stash[0] is not t:
-            raise RuntimeError(
-                f"{type(self).__name__}.sigma(t, features) reads the expert hidden state of the velocity(action, t, features) call "
-                "made just before it with the same t and features objects (as common.flow.gaussian_step does); call velocity first"
-            )
-        return bounded_sigma(self.noise_head(stash[1]), self.config.sigma_min, self.config.sigma_max)
+    def velocity(self, action: Tensor, t: Tensor, features: VLAFeatures) -> Tensor:
+        return self.velocity_with_hidden(action, t, features)[0]
+
+    def velocity_and_sigma(self, action: Tensor, t: Tensor, features: VLAFeatures) -> tuple[Tensor, Tensor]:
+        """The velocity, and the injected-noise std the noise head reads off the same pass's expert hidden state: the head
+        sees the noisy action through it."""
+        velocity, hidden = self.velocity_with_hidden(action, t, features)
+        return velocity, bounded_sigma(self.noise_head(hidden), self.config.sigma_min, self.config.sigma_max)
 
     def value(self, features: VLAFeatures) -> Tensor:
         """Critic (B,) on the masked mean of the VLM's final prefix hidden states concatenated with the normalised

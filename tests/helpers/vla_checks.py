@@ -48,8 +48,10 @@ def check_sampling_reads_frames_instruction_and_state(policy: FlowPolicy, obs: O
         assert (velocity_for(changed) - base).abs().max() > 1e-4
     with pytest.raises(ValueError, match="images"):
         policy.encode(Observation(state=obs.state))
-    with pytest.raises(RuntimeError, match="call velocity first"):
-        policy.sigma(t, policy.encode(obs))  # the noise head reads the hidden state of the velocity call before it
+    with torch.no_grad():  # the noise head reads the action through the expert's hidden state of the velocity's pass
+        velocity, std = policy.velocity_and_sigma(a_t, t, policy.encode(obs))
+        _, other_std = policy.velocity_and_sigma(a_t + 1.0, t, policy.encode(obs))
+    assert torch.equal(velocity, base) and (std - other_std).abs().max() > 0
 
 
 def check_cameras_share_one_vision_pass(policy: FlowPolicy, obs: Observation, owner: nn.Module) -> None:

@@ -84,8 +84,9 @@ def test_decide_without_a_graph_is_the_eager_path(policy) -> None:
         eager = decision_tensors(policy, obs, deterministic=True)
     decision = decide(policy, numpy_obs, deterministic=True)
     assert policy.decision_graph is None
-    np.testing.assert_array_equal(decision.chain, eager["chain"].numpy())
-    np.testing.assert_array_equal(decision.value, eager["value"].numpy())
+    assert set(vars(decision)) == set(eager)  # a decision is the chain and its scores; the learner values the states
+    for name, value in eager.items():
+        np.testing.assert_array_equal(getattr(decision, name), value.numpy())
 
 
 def test_what_the_warm_up_compiled_is_not_compiled_again_while_capturing() -> None:

@@ -74,9 +74,9 @@ def test_without_kl_no_reference_is_built(tmp_path, bc_checkpoint) -> None:
 def test_group_members_share_initial_states_and_mixed_groups_are_refused(tmp_path, bc_checkpoint) -> None:
     _, actor, learner = grpo_learner(tmp_path, bc_checkpoint, **{"actors.envs_per_actor": 4})
     batch = actor.sample(None, 0)
-    np.testing.assert_array_equal(batch.obs[0, 0], batch.obs[0, 1])  # group (0, 1) starts from one state
-    np.testing.assert_array_equal(batch.obs[0, 2], batch.obs[0, 3])
-    assert not np.array_equal(batch.obs[0, 0], batch.obs[0, 2])  # another group, another layout
+    np.testing.assert_array_equal(batch.obs.state[0, 0], batch.obs.state[0, 1])  # group (0, 1) starts from one state
+    np.testing.assert_array_equal(batch.obs.state[0, 2], batch.obs.state[0, 3])
+    assert not np.array_equal(batch.obs.state[0, 0], batch.obs.state[0, 2])  # another group, another layout
     learner.update(batch)  # the learner's own check passes on every later episode too
 
     ppo_config = tiny_config(tmp_path, **{"actors.decisions_per_rollout": 10})  # independent layouts per env

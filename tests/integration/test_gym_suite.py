@@ -10,7 +10,7 @@ import yaml
 from gymnasium import spaces
 
 from common.config import ConfigError, EnvConfig, GymSuiteConfig, PolicyConfig, RunConfig
-from common.config_loading import load_config
+from common.config_loading import flatten, load_config
 from common.suites import ImageConfig, Layout, make_suite
 from common.suites.gym_env import LAYOUTS_PER_SEED, NO_EPISODE_LIMIT, layout_seed, resize_frame
 from tests.conftest import REPO
@@ -217,20 +217,15 @@ def test_pusht_check_refuses_a_policy_of_other_sizes():
     one_line_error(ConfigError, lambda: shaped.check(PolicyConfig(obs_dim=5, action_dim=2)), "env.reward 'shaped'", "gym has none")
 
 
-def test_pusht_run_config_fits_the_suite():
+def test_pusht_run_config_is_an_overlay_that_fits_the_suite():
     path = REPO / "configs" / "pusht.yaml"
-    written = yaml.safe_load(path.read_text())
-    assert _keys(written) == _keys(RunConfig().to_dict()) - {"env.gym.kwargs"} | {"env.gym.kwargs.obs_type"}  # every field written out
+    written, default = flatten(yaml.safe_load(path.read_text())), flatten(RunConfig().to_dict())
+    assert [name for name, value in written.items() if default.get(name) == value] == []  # only what PushT changes
     config = load_config(path)
     assert (config.env.suite, config.env.task, config.env.gym.module) == ("gym", PUSHT, "gym_pusht")
+    assert (config.policy.obs_dim, config.policy.action_dim) == (5, 2)  # the suite's widths, which the file leaves
     make_suite(config.env).check(config.policy)  # sizes and episode limit
     assert config.allow_random_init  # PushT has no scripted expert to pre-train on
-
-
-def _keys(tree, prefix=""):
-    if not isinstance(tree, dict):
-        return {prefix[:-1]}
-    return set().union(*(_keys(value, f"{prefix}{key}.") for key, value in tree.items())) if tree else {prefix[:-1]}
 
 
 # The toy env: actions, success, rewards, episode ends, cameras and errors

@@ -23,11 +23,14 @@ from common.diagnostics import (
     NonFiniteUpdateWarning,
     PrecisionGapWarning,
 )
+from common.observation import Observation
 from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
 from common.trajectory import RolloutBatch
 from learner import learner as learner_module
-from learner.learner import Learner, lr_scale, micro_batches_within
+from learner.learner import Learner, lr_scale
+from learner.micro_batches import micro_batches_within
+from learner.numeric_checks import PRECISION_GAP_ROWS
 from tests.conftest import tiny_config
 
 
@@ -192,7 +195,7 @@ def test_a_bfloat16_learner_reports_its_rounding_against_float32_and_warns_near_
     chains (the first PRECISION_GAP_ROWS); PrecisionGapWarning once it reaches half of log(1 + clip_eps)."""
     config, actor, exact = setup
     batch = actor.sample(None, iteration=0)
-    rows = learner_module.PRECISION_GAP_ROWS
+    rows = PRECISION_GAP_ROWS
     assert "logprob/precision_gap_max" not in exact.prepare(batch).metrics  # float32: nothing to compare
     expected = (learner_with(config, bc_checkpoint, precision="bfloat16").prepare(batch).old_log_probs[:rows]
                 - exact.prepare(batch).old_log_probs[:rows]).abs().max().item()  # fmt: skip
@@ -207,28 +210,32 @@ def test_a_bfloat16_learner_reports_its_rounding_against_float32_and_warns_near_
         learner_with(narrow, bc_checkpoint, precision="bfloat16").prepare(batch)
 
 
-def test_next_observation_values_encode_only_the_observations_no_decision_read(tmp_path, bc_checkpoint, monkeypatch) -> None:
+def test_next_observation_values_encode_only_the_bootstrap_observations(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """A chunk's next observation is its env's next decision's, unless an episode ended in the chunk (or the rollout
-    did): the critic's values of the next observations equal those of encoding every one, bit for bit, while only the
-    others are encoded."""
+    did): the record carries only those others, and the critic's values of the next observations equal those of
+    encoding every one the envs returned, bit for bit, while only the bootstrap ones are encoded."""
+    from common.vector_env import ChunkedVectorEnv
+
     config = tiny_config(tmp_path, **{"env.max_episode_steps": 12})  # 3 chunks of 4 actions: episodes end mid-rollout
+    returned, step_chunk = [], ChunkedVectorEnv.step_chunk
+    monkeypatch.setattr(ChunkedVectorEnv, "step_chunk", lambda env, actions: returned.append(step := step_chunk(env, actions)) or step)
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, iteration=0)
     policy, rows = FlowPolicy.from_pretrained(bc_checkpoint), 4
     ended = batch.terminated | batch.truncated
     assert ended[:-1].any() and not ended[:-1].all()  # both kinds of row in this rollout
-    batch.next_obs = batch.next_obs.copy()
-    batch.next_obs[0, 1] = np.nextafter(batch.next_obs[0, 1], np.inf)  # one last bit apart from what decision 1 read
+    bootstrap = ended.copy()
+    bootstrap[-1] = True
+    assert batch.bootstrap_at.tolist() == np.argwhere(bootstrap).tolist()
+    every_next = np.stack([step.next_obs.state for step in returned[-batch.num_decisions :]])  # (T, N, obs_dim)
+    np.testing.assert_array_equal(batch.bootstrap_obs.state, every_next[bootstrap])
     with torch.no_grad():
-        plain = policy.value(policy.encode(batch.observations(after_chunk=True).flatten_leading().to_torch()))
-        features = policy.encode(batch.observations().flatten_leading().to_torch())
+        plain = policy.value(policy.encode(Observation(every_next.reshape(-1, every_next.shape[-1])).to_torch()))
+        features = policy.encode(batch.obs.flatten_leading().to_torch())
         encoded, encode = [], policy.encode
         monkeypatch.setattr(policy, "encode", lambda obs: encoded.append(obs.batch_shape[0]) or encode(obs))
         values = learner_module.next_observation_values(policy, batch, features, rows)
     assert torch.equal(values.flatten(), plain)
-    read_next = ~ended[:-1]
-    assert read_next[0, 1]  # the row changed above was one to reuse
-    read_next[0, 1] = False
-    assert sum(encoded) == batch.num_envs + int((~read_next).sum()) and max(encoded) <= rows
+    assert sum(encoded) == int(bootstrap.sum()) and max(encoded) <= rows
 
 
 def test_rollouts_are_reproducible_per_iteration(setup) -> None:
@@ -363,7 +370,8 @@ def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_
     # 16 decisions, one minibatch, 2 epochs: the scoring pass and the first step in micro-batches of 4; then 9 decisions
     # fit the budget, so the second step runs in 2 micro-batches of 8.
     assert memory.asked == [4] * 4 + [4] * 4 + [8, 8] and metrics["ppo/micro_batch_rows"] == 8
-    assert learner.cfg.grad_accum == 2 and config.algorithm.grad_accum == 4 and "faults/grad_accum" not in metrics
+    assert learner.plan.grad_accum == 2 and "faults/grad_accum" not in metrics
+    assert learner.cfg.grad_accum == config.algorithm.grad_accum == 4  # the plan is the learner's own: no config rewritten
 
     halves = tiny_config(tmp_path, **{"algorithm.grad_accum": 2})
     reference = Learner(halves, FlowPolicy.from_pretrained(bc_checkpoint))
@@ -403,7 +411,7 @@ def test_an_update_that_does_not_fit_even_split_stops_with_the_weights_as_they_w
         warnings.simplefilter("always")
         learner.update(batch)
     splits = [w for w in caught if issubclass(w.category, MicroBatchSplitWarning)]
-    assert len(splits) == (4 if split else 0) and learner.cfg.grad_accum == (16 if split else 1)  # 16 -> 8 -> 4 -> 2 -> 1 rows
+    assert len(splits) == (4 if split else 0) and learner.plan.grad_accum == (16 if split else 1)  # 16 -> 8 -> 4 -> 2 -> 1 rows
     assert learner.version == version and learner.iteration == 1
     assert_same_state(learner, before, optimizer)
 
@@ -782,7 +790,7 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
     config = plan_config(tmp_path)
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
     policy = FlowPolicy.from_pretrained(bc_checkpoint).eval()
-    obs = batch.observations().flatten_leading().to_torch()
+    obs = batch.obs.flatten_leading().to_torch()
     chains = torch.as_tensor(batch.chains).flatten(0, 1)
     with torch.no_grad():
         whole = learner_module.chain_log_prob(policy, policy.encode(obs), chains).log_prob

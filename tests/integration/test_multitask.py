@@ -87,7 +87,7 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
     learner = Learner(config, FlowPolicy.from_pretrained(checkpoint))
     actor.load_weights(learner.broadcast())
     batch = actor.sample(None, iteration=0)
-    np.testing.assert_array_equal(batch.obs[:, :, -2:], np.broadcast_to([[1.0, 0.0], [0.0, 1.0]], batch.obs[:, :, -2:].shape))
+    np.testing.assert_array_equal(batch.obs.state[:, :, -2:], np.broadcast_to([[1.0, 0.0], [0.0, 1.0]], batch.obs.state[:, :, -2:].shape))
     ended = (batch.terminated | batch.truncated).sum(axis=0)  # episodes each env ended: env 0 runs reach, env 1 pick-place
     assert sorted(batch.episode_tasks) == sorted(["reach-v3"] * ended[0] + ["pick-place-v3"] * ended[1]) and ended.min() > 0
     rollout = rollout_metrics(batch, learner_version=0)

@@ -46,10 +46,10 @@ def test_bc_rollout_and_one_ppo_iteration(policy_type, tmp_path) -> None:
 
     actor = RolloutActor(config, 0, checkpoint)
     batch = actor.sample(None, 0)
-    assert batch.images.shape == (4, 1, 1, 32, 32, 3) and batch.images.dtype == np.uint8 and batch.images.std() > 10
+    assert batch.obs.images.shape == (4, 1, 1, 32, 32, 3) and batch.obs.images.dtype == np.uint8 and batch.obs.images.std() > 10
     tokenizer = actor.policy.tokenizer
     expected = TASKS["pick-place-v3"].instruction + ("\n" if policy_type == "pi0" else "")
-    assert tokenizer.decode(batch.tokens[2, 0][batch.token_mask[2, 0]], skip_special_tokens=True) == expected
+    assert tokenizer.decode(batch.obs.tokens[2, 0][batch.obs.token_mask[2, 0]], skip_special_tokens=True) == expected
 
     learner = Learner(config, FlowPolicy.from_pretrained(checkpoint))
     assert type(learner.policy).__name__ == "PiFlowPolicy" and not learner.policy.encoder_is_trainable

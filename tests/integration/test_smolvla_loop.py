@@ -58,10 +58,10 @@ def test_rollout_record_carries_frames_and_instruction_and_the_learner_reuses_th
     config = tiny_run_config(tmp_path / "run")
     actor = RolloutActor(config, 0, smolvla_bc)
     batch = actor.sample(None, 0)
-    assert batch.images.shape == (4, 1, 1, 32, 32, 3) and batch.images.dtype == np.uint8
-    assert batch.next_images.shape == batch.images.shape and batch.images.std() > 10  # a rendered scene, not a blank frame
+    assert batch.obs.images.shape == (4, 1, 1, 32, 32, 3) and batch.obs.images.dtype == np.uint8
+    assert batch.bootstrap_obs.images.shape[1:] == (1, 32, 32, 3) and batch.obs.images.std() > 10  # a rendered scene, not a blank frame
     tokenizer = actor.policy.vla.model.vlm_with_expert.processor.tokenizer
-    assert tokenizer.decode(batch.tokens[2, 0][batch.token_mask[2, 0]]) == TASKS["pick-place-v3"].instruction + "\n"
+    assert tokenizer.decode(batch.obs.tokens[2, 0][batch.obs.token_mask[2, 0]]) == TASKS["pick-place-v3"].instruction + "\n"
     assert batch.actor_precision == "float32 on cpu"
 
     learner = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
@@ -179,7 +179,7 @@ def test_the_learner_encodes_and_scores_one_micro_batch_at_a_time(smolvla_bc, tm
     assert rows == [2, 2, 1]  # 4 decisions' observations 2 at a time, then the next observation of the last one
     assert denoised == [2] * (2 * policy.num_steps)  # the old log-probs: K steps for each of 2 micro-batches
     with torch.no_grad():
-        whole = chain_log_prob(policy, policy.encode(batch.observations().flatten_leading().to_torch(policy.obs_device)), data.chains)
+        whole = chain_log_prob(policy, policy.encode(batch.obs.flatten_leading().to_torch(policy.obs_device)), data.chains)
     torch.testing.assert_close(data.old_log_probs, whole.log_prob, rtol=0, atol=1e-5)
 
 
@@ -201,11 +201,11 @@ def test_one_smolvla_policy_on_three_tasks_reads_each_envs_instruction(tmp_path)
     batch = actor.sample(None, 0)
     tokenizer = actor.policy.vla.model.vlm_with_expert.processor.tokenizer
     for env, task in enumerate(LANGUAGE_TASKS):
-        assert tokenizer.decode(batch.tokens[0, env][batch.token_mask[0, env]]) == TASKS[task].instruction + "\n"
-        np.testing.assert_array_equal(batch.obs[0, env, 39:], np.eye(3, dtype=np.float32)[env])  # the task's one-hot
+        assert tokenizer.decode(batch.obs.tokens[0, env][batch.obs.token_mask[0, env]]) == TASKS[task].instruction + "\n"
+        np.testing.assert_array_equal(batch.obs.state[0, env, 39:], np.eye(3, dtype=np.float32)[env])  # the task's one-hot
 
     policy = actor.policy
-    state, frames = np.repeat(batch.obs[0, :1], 3, axis=0), np.repeat(batch.images[0, :1], 3, axis=0)
+    state, frames = np.repeat(batch.obs.state[0, :1], 3, axis=0), np.repeat(batch.obs.images[0, :1], 3, axis=0)
     tokens, mask = policy.tokenize([TASKS["reach-v3"].instruction, TASKS["push-v3"].instruction, TASKS["reach-v3"].instruction])
     chunks = decide(policy, Observation(state, frames, tokens, mask), deterministic=True).env_actions
     np.testing.assert_array_equal(chunks[0], chunks[2])

@@ -53,10 +53,10 @@ class ProjectedStateFlowPolicy(FlowPolicy):
     def velocity(self, action: Tensor, t: Tensor, features: Tensor) -> Tensor:
         return self.velocity_net(torch.cat([features, action.flatten(1), t[:, None]], dim=-1)).view_as(action)
 
-    def sigma(self, t: Tensor, features: Tensor) -> Tensor:
+    def velocity_and_sigma(self, action: Tensor, t: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
         raw = self.noise_net(torch.cat([features, t[:, None]], dim=-1))
         sigma = self.config.sigma_min + (self.config.sigma_max - self.config.sigma_min) * torch.sigmoid(raw)
-        return sigma.view(-1, self.chunk_size, self.action_dim)
+        return self.velocity(action, t, features), sigma.view(-1, self.chunk_size, self.action_dim)
 
     def value(self, features: Tensor) -> Tensor:
         return self.critic_net(features).squeeze(-1)

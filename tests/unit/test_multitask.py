@@ -73,3 +73,15 @@ def test_the_shipped_multi_task_configs_pass_the_checks_before_a_run(name, tasks
     assert make_suite(config.env).tasks() == tasks and [layout.task for layout in layouts] == [
         t for t in tasks for _ in range(config.eval_episodes)
     ]
+
+
+def test_the_mt10_recipe_runs_on_five_other_tasks_with_no_other_change() -> None:
+    """The state width is the suite's where the recipe leaves it: 39 and the one-hot of the tasks the run names."""
+    others = "hammer-v3,basketball-v3,coffee-push-v3,dial-turn-v3,lever-pull-v3"
+    config = load_config(REPO / "configs" / "mt10.yaml", [f"env.task={others}"])
+    assert (config.policy.obs_dim, config.policy.action_dim) == (39 + 5, 4)
+    layouts = preflight(config, address=None, resume=False)
+    assert [layout.task for layout in layouts] == [task for task in others.split(",") for _ in range(config.eval_episodes)]
+    # Set by hand, a width is kept, and checked against the suite's.
+    with pytest.raises(ConfigError, match=r"policy\.obs_dim=49 but the state of the 5 tasks of .* has 44 elements: set policy\.obs_dim=44"):
+        preflight(load_config(REPO / "configs" / "mt10.yaml", [f"env.task={others}", "policy.obs_dim=49"]), address=None, resume=False)

@@ -11,7 +11,7 @@ from common.config import PolicyConfig
 from common.diagnostics import RandomInitError
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, MLPFlowPolicy
-from common.policy.base import initialisation_skipped
+from common.policy.initialisation import initialisation_skipped
 from learner.learner import require_pretrained
 
 

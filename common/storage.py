@@ -1,0 +1,103 @@
+"""Checkpoint directories on disk: written atomically with a checksum of every file, verified on every load, and
+read as safetensors (never pickle). Ray-free, and used for every directory a run writes: policies, learner
+checkpoints, the BC cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors.torch import load_file
+from torch import Tensor
+
+from common.file_digests import file_sha256
+
+CHECKSUMS_FILE = "checksums.json"  # sha256 of every other file, written with the directory (write_directory_atomically)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, malformed, or does not match the model it is loaded into."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, an unwritable directory): what it was to replace is untouched,
+    and no partial copy is left. Its text is one line: what, the system's reason, the file."""
+
+    @classmethod
+    def of(cls, what: str | Path, error: OSError) -> CheckpointWriteError:
+        """The error for writing `what` that failed with `error`, in one line: the system's reason and the file."""
+        reason = error.strerror or str(error)
+        return cls(f"could not write {what}: {reason}" + (f" ({Path(error.filename).name})" if error.filename else ""))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_directory_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp) on a fresh sibling temp directory, then swap it into place with renames only,
+    so a crash at any point leaves either the old directory or the new one, never half of either. A write that
+    fails (an OSError: a full disk, an unwritable directory) removes the temp directory and raises
+    CheckpointWriteError naming `directory`.
+
+    Before the swap, every file's sha256 goes into CHECKSUMS_FILE (verified by every load, verify_checksums)
+    and every file and directory is fsynced, so a power cut cannot leave a renamed directory of empty files."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        write(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
+        (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
+        for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+            _fsync(path)
+    except BaseException as exc:  # a full disk, or any other stop: the half-written copy goes, the old directory stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CheckpointWriteError.of(directory, exc) from exc
+        raise
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    _fsync(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def verify_checksums(directory: str | Path) -> None:
+    """Every file listed in the directory's CHECKSUMS_FILE is there with its recorded sha256, or CheckpointError
+    names the file. A directory without the file (written by hand, or before checksums existed) passes."""
+    directory = Path(directory)
+    listing = directory / CHECKSUMS_FILE
+    if not listing.is_file():
+        return
+    try:
+        checksums = json.loads(listing.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{listing} is not valid JSON ({exc}): the checkpoint is corrupt") from None
+    for name, expected in checksums.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing but {listing} lists it: the checkpoint is incomplete")
+        if file_sha256(path) != expected:
+            raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file; a corrupt or truncated file is a CheckpointError naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"{path} could not be read as safetensors: {exc}") from exc
