@@ -220,7 +220,8 @@ class GRPO:
 
     def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
         cfg = self.cfg
-        check_groups_share_initial_states(torch.from_numpy(np.array(batch.obs.state)), t["terminated"] | t["truncated"], cfg.group_size)
+        ends = t["terminated"] | t["truncated"]
+        check_groups_share_initial_states(torch.from_numpy(np.array(batch.obs.state)).to(ends.device), ends, cfg.group_size)
         advantages, keep, grpo_metrics = grpo_advantages(
             t["rewards"], t["discounts"], t["terminated"], t["truncated"], t["valid"], cfg.group_size, cfg.grpo_std_normalization
         )

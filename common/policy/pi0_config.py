@@ -19,7 +19,9 @@ class Pi0Config(VLASectionConfig):
     """policy.pi0: the pi0 and pi0.5 backends (common.policy.pi0, lerobot's PI0Policy / PI05Policy); read only when
     policy.type is "pi0" or "pi05". Needs lerobot 0.6 (Python >= 3.12; docs/pi0.md). The fields every VLA section has
     are declared in common.policy.vla_config; pi0.5 writes the state into its prompt (no max_state_dim padding, no
-    state projection), and its train_time_mlp also trains the expert's adaRMS conditioning."""
+    state projection), and its train_time_mlp also trains the expert's adaRMS conditioning. lerobot's prompt lengths
+    (tokenizer_max_length): 48 for pi0 (the instruction), 200 for pi0.5, whose prompt also spells out the discretised
+    state ("Task: ..., State: 128 97 ...;\\nAction: "); a prompt that does not fit is an error, never cut."""
 
     # Local directory holding a PaliGemma tokenizer (e.g. a copy of google/paligemma-3b-pt-224's tokenizer files).
     # "": a character tokenizer written offline at the model's vocabulary size (common.policy.pi0.pi_tokenizer_dir);
@@ -30,9 +32,6 @@ class Pi0Config(VLASectionConfig):
     paligemma_variant: str = "gemma_2b"
     action_expert_variant: str = "gemma_300m"
     image_resolution: int = 224  # SigLIP's input side; frames are resized with padding to it, as lerobot does
-    # lerobot's prompt lengths: 48 for pi0 (the instruction), 200 for pi0.5, whose prompt also spells out the
-    # discretised state ("Task: ..., State: 128 97 ...;\nAction: "); a prompt that does not fit is an error, never cut.
-    tokenizer_max_length: int = 48
     train_state_proj: bool = True  # pi0 only: the state token of the expert's suffix (it does not feed the prefix)
 
     def validate(self, path: str = "policy.pi0") -> None:
