@@ -126,8 +126,8 @@ def synthetic_shapes(num_bytes: int) -> dict[str, tuple[int, ...]]:
 def smolvla_trainable_shapes() -> dict[str, tuple[int, ...]]:
     """The shapes SmolVLAFlowPolicy broadcasts under configs/smolvla_pick.yaml's trainable flags (module docstring)."""
     from common.config_loading import load_config
-    from common.policy.smolvla import SmolVLAFlowPolicy
-    from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+    from common.policy.smolvla.model import SmolVLAFlowPolicy
+    from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "smolvla_pick.yaml").policy
     # SmolVLM2-500M's text model: width 960, 15 heads, 5 key/value heads (the expert is 0.75 x 960 = 720 wide).

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import AlgorithmConfig, PolicyConfig, RunConfig  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.policy import FlowPolicy, build_policy, policy_class  # noqa: E402
-from common.policy.smolvla_config import SmolVLAConfig  # noqa: E402
+from common.policy.smolvla.config import SmolVLAConfig  # noqa: E402
 from common.rollout import decide  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
 from learner.learner import Learner  # noqa: E402

@@ -7,7 +7,7 @@ float32 learner), timed stage by stage, with the numerics the learner checks.
     python bench/smolvla_gpu.py --recipe configs/pi0_pick.yaml [--size tiny]   # pi0 (pi05_pick.yaml: pi0.5); lerobot 0.6
 
 Nothing downloads. The backbone directory is written offline at SmolVLM2-500M's shapes
-(common.policy.tiny_vlm.SMOLVLM2_500M_SHAPES). A stand-in for smolvla_base, a lerobot SmolVLA checkpoint with
+(common.policy.smolvla.stand_ins.SMOLVLM2_500M_SHAPES). A stand-in for smolvla_base, a lerobot SmolVLA checkpoint with
 random tensors at its shapes (max_state_dim 32), is saved with lerobot's own save_pretrained and loaded strictly
 as the config's lerobot_checkpoint with reinit_state_proj, as a real smolvla_base would be. The weights are
 random, so the figures are about cost and numerics (the ratio check, the bfloat16 behaviour gap, memory), not
@@ -66,7 +66,7 @@ from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.op_count import OpCounter  # noqa: E402
 from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
-from common.policy.tiny_vlm import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
+from common.policy.smolvla.stand_ins import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
@@ -156,7 +156,7 @@ def write_smolvla_stand_in(work: Path, size: str, sets: list[str], recipe: Path)
 def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> RunConfig:
     """A pi0 / pi0.5 stand-in at the recipe's (full) sizes, built on the GPU when there is one, and the offline
     tokenizer at PaliGemma's vocabulary size."""
-    from common.policy.pi0 import PALIGEMMA_VOCAB, pi_tokenizer_dir, write_lerobot_stand_in
+    from common.policy.pi0.stand_ins import PALIGEMMA_VOCAB, pi_tokenizer_dir, write_lerobot_stand_in
 
     if size == "full":
         base_sets = [f"policy.pi0.tokenizer_path={pi_tokenizer_dir(PALIGEMMA_VOCAB)}", "policy.pi0.lerobot_checkpoint=''", *sets]

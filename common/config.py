@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.policy.pi0_config import Pi0Config
+from common.policy.pi0.config import Pi0Config
 from common.policy.registry import BACKENDS
-from common.policy.smolvla_config import SmolVLAConfig
+from common.policy.smolvla.config import SmolVLAConfig
 from common.validation import ConfigError as ConfigError  # raised by every section's validate(); imported from here
 from common.validation import require, require_choice, require_positive
 

@@ -1,5 +1,5 @@
-"""Flow policies: the backend-independent interface (base) and one module per backend, each with its config section
-in a torch-free module of its own (smolvla_config, pi0_config).
+"""Flow policies: the backend-independent interface (base), the MLP (mlp) and one package per VLA backend (smolvla, pi0),
+each with its config section in a torch-free module of its own (`config`), its `model` and its `stand_ins`.
 
 `from common.policy import FlowPolicy, build_policy, ...` is the public surface; backends are looked up by
 `policy.type` in the torch-free registry (`common.policy.registry.BACKENDS`, each declared once) and imported only

@@ -17,7 +17,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "mlp_flow": Backend("common.policy.mlp:MLPFlowPolicy"),
-    "smolvla": Backend("common.policy.smolvla:SmolVLAFlowPolicy", section="smolvla", lerobot_type="smolvla"),
-    "pi0": Backend("common.policy.pi0:PiFlowPolicy", section="pi0", lerobot_type="pi0"),
-    "pi05": Backend("common.policy.pi0:PiFlowPolicy", section="pi0", lerobot_type="pi05", state_in_prompt=True),
+    "smolvla": Backend("common.policy.smolvla.model:SmolVLAFlowPolicy", section="smolvla", lerobot_type="smolvla"),
+    "pi0": Backend("common.policy.pi0.model:PiFlowPolicy", section="pi0", lerobot_type="pi0"),
+    "pi05": Backend("common.policy.pi0.model:PiFlowPolicy", section="pi0", lerobot_type="pi05", state_in_prompt=True),
 }

@@ -1,4 +1,4 @@
-"""What the lerobot VLA backends share (SmolVLA: common.policy.smolvla; pi0 / pi0.5: common.policy.pi0).
+"""What the lerobot VLA backends share (SmolVLA: common.policy.smolvla.model; pi0 / pi0.5: common.policy.pi0.model).
 
 Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an action expert, and an
 `action_out_proj` that maps the expert's hidden state to a velocity. The pieces below are the same for all of them:

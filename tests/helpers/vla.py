@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.config import PolicyConfig
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
-from common.policy.pi0_config import Pi0Config
-from common.policy.smolvla_config import SmolVLAConfig
+from common.policy.pi0.config import Pi0Config
+from common.policy.smolvla.config import SmolVLAConfig
 from tests.conftest import REPO
 
 IMAGE_SIZE = 32

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from common.config import PolicyConfig, RunConfig
 from common.policy import OBS_CLIP, build_policy, write_directory_atomically
-from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
-from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
+from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from learner.checkpoints import TRAINER_STATE_FILE
 from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
 from tests.conftest import REPO

@@ -3,7 +3,7 @@ every tensor the project's, and lerobot's pipeline (its env-observation conversi
 postprocessor) turns env-unit state and frames into the project's env actions. The refusals and the command line in a
 fresh process do not depend on the backend: tests/integration/test_export.py covers them on SmolVLA.
 
-lerobot builds its two Gemma sizes only; the tiny ones are the project's (common.policy.pi0.TINY_GEMMA). Its loader
+lerobot builds its two Gemma sizes only; the tiny ones are the project's (common.policy.pi0.stand_ins.TINY_GEMMA). Its loader
 reads them inside lerobot_knows_tiny: its config accepts the tiny names and its builder makes the tiny sizes
 (tiny_gemma_sizes, as PiFlowPolicy builds them). Reading config.json, model.safetensors and the processor files, the
 model's classes and the sampler are lerobot's own.
@@ -32,7 +32,8 @@ if LEROBOT_LINE < (0, 6):
         allow_module_level=True,
     )
 
-from common.policy.pi0 import LEROBOT_CLASSES, PiFlowPolicy, resolve_tokenizer_path, swapped_attributes, tiny_gemma_sizes  # noqa: E402
+from common.policy.pi0.model import LEROBOT_CLASSES, PiFlowPolicy, resolve_tokenizer_path  # noqa: E402
+from common.policy.pi0.stand_ins import swapped_attributes, tiny_gemma_sizes  # noqa: E402
 from tests.helpers.lerobot_export import (  # noqa: E402
     ACTION,
     CAMERAS,

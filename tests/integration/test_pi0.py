@@ -23,7 +23,8 @@ if LEROBOT_LINE < (0, 6):
     )
 
 from common.policy import OBS_CLIP, CheckpointError, build_policy  # noqa: E402
-from common.policy.pi0 import PiFlowPolicy, resolve_tokenizer_path, tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
+from common.policy.pi0.model import PiFlowPolicy, resolve_tokenizer_path  # noqa: E402
+from common.policy.pi0.stand_ins import tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
 from tests.helpers import vla_checks  # noqa: E402
 from tests.helpers.vla import INSTRUCTIONS, PI_TYPES, HostReads, pi_config, tiny_observations, tiny_pi  # noqa: E402
 

@@ -26,8 +26,8 @@ from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
-from common.policy.smolvla import SmolVLAFlowPolicy, SmolVLAPolicy
-from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
+from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
 from common.policy.vla_common import lerobot_flow_time, one_vision_pass
 from common.rl import normalize, ppo_policy_loss

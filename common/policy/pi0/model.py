@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -43,14 +41,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from common.config import PolicyConfig, cache_dir
+from common.config import PolicyConfig
 from common.observation import Observation
 from common.policy import vla_common
 from common.policy.base import OBS_CLIP
 from common.policy.lerobot_compat import LEROBOT_LINE, LEROBOT_VERSION, SUPPORTED_LEROBOT, denoise_cache, make_att_2d_masks, pad_vector
-from common.policy.tiny_vlm import build_tokenizer, writer_line
+from common.policy.pi0.stand_ins import PALIGEMMA_VOCAB, pi_tokenizer_dir, swapped_attributes, tiny_gemma_sizes
 from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, one_vision_pass, prefix_features
-from common.storage import CheckpointError, write_directory_atomically
+from common.storage import CheckpointError
 
 if LEROBOT_LINE < (0, 6):
     raise ImportError(
@@ -65,21 +63,6 @@ from lerobot.policies.pi05 import modeling_pi05, processor_pi05  # noqa: E402
 from lerobot.policies.pi05.configuration_pi05 import PI05Config  # noqa: E402
 from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep  # noqa: E402
 from lerobot.utils.constants import OBS_STATE  # noqa: E402
-
-PALIGEMMA_VOCAB = 257_152  # the vocabulary lerobot builds PaliGemma and the expert with
-# Gemma's special tokens (ids 0-3 in PaliGemma's tokenizer); its tokenizer prepends <bos> to every text.
-GEMMA_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
-PI_TOKENIZER_FORMAT = 1  # bump when the files pi_tokenizer_dir writes change, so cached directories are rebuilt
-
-# The tiny variants, in lerobot's GemmaConfig fields. Eight query heads as lerobot's variants (its joint forward
-# reshapes attention to 8 heads); the expert reads the backbone's keys, so head sizes agree.
-TINY_GEMMA = {
-    "tiny": dict(width=64, depth=2, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=8),
-    "tiny_expert": dict(width=32, depth=2, mlp_dim=64, num_heads=8, num_kv_heads=1, head_dim=8),
-}
-# The tiny SigLIP: 16 tokens per 32 px frame. Attention dropout > 0 on purpose: train mode would make log-probs
-# random (a failure the tests provoke).
-TINY_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8, attention_dropout=0.1)
 
 # lerobot config.json fields that fix tensor shapes: a lerobot checkpoint must agree with policy.pi0 on each
 # (the SigLIP resolution shows as a wrong-shaped position embedding). pi0.5 has no state projection.
@@ -96,46 +79,6 @@ def is_tiny(config: PolicyConfig) -> bool:
 
 
 @contextlib.contextmanager
-def swapped_attributes(owner: Any, stand_ins: dict[str, Any]) -> Iterator[None]:
-    """While open, each name of `stand_ins` on `owner` (a lerobot module or class) is its stand-in; restored on exit."""
-    real = {name: getattr(owner, name) for name in stand_ins}
-    for name, stand_in in stand_ins.items():
-        setattr(owner, name, stand_in)
-    try:
-        yield
-    finally:
-        for name, original in real.items():
-            setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def tiny_gemma_sizes(module: ModuleType, vocab_size: int) -> Iterator[None]:
-    """While open, lerobot's pi0 / pi0.5 modeling `module` builds the tiny variants: its builder knows gemma_2b and
-    gemma_300m only and fixes SigLIP So400m, a 2048-wide image projection and the 257k vocabulary, so the three names
-    it builds from (get_gemma_config and the two model classes) are swapped for ones that apply TINY_GEMMA,
-    TINY_SIGLIP and `vocab_size` to the configs it makes. Its classes and forward code run unchanged."""
-    names = ("get_gemma_config", "PaliGemmaForConditionalGenerationWithPiGemma", "PiGemmaForCausalLM")
-    real = {name: getattr(module, name) for name in names}
-
-    def gemma_config(variant: str) -> Any:
-        return module.GemmaConfig(**TINY_GEMMA[variant]) if variant in TINY_GEMMA else real["get_gemma_config"](variant)
-
-    def paligemma(config: Any) -> nn.Module:
-        for name, value in TINY_SIGLIP.items():
-            setattr(config.vision_config, name, value)
-        config.vision_config.projection_dim = config.text_config.hidden_size  # image tokens live in the text width
-        config.text_config.vocab_size = vocab_size
-        return real["PaliGemmaForConditionalGenerationWithPiGemma"](config=config)
-
-    def expert(config: Any) -> nn.Module:
-        config.vocab_size = vocab_size
-        return real["PiGemmaForCausalLM"](config=config)
-
-    with swapped_attributes(module, dict(zip(names, (gemma_config, paligemma, expert)))):
-        yield
-
-
-@contextlib.contextmanager
 def local_tokenizer_step(module: ModuleType, tokenizer_path: Path) -> Iterator[None]:
     """While open, lerobot's pi0 / pi0.5 processor factory in `module` builds its tokenizer step on the local
     `tokenizer_path`: the factory names PaliGemma's tokenizer on the hub, which the step loads as it is built. The
@@ -147,26 +90,6 @@ def local_tokenizer_step(module: ModuleType, tokenizer_path: Path) -> Iterator[N
 
     with swapped_attributes(module, {"TokenizerProcessorStep": local}):
         yield
-
-
-def write_pi_tokenizer(directory: str | Path, vocab_size: int | None = PALIGEMMA_VOCAB) -> Path:
-    """Write a character-level tokenizer with Gemma's special tokens and PaliGemma's <bos> prefix into `directory`,
-    `vocab_size` tokens in all (PALIGEMMA_VOCAB: the full model's table; None: the characters alone, for the tiny
-    variants). A stand-in that runs the model at its real cost; pretrained weights need PaliGemma's own tokenizer."""
-    directory = Path(directory)
-    build_tokenizer(GEMMA_SPECIAL_TOKENS, {}, vocab_size, add_bos=True).save_pretrained(directory)
-    return directory
-
-
-def pi_tokenizer_dir(vocab_size: int | None) -> Path:
-    """The cached directory of write_pi_tokenizer(vocab_size), written on first use (atomically, so parallel actors
-    never read a half-written one)."""
-    payload = {"format": PI_TOKENIZER_FORMAT, "written_by": writer_line(), "vocab_size": vocab_size}
-    key = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
-    path = cache_dir("pi_tokenizer") / key
-    if not (path / "tokenizer_config.json").is_file():
-        write_directory_atomically(path, lambda tmp: write_pi_tokenizer(tmp, vocab_size))
-    return path
 
 
 def resolve_tokenizer_path(config: PolicyConfig) -> Path:
@@ -389,16 +312,3 @@ class PiFlowPolicy(VLAFlowPolicy):
         """Strict load (every tensor from the file, or CheckpointError naming the missing ones). `tokenizer_path`
         replaces the saved tokenizer directory (the weights are all in the checkpoint)."""
         return cls.load_with_local_path(directory, "tokenizer_path", tokenizer_path, **overrides)
-
-
-def write_lerobot_stand_in(directory: str | Path, config: PolicyConfig, device: str | torch.device = "cpu") -> Path:
-    """A lerobot-format pi0 / pi0.5 checkpoint (lerobot's own save_pretrained: config.json + model.safetensors) of the
-    model `config` describes, with random weights: a stand-in for pi0_base / pi05_base at their real sizes where the
-    real weights are not at hand (GPU benchmarks). Built on `device` (lerobot's full sizes initialise far faster on a
-    GPU); policy.pi0.lerobot_checkpoint = `directory` then loads it strictly, with pi_tokenizer_dir(PALIGEMMA_VOCAB)
-    as the tokenizer."""
-    config = dataclasses.replace(config, pi0=dataclasses.replace(config.pi0, lerobot_checkpoint="", reinit_state_proj=False))
-    with torch.device(device):
-        policy = PiFlowPolicy(config)
-    policy.vla.save_pretrained(Path(directory))
-    return Path(directory)

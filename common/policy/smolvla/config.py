@@ -1,4 +1,4 @@
-"""policy.smolvla: the SmolVLA backend's own config section (its model lives in common.policy.smolvla). Free of
+"""policy.smolvla: the SmolVLA backend's own config section (its model: common.policy.smolvla.model). Free of
 torch and lerobot, so that a run's config validates before any backend is imported."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from common.validation import require, require_positive
 
 @dataclass
 class SmolVLAConfig(VLASectionConfig):
-    """policy.smolvla: the SmolVLA backend (common.policy.smolvla); read only when policy.type is "smolvla". The fields
+    """policy.smolvla: the SmolVLA backend (common.policy.smolvla.model); read only when policy.type is "smolvla". The fields
     every VLA section has are declared in common.policy.vla_config."""
 
     # Local directory holding the SmolVLM backbone's config, processor and tokenizer (a SmolVLA checkpoint
     # names a hub id, e.g. HuggingFaceTB/SmolVLM2-500M-Video-Instruct: this path replaces it; nothing is
-    # downloaded). "": the tiny SmolVLM built offline for policy.image_size (common.policy.tiny_vlm).
+    # downloaded). "": the tiny SmolVLM built offline for policy.image_size (common.policy.smolvla.stand_ins).
     vlm_path: str = ""
     # lerobot's SmolVLA architecture (its defaults are smolvla_base's).
     num_vlm_layers: int = 16  # first layers of the VLM's text model kept; <= its number of layers

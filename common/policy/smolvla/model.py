@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from common.config import PolicyConfig
 from common.observation import Observation
-from common.policy.tiny_vlm import TinyVLMSpec, tiny_vlm_dir
+from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.storage import CheckpointError
 

@@ -4,7 +4,7 @@ SmolVLA (lerobot) builds its VLM from `vlm_model_name`: a directory holding a Sm
 processor and a tokenizer. Here that directory is written from scratch: a character-level tokenizer built
 with the `tokenizers` library (printable ASCII plus SmolVLM's image special tokens), a SmolVLM processor,
 and a SmolVLM config a few hundred thousand parameters in size. No hub access, no weights: the policy's
-own checkpoint holds every tensor (see common.policy.smolvla).
+own checkpoint holds every tensor (see common.policy.smolvla.model).
 
 SMOLVLM2_500M_SHAPES gives the same offline directory at smolvla_base's backbone sizes (random weights at the
 real compute cost: bench/smolvla_gpu.py); only its vocabulary stays the character tokenizer's.
@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import string
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import cache_dir
+from common.policy.offline_tokenizer import build_tokenizer, writer_line
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.storage import write_directory_atomically
 
@@ -46,15 +46,6 @@ EXTRA_SPECIAL_TOKENS = {
 }
 # Bump when the files written below change, so cached directories are rebuilt.
 TINY_VLM_FORMAT = 2
-
-
-def writer_line() -> str:
-    """The transformers line whose save_pretrained wrote a cached directory: part of its cache key, because a major
-    line reads another's tokenizer files only partly (transformers 4 cannot load the tokenizer class 5 names), and
-    two environments on one machine share the cache."""
-    import transformers
-
-    return f"transformers {transformers.__version__.split('.')[0]}"
 
 
 @dataclass(frozen=True)
@@ -102,47 +93,13 @@ SMOLVLM2_500M_SHAPES = TinyVLMSpec(
 )  # fmt: skip
 
 
-def vocabulary(special_tokens: list[str] | None = None, size: int | None = None) -> dict[str, int]:
-    """`special_tokens` (default: SmolVLM's) first, then every printable ASCII character (one token per character),
-    then placeholder tokens up to `size` when given (a backbone's full vocabulary, so every id it embeds exists)."""
-    specials = special_tokens or list(dict.fromkeys([*SPECIAL_TOKENS.values(), *EXTRA_SPECIAL_TOKENS.values()]))
-    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    tokens = [*specials, *chars]
-    if size is not None:
-        if size < len(tokens):
-            raise ValueError(f"a character vocabulary needs at least {len(tokens)} tokens, got size={size}")
-        tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
-    return {token: i for i, token in enumerate(tokens)}
-
-
-def build_tokenizer(
-    special_tokens: dict[str, str] = SPECIAL_TOKENS,
-    extra_special_tokens: dict[str, str] = EXTRA_SPECIAL_TOKENS,
-    size: int | None = None,
-    add_bos: bool = False,
-):
-    """A character-level fast tokenizer (transformers' PreTrainedTokenizerFast) with the given special tokens
-    (default: SmolVLM's), `size` tokens in all when given, and the BOS token prepended to every text with `add_bos`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = vocabulary(list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens.values()])), size)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=special_tokens["unk_token"]))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()  # characters join without separators when decoding
-    if add_bos:
-        bos = special_tokens["bos_token"]
-        core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
-    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=512, extra_special_tokens=extra_special_tokens, **special_tokens)
-
-
 def write_tiny_vlm(directory: str | Path, spec: TinyVLMSpec) -> Path:
     """Write config.json, the tokenizer and the processor of a tiny SmolVLM into `directory`."""
     from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
     spec.validate()
     directory = Path(directory)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(SPECIAL_TOKENS, EXTRA_SPECIAL_TOKENS)
     vocab_size = len(tokenizer)
     config = SmolVLMConfig(
         vision_config={
