@@ -45,7 +45,6 @@ class PolicyConfig:
     hidden_dim: int = 256  # the MLP's width; a VLA's noise head and critic width
     num_layers: int = 3  # the MLP's velocity network depth
     time_embed_dim: int = 32  # the MLP's sinusoidal time embedding
-    dropout: float = 0.0  # the MLP's; > 0 only to reproduce the train-mode failure, kept off for RL
     # Noise injected at every Euler step, in normalised action units, bounded by a tanh into
     # [log sigma_min^2, log sigma_max^2] (ReinFlow). Bounds are fixed, not learned.
     sigma_min: float = 0.05
@@ -71,7 +70,6 @@ class PolicyConfig:
             self.image_size == 0 or (len(self.cameras) > 0 and len(set(self.cameras)) == len(self.cameras)),
             f"{path}.cameras must list distinct camera names (e.g. [corner]) when image_size > 0, got {self.cameras}",
         )
-        require(0.0 <= self.dropout < 1.0, f"{path}.dropout must be in [0, 1), got {self.dropout}")
         require(
             0.0 < self.sigma_min <= self.sigma_max,
             f"{path}.sigma_min/sigma_max must satisfy 0 < sigma_min <= sigma_max, got {self.sigma_min}, {self.sigma_max}",
@@ -94,7 +92,7 @@ class PolicyConfig:
 
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
-    SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization", "dropout")
+    SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization")
 
     def vla_section(self) -> str | None:
         """The subsection policy.type reads ("smolvla", or "pi0" for pi0 and pi0.5), None for the MLP."""

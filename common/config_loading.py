@@ -21,6 +21,17 @@ from common.config import AlgorithmConfig, ConfigError, RunConfig
 
 # Fields that moved to another section: an old YAML or --set gets the new place in one line.
 MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)}
+# Fields the schema no longer has -> (the value that behaves as the schema now does, why the field is gone). A config
+# file, a run's recorded config or a checkpoint that holds one at that value still loads, the field dropped; any other
+# value is refused, naming the reason.
+RETIRED_FIELDS = {
+    "policy.dropout": (0.0, "dropout while scoring makes the recomputed log-probs random; a policy has none"),
+}
+
+
+def is_retired_at_rest(dotted: str, value: Any) -> bool:
+    """`dotted` is a retired field at the value that behaves as the schema now does."""
+    return dotted in RETIRED_FIELDS and value == RETIRED_FIELDS[dotted][0]
 
 
 def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
@@ -36,8 +47,13 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     for name in unknown:
-        if _join(path, name) in MOVED_FIELDS:
-            raise ConfigError(f"{_join(path, name)} is now {MOVED_FIELDS[_join(path, name)]}")
+        dotted = _join(path, name)
+        if dotted in MOVED_FIELDS:
+            raise ConfigError(f"{dotted} is now {MOVED_FIELDS[dotted]}")
+        if dotted in RETIRED_FIELDS and not is_retired_at_rest(dotted, data[name]):
+            raise ConfigError(f"{dotted}={data[name]!r} is no longer a setting: {RETIRED_FIELDS[dotted][1]}; remove it")
+    data = {name: value for name, value in data.items() if not is_retired_at_rest(_join(path, name), value)}
+    unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
     base = cls() if base is None else base

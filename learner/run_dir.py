@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig
-from common.config_loading import flatten
+from common.config_loading import flatten, is_retired_at_rest
 from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, verify_checksums
 from learner.checkpoints import TRAINER_STATE_FILE
 
@@ -119,8 +119,11 @@ class RunDirectory:
         os.replace(tmp, self.path / RUN_CONFIG_FILE)
 
     def config_changes(self, config: RunConfig) -> dict[str, tuple[Any, Any]]:
-        """field -> (stored, now) for every field that differs from the run's recorded config."""
-        stored, current = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text())), flatten(config.to_dict())
+        """field -> (stored, now) for every field that differs from the run's recorded config (a retired field recorded
+        at the value that behaves as the schema now does differs from nothing)."""
+        recorded = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text()))
+        stored = {k: v for k, v in recorded.items() if not is_retired_at_rest(k, v)}
+        current = flatten(config.to_dict())
         return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)}
 
     def resume(self, config: RunConfig, allowed: frozenset[str] | set[str] = frozenset()) -> Path:

@@ -22,12 +22,13 @@ def time_embedding(t: Tensor, dim: int) -> Tensor:
 
 
 class MLP(nn.Sequential):
-    """Linear, Mish and dropout-slot layers in sequence, whose forward calls the layers' functional ops directly.
+    """Linear, Mish and slot layers in sequence, whose forward calls the layers' functional ops directly.
 
     An actor's decision for a few envs is dispatch-bound, and nn.Module's call machinery (hook and tracing checks, one
     forward per layer) is a sizeable part of it (docs/performance.md). The same ATen ops run on the same tensors, so
     the output is nn.Sequential's bit for bit, under autograd and autocast alike; forward hooks registered on the layers
-    themselves do not run. Dropout, at p > 0, is still called as a module, so it keeps its train/eval behaviour."""
+    themselves do not run. Any other layer in a slot (dropout, in tests) is called as a module, so it keeps its train/eval
+    behaviour."""
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self:
@@ -40,13 +41,13 @@ class MLP(nn.Sequential):
         return x
 
 
-def mlp(in_dim: int, hidden: int, out_dim: int, layers: int, dropout: float = 0.0) -> MLP:
+def mlp(in_dim: int, hidden: int, out_dim: int, layers: int) -> MLP:
     modules: list[nn.Module] = []
     width = in_dim
     for _ in range(layers):
-        # A dropout slot is always present so that checkpoints load whatever p a run asks for (no parameters either
-        # way); at p = 0 it is an Identity, which costs an actor's small decisions less than a no-op nn.Dropout call.
-        modules += [nn.Linear(width, hidden), nn.Mish(), nn.Dropout(dropout) if dropout > 0 else nn.Identity()]
+        # Each hidden layer ends in a parameter-free slot (an Identity, which MLP.forward skips): checkpoints name their
+        # tensors by these indices, and the tests put dropout there to provoke the train-mode failure.
+        modules += [nn.Linear(width, hidden), nn.Mish(), nn.Identity()]
         width = hidden
     modules.append(nn.Linear(width, out_dim))
     return MLP(*modules)
@@ -60,7 +61,7 @@ class MLPFlowPolicy(FlowPolicy):
         config.validate()
         self.config = config
         d = config.action_elements
-        self.velocity_net = mlp(config.obs_dim + d + config.time_embed_dim, config.hidden_dim, d, config.num_layers, config.dropout)
+        self.velocity_net = mlp(config.obs_dim + d + config.time_embed_dim, config.hidden_dim, d, config.num_layers)
         # The noise head sees time and state, not the noisy action (as in ReinFlow).
         self.noise_net = mlp(config.obs_dim + config.time_embed_dim, config.hidden_dim // 2, d, 2)
         self.critic_net = mlp(config.obs_dim, config.hidden_dim, 1, 2)

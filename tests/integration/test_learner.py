@@ -32,6 +32,7 @@ from learner.learner import Learner, lr_scale
 from learner.micro_batches import micro_batches_within
 from learner.numeric_checks import PRECISION_GAP_ROWS
 from tests.conftest import tiny_config
+from tests.helpers.dropout import with_dropout
 
 
 @pytest.fixture()
@@ -252,7 +253,7 @@ def test_policy_left_in_train_mode_with_dropout_fails_fast(tmp_path, bc_checkpoi
     actor = RolloutActor(config, 0, bc_checkpoint)
     batch = actor.sample(None, 0)
     # The seed report's bug: a wrapper whose eval() does not reach the dropout layers.
-    policy = FlowPolicy.from_pretrained(bc_checkpoint, dropout=0.2)
+    policy = with_dropout(FlowPolicy.from_pretrained(bc_checkpoint), 0.2)
     learner = Learner(config, policy)
     policy.train()
     policy.eval = lambda: policy  # type: ignore[method-assign]

@@ -21,6 +21,7 @@ from common.flow import chain_log_prob, compile_steps, num_log_prob_elements, sa
 from common.observation import Observation
 from common.policy import MLPFlowPolicy
 from common.policy.mlp import time_embedding
+from tests.helpers.dropout import with_dropout
 
 
 def make_policy(num_steps: int = 4, **overrides) -> MLPFlowPolicy:
@@ -120,7 +121,7 @@ def test_time_grid_is_the_single_source() -> None:
 def test_the_policys_shortcuts_give_the_plain_modules_bits() -> None:
     """step_time's shared tensors, MLPFlowPolicy.embed_time's memo and MLP's functional forward: each must leave every
     bit as the plain computation has it, forward and backward, in eval and train mode."""
-    policy = make_policy(4, dropout=0.2)
+    policy = with_dropout(make_policy(4), 0.2)
     t, dt = step_time(4, 1, 5, torch.device("cpu"))
     assert t is step_time(4, 1, 5, torch.device("cpu"))[0] and dt == time_grid(4)[1]
     assert torch.equal(t, time_grid(4)[0][1].expand(5))
@@ -201,7 +202,7 @@ def test_positive_per_element_log_prob_is_normal_for_small_sigma() -> None:
 
 
 def test_dropout_in_train_mode_is_detected() -> None:
-    policy = make_policy(4, dropout=0.3)
+    policy = with_dropout(make_policy(4), 0.3)
     obs = torch.randn(16, 6)
     with torch.no_grad():
         chain = sample_chain(policy.eval(), policy.encode(Observation(obs)), 16, generator=torch.Generator().manual_seed(0)).chain

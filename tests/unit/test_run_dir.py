@@ -11,16 +11,28 @@ import subprocess
 import sys
 import warnings
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import ConfigError
+from common.config_loading import load_config
 from common.metrics import MetricsLog
-from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, FlowPolicy, write_directory_atomically
+from common.policy import (
+    CHECKSUMS_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    CheckpointWriteError,
+    FlowPolicy,
+    read_policy_config,
+    write_directory_atomically,
+)
 from learner.learner import Learner
-from learner.run_dir import LOCK_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
+from learner.run_dir import LOCK_FILE, RUN_CONFIG_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
 from tests.conftest import tiny_config
+from tests.helpers.errors import one_line_error
 
 
 def test_a_second_run_on_a_held_directory_is_refused_and_a_stale_lock_is_taken_over(tmp_path) -> None:
@@ -59,6 +71,46 @@ def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path, mlp_chec
     assert directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"  # extending the run is fine
     with pytest.raises(ConfigError, match="iterations=1 but .* has completed 1"):
         directory.resume(tiny_config(tmp_path, iterations=1))
+
+
+def test_a_retired_field_at_rest_loads_from_checkpoints_recorded_configs_and_files_and_is_refused_otherwise(
+    tmp_path, mlp_checkpoint
+) -> None:
+    """policy.dropout left the schema: a checkpoint, a run's recorded config and a config file that hold it at 0.0
+    (what every run had) load and resume as before; any other value is refused in one line, naming the reason."""
+    config = tiny_config(tmp_path)
+
+    def with_retired_dropout(path: Path, value: float) -> None:
+        data = json.loads(path.read_text())
+        (data["policy"] if "policy" in data else data)["dropout"] = value
+        path.write_text(json.dumps(data))
+
+    def old_checkpoint(value: float) -> Path:
+        def write(tmp: Path) -> None:
+            FlowPolicy.from_pretrained(mlp_checkpoint).save_pretrained(tmp)
+            with_retired_dropout(tmp / CONFIG_FILE, value)
+
+        return write_directory_atomically(tmp_path / f"old_{value}", write)
+
+    assert read_policy_config(old_checkpoint(0.0)) == read_policy_config(mlp_checkpoint)
+    one_line_error(CheckpointError, lambda: read_policy_config(old_checkpoint(0.2)), "policy.dropout=0.2 is no longer a setting")
+    directory = RunDirectory(config.run_dir)
+    with directory.locked():
+        directory.start_new(config)
+        Learner(config, FlowPolicy.from_pretrained(mlp_checkpoint)).save_checkpoint(directory.checkpoints / "iter_000001")
+        directory.write_latest("iter_000001")
+    with_retired_dropout(directory.path / RUN_CONFIG_FILE, 0.0)
+    assert directory.config_changes(config) == {} and directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"
+    with_retired_dropout(directory.path / RUN_CONFIG_FILE, 0.2)
+    assert directory.config_changes(config) == {"policy.dropout": (0.2, None)}
+    yaml_file = tmp_path / "old.yaml"
+    for value, outcome in ((0.0, None), (0.2, "policy.dropout=0.2 is no longer a setting: dropout while scoring")):
+        yaml_file.write_text(f"policy:\n  dropout: {value}\n")
+        if outcome is None:
+            assert load_config(yaml_file) == load_config(None)
+        else:
+            one_line_error(ConfigError, lambda: load_config(yaml_file), outcome)
+    one_line_error(ConfigError, lambda: load_config(None, ["policy.dropout=0.5"]), "policy.dropout=0.5 is no longer a setting")
 
 
 @pytest.fixture()
