@@ -89,6 +89,13 @@ class PolicyConfig:
                 f"{path}.obs_dim ({self.obs_dim}) / action_dim ({self.action_dim}) must not exceed {path}.{vla}.max_state_dim "
                 f"({section.max_state_dim}) / max_action_dim ({section.max_action_dim}): raise those, or use fewer state dims",
             )
+        else:  # the MLP
+            require(
+                self.time_embed_dim % 2 == 0,
+                f"{path}.time_embed_dim must be even (the MLP's time embedding: sines and cosines in equal halves), "
+                f"got {self.time_embed_dim}",
+            )
+            require(self.hidden_dim >= 2, f"{path}.hidden_dim must be >= 2 (the MLP's noise network: half as wide), got {self.hidden_dim}")
 
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
@@ -494,6 +501,11 @@ class RunConfig:
             algorithm.minibatch_size is None or algorithm.minibatch_size <= decisions,
             f"algorithm.minibatch_size ({algorithm.minibatch_size}) exceeds the decisions of one rollout ({decisions} = actors.num_actors "
             "x actors.envs_per_actor x actors.decisions_per_rollout): lower it, or sample more",
+        )
+        require(
+            decisions >= 2,
+            "one rollout holds a single decision (actors.num_actors x actors.envs_per_actor x actors.decisions_per_rollout = 1): "
+            "an advantage normalised over one decision is 0 and the critic's explained variance is undefined: sample at least 2",
         )
         smallest = min(algorithm.minibatch_sizes(decisions))
         require(

@@ -9,6 +9,7 @@ schema's dataclasses (common.config) from nested dicts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -55,7 +56,10 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None)
     data = {name: value for name, value in data.items() if not is_retired_at_rest(_join(path, name), value)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"unknown field(s) {[_join(path, k) for k in unknown]}; known fields: {sorted(known)}")
+        hints = [f"{_join(path, k)} -> {match}?" for k in unknown if (match := closest_field(_join(path, k))) is not None]
+        meant = f" (did you mean {', '.join(hints)})" if hints else ""
+        named = [_join(path, k) for k in unknown]
+        raise ConfigError(f"unknown field(s) {named}{meant}; known fields of {path or 'the config'}: {sorted(known)}")
     base = cls() if base is None else base
     kwargs = {name: _coerce(hints[name], value, _join(path, name), getattr(base, name)) for name, value in data.items()}
     return dataclasses.replace(base, **kwargs)
@@ -188,6 +192,18 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def closest_field(dotted: str) -> str | None:
+    """The run schema's field whose name is closest to `dotted`'s last part, in any section (an old config may name a
+    field in the section it used to have), preferring `dotted`'s own section; None when no name is close."""
+    fields = [name for name in flatten(RunConfig().to_dict()) if name != dotted]
+    section, _, leaf = dotted.rpartition(".")
+    close = difflib.get_close_matches(leaf, sorted({name.rpartition(".")[2] for name in fields}), n=1, cutoff=0.75)
+    if not close:
+        return None
+    candidates = [name for name in fields if name.rpartition(".")[2] == close[0]]
+    return next((name for name in candidates if name.rpartition(".")[0] == section), candidates[0])
 
 
 def fields_of(config: RunConfig) -> set[str]:

@@ -51,7 +51,23 @@ def flip_last_byte(directory: Path) -> None:
 
 # (argv after --run-dir/--checkpoint, message regex, optional setup(tmp_path, bc_checkpoint) -> extra argv)
 BAD_INPUTS = [
-    (["--set", "learner.clip_epsilon=0.1"], r"unknown field.*learner\.clip_epsilon", None),
+    (["--set", "learner.clip_epsilon=0.1"], r"unknown field.*learner\.clip_epsilon -> algorithm\.clip_eps\?", None),
+    (["--set", "policy.time_embed_dim=33"], r"policy\.time_embed_dim must be even .*got 33", None),
+    (["--set", "policy.hidden_dim=1"], r"policy\.hidden_dim must be >= 2", None),
+    (
+        [
+            "--set",
+            "actors.num_actors=1",
+            "--set",
+            "actors.envs_per_actor=1",
+            "--set",
+            "actors.decisions_per_rollout=1",
+            "--set",
+            "algorithm.minibatch_size=1",
+        ],
+        r"one rollout holds a single decision",
+        None,
+    ),
     (["--set", "algorithm.clip_eps=2"], r"algorithm\.clip_eps must be in \(0, 1\)", None),
     (["--set", "algorithm.clip_eps=[1"], r"override 'algorithm\.clip_eps=\[1': the value is not valid YAML", None),
     ([], r"config file .*bad\.yaml is not valid YAML", lambda p, c: ["--config", _write(p / "bad.yaml", "learner: [\n")]),

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from common.config import AlgorithmConfig, ConfigError, RunConfig
-from common.config_loading import load_config
+from common.config_loading import closest_field, load_config
 from tests.conftest import REPO
 
 
@@ -67,6 +67,12 @@ def test_an_algorithm_field_under_learner_names_its_new_section_in_one_line(tmp_
             load_config(source, overrides)
         assert str(error.value) == f"learner.{field} is now algorithm.{field}"
     assert getattr(load_config(None, [f"algorithm.{field}={json.dumps(value)}"]).algorithm, field) == value
+
+
+def test_an_unknown_field_is_pointed_to_the_closest_one_its_own_section_first() -> None:
+    assert closest_field("learner.clip_epsilon") == "algorithm.clip_eps"  # the section an old config misplaced it in
+    assert closest_field("learner.precison") == "learner.precision" and closest_field("actors.precison") == "actors.precision"
+    assert closest_field("policy.colour") is None
 
 
 def test_missing_config_file_is_named(tmp_path) -> None:
@@ -156,7 +162,7 @@ def epoch_plan(config: RunConfig, decisions: int, seed: int = 0) -> list[torch.T
 
 SHAPES = [{"actors.num_actors": n} for n in (1, 2, 3, 4, 7, 16)] + [
     {"actors.num_actors": 3, "actors.envs_per_actor": 1},
-    {"actors.num_actors": 1, "actors.envs_per_actor": 1, "actors.decisions_per_rollout": 1},
+    {"actors.num_actors": 1, "actors.envs_per_actor": 1, "actors.decisions_per_rollout": 2},
     {"actors.num_actors": 5, "actors.envs_per_actor": 3, "actors.decisions_per_rollout": 7},
     {"actors.num_actors": 16, "actors.envs_per_actor": 8, "actors.decisions_per_rollout": 13},
 ]
