@@ -49,6 +49,8 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     clock = StartupClock(began, startup)
     # A resumed run loads everything from its own checkpoint: never rebuild or re-read the initial one.
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
+    if resume_dir is None:
+        clock.reached("initial_policy")
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # shown at every run's start, like the ratio warning
         directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))
@@ -108,9 +110,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
 
     logged, faults = rows.log.read(), {**pool.faults, "faults/learner_restarts": float(learner.restarts)}
     summary.finish(config, logged, env_steps, clock.elapsed(), checkpoint, faults, cost.final(len(pool.actors)))
+    rows.close()  # the last films saved and wandb's closing lines printed first: the summary is the last thing on screen
     if logged and not single_batch:
         summary.plot_and_print(config, logged, directory.path)
-    rows.close()
     return summary.data
 
 

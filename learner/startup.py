@@ -224,10 +224,11 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
 
 
 # What a run's start-up passes through, in seconds since learner.main.run began (summary.json "startup", the "[start]"
-# lines): Ray connected, the input checked (beside Ray's start), the learner and all the rollout actors constructed,
-# the first weights published, the initial policy's held-out evaluation (a full run), and the first rollout collected.
-STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "learner_ready": "learner", "actors_ready": "actors",
-                  "weights_published": "weights published", "initial_evaluation": "initial evaluation",
+# lines): Ray connected, the input checked (beside Ray's start), the initial policy found (a fresh run: the cached BC
+# checkpoint is built on first use, which can take minutes), the learner and all the rollout actors constructed, the
+# first weights published, the initial policy's held-out evaluation (a full run), and the first rollout collected.
+STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "initial_policy": "initial policy", "learner_ready": "learner",
+                  "actors_ready": "actors", "weights_published": "weights published", "initial_evaluation": "initial evaluation",
                   "first_rollout": "first rollout"}  # fmt: skip
 
 

@@ -182,6 +182,7 @@ def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_
     assert list(startup) == sorted(startup, key=startup.get) and set(startup) == set(STARTUP_STAGES)
     assert 0 < startup["actors_ready"] <= startup["weights_published"] < startup["initial_evaluation"]
     assert startup["input_checked"] <= startup["actors_ready"] and startup["learner_ready"] <= startup["weights_published"]
+    assert startup["ray_up"] <= startup["initial_policy"] <= startup["learner_ready"]  # the learner starts from it
     assert startup["initial_evaluation"] < startup["first_rollout"] < cost["wall_seconds"]
 
 

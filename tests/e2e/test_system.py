@@ -188,7 +188,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     assert ray.get(again) == built
 
 
-def test_the_bare_main_command_runs_the_embedded_default(tmp_path) -> None:
+def test_the_bare_main_command_runs_the_embedded_default(tmp_path, capfd) -> None:
     """The first iterations of what a user runs first, `python -m learner.main --num-actors 10`: the embedded default
     config (no --config, no --set), its BC checkpoint chosen by the success window (built on first use, then cached),
     10 actors x 2 envs x 50 decisions into the default update (the critic alone for its 3 warm-up iterations, then the
@@ -197,6 +197,11 @@ def test_the_bare_main_command_runs_the_embedded_default(tmp_path) -> None:
 
     run_dir = tmp_path / "run"
     assert main(["--num-actors", "10", "--iterations", "4", "--run-dir", str(run_dir)]) == 0
+    # The before/after summary is the last thing printed: the last films and wandb's closing lines come before it.
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.strip()]
+    closing = len(printed) - 2 - printed[-2::-1].index("=" * 78)  # the summary's first rule
+    assert printed[-1] == "=" * 78 and printed[closing + 1].startswith("initial policy : success"), printed[-12:]
+    assert not [line for line in printed[closing:] if line.startswith(("[videos]", "wandb:"))], printed[closing:]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["ppo/actor_lr"] > 0 for row in rows] == [False, False, False, True]
@@ -211,4 +216,7 @@ def test_the_bare_main_command_runs_the_embedded_default(tmp_path) -> None:
     }  # fmt: skip
     start = summary["manifest"]["init_checkpoint"]
     assert start["path"].startswith(str(cache_dir("bc"))) and 0.2 <= start["pretrain"]["eval_success_rate"] <= 0.7
+    # The start-up says where its minutes went: building the initial policy, apart from the learner's own start.
+    startup = summary["startup"]
+    assert startup["ray_up"] < startup["initial_policy"] < startup["learner_ready"]
     assert summary["initial_eval"]["eval/episodes"] == summary["final_eval"]["eval/episodes"] == 100
