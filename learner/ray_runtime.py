@@ -19,8 +19,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.config import ConfigError, RunConfig
 
 LOOPBACK = "127.0.0.1"
-# How long a Ray address may take to accept a TCP connection before the run is refused: a live GCS answers in
-# milliseconds, even across regions.
+# How long a Ray address may take to accept a TCP connection, and then to answer as a gRPC server, before the run is
+# refused: a live GCS answers in milliseconds, even across regions.
 GCS_PROBE_TIMEOUT_S = 10.0
 # Fixed-point unit of Ray's resource accounting (it rounds requests to 1e-4).
 RESOURCE_UNIT = 10_000
@@ -115,9 +115,10 @@ def connect_ray(address: str | None, include_dashboard: bool) -> bool:
     return True
 
 
-def check_reachable(address: str, source: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> None:
-    """ConfigError naming `address` (and `source`, where it came from) when its port takes no TCP connection within
-    `timeout_s`: ray.init would retry an absent GCS for minutes, and Ray 2.60's init takes no deadline of its own.
+def check_reachable(address: str, source: str, timeout_s: float | None = None) -> None:
+    """ConfigError naming `address` (and `source`, where it came from) when its port takes no TCP connection, or takes
+    one but answers no gRPC handshake (a port of something other than Ray), within `timeout_s` (GCS_PROBE_TIMEOUT_S):
+    ray.init would retry an absent GCS for minutes, and Ray 2.60's init takes no deadline of its own.
     The port probed is the one ray.init dials: a loopback host becomes this machine's address, as Ray resolves it;
     a Ray Client address (ray://HOST:PORT) is dialled as given."""
     from ray._common.network_utils import parse_address
@@ -130,6 +131,7 @@ def check_reachable(address: str, source: str, timeout_s: float = GCS_PROBE_TIME
     parsed = None if target is None else parse_address(target)
     if parsed is None:  # "local", or "auto" with no cluster found: ray.init starts or refuses at once
         return
+    timeout_s = GCS_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         with socket.create_connection((parsed[0], int(parsed[1])), timeout=timeout_s):
             pass
@@ -137,6 +139,14 @@ def check_reachable(address: str, source: str, timeout_s: float = GCS_PROBE_TIME
         reason = f"no answer within {timeout_s:g}s" if isinstance(exc, TimeoutError) else getattr(exc, "strerror", None) or str(exc)
         raise ConfigError(f"{source} {address}: no Ray cluster answers at {target} ({reason}): start one there (ray start --head) "
                           "or correct the address") from None  # fmt: skip
+    import grpc  # Ray's GCS and its client server speak gRPC: a port that takes TCP but not HTTP/2 is something else
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ConfigError(f"{source} {address}: {target} takes connections but answers no Ray handshake within {timeout_s:g}s: "
+                              "it is not a Ray head node's GCS port (6379 by default); correct the address") from None  # fmt: skip
 
 
 def start_local_ray(**init_kwargs: Any) -> Any:

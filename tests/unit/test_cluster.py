@@ -202,6 +202,26 @@ def test_an_address_where_no_ray_answers_is_refused_at_once_and_nothing_written(
     assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
 
 
+def test_an_address_whose_port_takes_connections_but_is_not_ray_is_refused_within_the_deadline(tmp_path: Path, monkeypatch,
+                                                                                                capsys) -> None:  # fmt: skip
+    """A port that accepts TCP and never speaks Ray's protocol (another service, a stale forward): ray.init would wait on
+    it with no deadline; the run refuses it after the probe's own."""
+    from learner import ray_runtime
+
+    ray.shutdown()
+    monkeypatch.setattr(ray_runtime, "GCS_PROBE_TIMEOUT_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("0.0.0.0", 0))  # every interface: Ray dials a loopback address at this machine's own
+        silent.listen(4)
+        port = silent.getsockname()[1]
+        assert main(["--address", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    refusal = rf"^error: --address 127\.0\.0\.1:{port}: \S+:{port} takes connections but answers no Ray handshake within 1s"
+    assert re.search(refusal, err), err
+    assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [("actors.resources={rollout_gpu: 1.5}", r"actors\.resources\.rollout_gpu must be >= 0 and, above 1, a whole number"),
