@@ -15,6 +15,9 @@
   seconds since learner.main.run began (the interpreter's start and learner.main's imports come before) at which
   Ray was up, the input checked, the learner and all the actors constructed, the weights published and the first
   rollout collected.
+- main_console_lines_before_its_own / main_console_error_lines: what a user sees first, from the command's console
+  (stdout and stderr in the order written): the lines before the project's own first one ("[start] flowrl: ..."), and
+  the lines printed at an error level (Ray's "E" C++ log lines, Python's ERROR records).
 - floor: in this process, `ray.init` (local, no dashboard) plus N bare actors whose constructor imports torch,
   until all N have answered; then Ray is shut down. It runs after the main command, so it meets file caches at
   least as warm. floor_stages: when Ray was up and when the actors had answered, in seconds since ray.init began.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report import REPO_ROOT, ProcessTreeCPU, emit, load_average, put_repo_on_path, ratio  # noqa: E402
 
 put_repo_on_path()
+
+# A console line at an error level: Ray's C++ log ("[2026-01-01 00:00:00,000 E 123 456] file.cc:1: ...") or a Python
+# logging record at ERROR.
+ERROR_LINE = re.compile(r"^\[\S+ \S+ E \d+ \d+\]|\bERROR\b")
 
 
 def process_kind(root_pid: int) -> Callable[[int, str], str | None]:
@@ -128,6 +136,9 @@ def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -
         if process.returncode != 0 or first_row_seconds is None:
             raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}, metrics row seen: {first_row_seconds is not None}):\n"
                                f"{log_path.read_text()[-4000:]}")  # fmt: skip
+        console = log_path.read_text().splitlines()
+        own = next((number for number, line in enumerate(console) if line.startswith("[start] flowrl:")), len(console))
+        errors = [line for line in console if ERROR_LINE.search(line)]
         first_row = json.loads(metrics_path.read_text().splitlines()[0])
         stages = json.loads((Path(run_dir) / "summary.json").read_text())["startup"]
     return {
@@ -136,6 +147,8 @@ def main_command_seconds(actors: int, extra_args: list[str], timeout_s: float) -
         "first_rollout_sample_seconds": first_row["time/sample_seconds"],
         "command_seconds": command_seconds,
         "main_stages": stages,
+        "main_console_lines_before_its_own": own,
+        "main_console_error_lines": len(errors),
         "main_cpu_seconds": cpu_seconds(tree),
     }
 

@@ -78,6 +78,9 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
     try:
         # Before the input checks start: an address nothing answers at is refused at once, not after them.
         joining = None if ray.is_initialized() else cluster_to_join(address)
+        ray_line = "this process's Ray" if ray.is_initialized() else f"joining Ray at {joining}" if joining else "starting a local Ray"
+        print(f"[start] flowrl: {'resuming' if resume else 'a new run in'} {config.run_dir}; {ray_line} while the input is checked",
+              flush=True)  # fmt: skip
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
             checked = checking.submit(check_input, config, address, resume)
             checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
