@@ -5,12 +5,14 @@ Keys are namespaced like CleanRL's (`rollout/`, `losses/`, `ppo/`, `logprob/`, `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from common.storage import RunFileWriteError
 from common.trajectory import RolloutBatch
 
 
@@ -92,8 +94,15 @@ class MetricsLog:
                 f.truncate(data.rfind(b"\n") + 1)
 
     def write(self, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}) + "\n")
+        """Append one row; RunFileWriteError (one line, naming the file) when the disk refuses it."""
+        line = json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}) + "\n"
+        try:
+            with self.path.open("a") as f:
+                f.write(line)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a half-written row is cut now (a cut frees space), not left for the next one
+                self._drop_torn_tail()
+            raise RunFileWriteError.of(self.path, exc) from exc
 
     def read(self) -> list[dict]:
         """Rows in order; after a resume, the latest row of each iteration wins."""

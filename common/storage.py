@@ -33,6 +33,11 @@ class CheckpointWriteError(OSError):
         return cls(f"could not write {what}: {reason}" + (f" ({Path(error.filename).name})" if error.filename else ""))
 
 
+class RunFileWriteError(CheckpointWriteError):
+    """A run's own record (metrics.jsonl, summary.json) could not be written: the rows and summary written before stay
+    as they were (a torn last line is cut when the log is opened again), and so does the latest checkpoint."""
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

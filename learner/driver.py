@@ -32,6 +32,7 @@ import ray
 
 from common.config import RunConfig
 from common.metrics import MetricsLog
+from common.storage import RunFileWriteError
 from learner.actor_pool import ActorPool, PendingCall
 from learner.failures import LearnerDiedError
 from learner.learner_handle import LearnerHandle
@@ -104,8 +105,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
             rows.add(metrics, evaluation, wait=done)
             iteration += 1
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
-        rows.keep_completed()
-        learner.save_progress(exc)
+        if not isinstance(exc, RunFileWriteError):  # else the disk refused a row: a checkpoint past it would lose that row
+            rows.keep_completed()
+            learner.save_progress(exc)
         raise
 
     logged, faults = rows.log.read(), {**pool.faults, "faults/learner_restarts": float(learner.restarts)}

@@ -21,6 +21,7 @@ from common.file_digests import file_sha256
 from common.metrics import MetricsLog, console_line, eval_metrics, evaluated_tasks, plot_learning_curve, plot_task_curves, task_key
 from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
+from common.storage import RunFileWriteError
 from learner.actor_pool import ActorPool, PendingEvaluation
 from learner.learner import update_shape
 from learner.learner_handle import LearnerHandle
@@ -162,10 +163,10 @@ class MetricsRows:
                 if not wait and not self.evaluator.finished(evaluation):
                     return
                 row.update(self.evaluator.collect(evaluation))
-            self.held.popleft()
             if self.evaluator.films is not None:
                 self.evaluator.films.save(wait=False)
             self.log.write(row)
+            self.held.popleft()  # after the write: a row the disk refused is still held
             self.learner.export_gauges(row)
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=int(row["iteration"]))
@@ -194,7 +195,15 @@ class RunSummary:
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if resume and self.path.is_file() else {}
 
     def write(self) -> None:
-        self.path.write_text(json.dumps(self.data, indent=2))
+        """summary.json replaced whole (a temporary file renamed over it): a full disk leaves the previous one as it was
+        and raises RunFileWriteError."""
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            temporary.write_text(json.dumps(self.data, indent=2))
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise RunFileWriteError.of(self.path, exc) from exc
 
     def begin(self, config: RunConfig, checkpoint: Path | None, eval_layouts: list) -> None:
         """A new run's manifest."""

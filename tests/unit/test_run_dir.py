@@ -189,6 +189,60 @@ def test_metrics_log_survives_a_torn_last_line(tmp_path) -> None:
         MetricsLog(path).read()
 
 
+def test_a_full_disk_under_the_runs_record_loses_no_row_and_no_summary_and_ends_the_run_in_one_line(tmp_path, monkeypatch,
+                                                                                                     capsys) -> None:  # fmt: skip
+    """metrics.jsonl and summary.json on a full disk: the row refused stays held (the run's stop writes it when it can,
+    a resume redoes it), the half-written line is cut at once, the previous summary stays whole,
+    and the run ends with one line, exit 1."""
+    import types
+    from pathlib import Path as PathType
+
+    from common.storage import RunFileWriteError
+    from learner import main as main_module
+    from learner.reporting import MetricsRows, RunSummary
+
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write({"iteration": 1, "x": 1.0})
+    real_open = PathType.open
+
+    def full_after_half(self, mode="r", *args, **kwargs):
+        handle = real_open(self, mode, *args, **kwargs)
+        if self == path and mode == "a":
+
+            def write(text):
+                real_write(text[: len(text) // 2])
+                handle.flush()
+                no_space(None, self)
+
+            real_write, handle.write = handle.write, write
+        return handle
+
+    monkeypatch.setattr(PathType, "open", full_after_half)
+    nobody = types.SimpleNamespace(films=None)
+    rows = MetricsRows(log, nobody, types.SimpleNamespace(export_gauges=lambda row: None), None, single_batch=False)
+    with pytest.raises(RunFileWriteError, match=r"could not write .*metrics\.jsonl: No space left on device \(metrics\.jsonl\)$"):
+        rows.add({"iteration": 2, "x": 2.0}, None, wait=False)
+    assert [row for row, _ in rows.held] == [{"iteration": 2, "x": 2.0}]  # still held
+    monkeypatch.setattr(PathType, "open", real_open)  # room again
+    rows.keep_completed()
+    assert [row["x"] for row in MetricsLog(path).read()] == [1.0, 2.0] and path.read_text().endswith("}\n")
+
+    summary = RunSummary(types.SimpleNamespace(path=tmp_path), resume=False)
+    summary.data = {"iterations": 1}
+    summary.write()
+    summary.data = {"iterations": 2}
+    monkeypatch.setattr(os, "replace", no_space)
+    with pytest.raises(RunFileWriteError, match=r"could not write .*summary\.json: No space left on device"):
+        summary.write()
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"iterations": 1} and not list(tmp_path.glob(".summary*"))
+
+    monkeypatch.setattr(main_module, "run", lambda *args, **kwargs: (_ for _ in ()).throw(RunFileWriteError("could not write m")))
+    assert main_module.main(["--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: could not write m; the latest checkpoint is kept: continue with --resume\n", err
+
+
 def test_keep_checkpoints_deletes_the_oldest_but_never_the_one_latest_names(tmp_path) -> None:
     directory = RunDirectory(tmp_path / "run")
     for iteration in (1, 2, 3, 4):
