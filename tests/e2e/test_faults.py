@@ -49,12 +49,12 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 # ---------------------------------------------------------------------------------------------- the actor pool
 
 
-def pool_of(tmp_path: Path, modes: list[str], **actors: float) -> ActorPool:
+def pool_of(tmp_path: Path, modes: list[str], seconds: float = 0.0, **actors: float) -> ActorPool:
     tmp_path.mkdir(exist_ok=True)
     config = tiny_config(tmp_path, **{f"actors.{k}": v for k, v in actors.items()}, **{"actors.num_actors": len(modes)})
     remote = ray.remote(Flaky)
     pool = ActorPool(config, lambda i: remote.options(num_cpus=0, max_restarts=config.actors.max_restarts).remote(
-        str(tmp_path / f"marker{i}"), modes[i]))  # fmt: skip
+        str(tmp_path / f"marker{i}"), modes[i], seconds))  # fmt: skip
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])  # start-up is not part of a call's time
     return pool
 
@@ -66,6 +66,15 @@ def test_dead_and_wedged_actors_are_restarted_and_their_calls_retried(tmp_path) 
     assert pool.restarts == {0: 1, 1: 1, 2: 0}
     assert pool.faults["faults/actor_timeouts"] == 1 and pool.faults["faults/actor_restarts"] == 2
     assert pool.faults["faults/resampled_env_steps"] == 30  # the retried calls' work, counted once each
+
+
+def test_a_restarted_actors_start_up_and_its_call_each_have_the_whole_deadline(tmp_path) -> None:
+    """An actor that takes 3 s to start again and 3 s to answer, under a 5 s deadline: 6 s in all, but each within its
+    own deadline, so it is restarted once and never timed out (a VLA actor reloading its model on a short deadline)."""
+    pool = pool_of(tmp_path, ["slow_restart"], seconds=3.0, call_timeout_s=5)
+    results = pool.call("work", lambda i: (7,))
+    assert {i: ray.get(refs[0]) for i, refs in results.items()} == {0: {"env_steps": 7}}
+    assert pool.restarts == {0: 1} and pool.faults["faults/actor_timeouts"] == 0
 
 
 def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path) -> None:

@@ -9,17 +9,23 @@ from pathlib import Path
 
 
 class Flaky:
-    """Its first call dies (process exit) or hangs (sleeps for an hour), as `mode` says; after a restart it answers."""
+    """Its first call dies (process exit) or hangs (sleeps for an hour), as `mode` says; after a restart it answers.
+    Mode "slow_restart": the first call dies, and the restarted actor takes `seconds` to start, then `seconds` to answer
+    each call (a VLA actor reloading its model, then sampling)."""
 
-    def __init__(self, marker: str, mode: str):
-        self.marker, self.mode = Path(marker), mode
+    def __init__(self, marker: str, mode: str, seconds: float = 0.0):
+        self.marker, self.mode, self.seconds = Path(marker), mode, seconds
+        if mode == "slow_restart" and self.marker.exists():
+            time.sleep(seconds)
 
     def work(self, value: int) -> dict[str, int]:
         if self.mode != "ok" and not self.marker.exists():
             self.marker.touch()
-            if self.mode == "die":
+            if self.mode in ("die", "slow_restart"):
                 os._exit(1)
             time.sleep(3600)
+        if self.mode == "slow_restart":
+            time.sleep(self.seconds)
         return {"env_steps": value}
 
 
