@@ -196,7 +196,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def closest_field(dotted: str) -> str | None:
     """The run schema's field whose name is closest to `dotted`'s last part, in any section (an old config may name a
-    field in the section it used to have), preferring `dotted`'s own section; None when no name is close."""
+    field in another section), preferring `dotted`'s own section; None when no name is close."""
     fields = [name for name in flatten(RunConfig().to_dict()) if name != dotted]
     section, _, leaf = dotted.rpartition(".")
     close = difflib.get_close_matches(leaf, sorted({name.rpartition(".")[2] for name in fields}), n=1, cutoff=0.75)
