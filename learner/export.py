@@ -29,6 +29,7 @@ from common.policy import (
     write_directory_atomically,
 )
 from common.policy.registry import BACKENDS
+from common.policy.torchvision_shim import plain_import_advice, plain_import_fails
 from learner.run_dir import policy_directory
 
 EXIT_BAD_INPUT = 2
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
         print(f"  {', '.join(names)}: {what}")
     print(how_to_load(out.resolve(), policy.lerobot_type))
+    if plain_import_fails():
+        print(f"note: {plain_import_advice()}")
     return 0
 
 

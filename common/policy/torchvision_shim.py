@@ -30,12 +30,28 @@ def torchvision_is_cuda_build() -> bool:
     return version_file.is_file() and "+cu" in version_file.read_text()
 
 
+def plain_import_fails() -> bool:
+    """torch is CPU-only and torchvision a CUDA build: `import torchvision`, and so lerobot's policies, fail in an
+    interpreter without this shim (a user's own, loading an export with lerobot alone)."""
+    return torch.version.cuda is None and torchvision_is_cuda_build()
+
+
+def plain_import_advice() -> str:
+    """One line for a user who will load lerobot without the project, where plain_import_fails()."""
+    from importlib.metadata import version
+
+    return (f"lerobot alone cannot import on this machine: torchvision {version('torchvision')} is a CUDA build beside "
+            f"torch {torch.__version__} (operator torchvision::nms does not exist); where lerobot loads it without this "
+            "project, install the torchvision built for that torch, e.g. pip install torchvision=="
+            f"{version('torchvision').split('+')[0]} --index-url https://download.pytorch.org/whl/cpu")  # fmt: skip
+
+
 def install_cpu_torchvision_shim() -> bool:
     """Skip torchvision's meta-kernel registrations when torch is CPU-only and torchvision is a CUDA build.
     Returns whether the shim was installed (idempotent)."""
     if META_MODULE in sys.modules or "torchvision" in sys.modules:
         return False
-    if torch.version.cuda is not None or not torchvision_is_cuda_build():
+    if not plain_import_fails():
         return False
     sys.modules[META_MODULE] = types.ModuleType(META_MODULE)
     return True

@@ -207,6 +207,11 @@ def test_the_command_exports_a_run_directorys_latest_checkpoint(tmp_path) -> Non
     assert any(line.startswith("  model.safetensors: SmolVLAPolicy weights") for line in lines)
     assert any(line.startswith("  policy_preprocessor.json, ") for line in lines)
     assert any(line.startswith("  checksums.json: ") for line in lines)
+    # torchvision imported as a user's own interpreter does, without the project: the export says when that fails here.
+    plain = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True, timeout=120)
+    noted = [line for line in lines if line.startswith("note: lerobot alone cannot import on this machine: torchvision ")]
+    assert len(noted) == (plain.returncode != 0), (plain.stderr[-500:], lines)
+    assert all("install the torchvision built for that torch" in line for line in noted)
     exported_bias = load_file(str(out / "model.safetensors"))["model.action_time_mlp_out.bias"]
     assert torch.equal(exported_bias, policies["iter_000002"].vla.model.action_time_mlp_out.bias)
     assert not torch.equal(exported_bias, policies["iter_000001"].vla.model.action_time_mlp_out.bias)
