@@ -38,6 +38,18 @@ class RunFileWriteError(CheckpointWriteError):
     as they were (a torn last line is cut when the log is opened again), and so does the latest checkpoint."""
 
 
+def write_file_atomically(path: Path, text: str, error: type[CheckpointWriteError] = CheckpointWriteError) -> None:
+    """`text` into `path` through a temporary sibling renamed over it: a failed write (a full disk) leaves the previous
+    file as it was, and no temporary one, and raises `error` naming `path` in one line."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise error.of(path, exc) from exc
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -21,7 +21,7 @@ from common.file_digests import file_sha256
 from common.metrics import MetricsLog, console_line, eval_metrics, evaluated_tasks, plot_learning_curve, plot_task_curves, task_key
 from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
-from common.storage import RunFileWriteError
+from common.storage import RunFileWriteError, write_file_atomically
 from learner.actor_pool import ActorPool, PendingEvaluation
 from learner.learner import update_shape
 from learner.learner_handle import LearnerHandle
@@ -197,13 +197,7 @@ class RunSummary:
     def write(self) -> None:
         """summary.json replaced whole (a temporary file renamed over it): a full disk leaves the previous one as it was
         and raises RunFileWriteError."""
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            temporary.write_text(json.dumps(self.data, indent=2))
-            os.replace(temporary, self.path)
-        except OSError as exc:
-            temporary.unlink(missing_ok=True)
-            raise RunFileWriteError.of(self.path, exc) from exc
+        write_file_atomically(self.path, json.dumps(self.data, indent=2), RunFileWriteError)
 
     def begin(self, config: RunConfig, checkpoint: Path | None, eval_layouts: list) -> None:
         """A new run's manifest."""

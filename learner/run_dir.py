@@ -23,7 +23,8 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import flatten, is_retired_at_rest
-from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, CheckpointWriteError, verify_checksums
+from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, verify_checksums
+from common.storage import write_file_atomically
 from learner.checkpoints import TRAINER_STATE_FILE
 
 LATEST_FILE = "latest"
@@ -195,14 +196,7 @@ class RunDirectory:
 
     def write_latest(self, name: str) -> None:
         """Point `latest` at checkpoint `name`; a failed write (CheckpointWriteError) leaves the old pointer."""
-        pointer = self.checkpoints / LATEST_FILE
-        tmp = pointer.with_suffix(".tmp")
-        try:
-            tmp.write_text(name)
-            os.replace(tmp, pointer)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointWriteError.of(pointer, exc) from exc
+        write_file_atomically(self.checkpoints / LATEST_FILE, name)
 
     def prune_checkpoints(self, keep: int) -> list[str]:
         """Delete every checkpoint (iter_NNNNNN) but the newest `keep` and the one `latest` names; returns the names
