@@ -92,17 +92,19 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
                 if done or (iteration + 1) % config.checkpoint_every == 0:
                     learner.save(iteration + 1)
+                env_steps += int(metrics["rollout/env_steps"])
+                metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps,
+                                "time/iteration_seconds": iteration_seconds,
+                                "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
+                                "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
+                                "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
+                                **cost.charge(len(pool.actors))})  # fmt: skip
+                rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
             except LearnerDiedError as failure:  # a new learner, from the latest checkpoint: the iterations since are redone
                 iteration, env_steps = learner.restart(failure)
                 rollouts.restart(learner.publish_in_flight())
+                rows.after_learner_restart(iteration, rollouts.weights_ref)
                 continue
-            env_steps += int(metrics["rollout/env_steps"])
-            metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps, "time/iteration_seconds": iteration_seconds,
-                            "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
-                            "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
-                            "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
-                            **cost.charge(len(pool.actors))})  # fmt: skip
-            rows.add(metrics, evaluation, wait=done)
             iteration += 1
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
         if not isinstance(exc, RunFileWriteError):  # else the disk refused a row: a checkpoint past it would lose that row

@@ -23,6 +23,7 @@ from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from common.storage import RunFileWriteError, write_file_atomically
 from learner.actor_pool import ActorPool, PendingEvaluation
+from learner.failures import LearnerDiedError
 from learner.learner import update_shape
 from learner.learner_handle import LearnerHandle
 from learner.manifest import reproducibility_manifest
@@ -173,6 +174,28 @@ class MetricsRows:
             print(console_line(row), flush=True)
             if self.single_batch:
                 print(json.dumps(row, indent=1, sort_keys=True), flush=True)
+
+    def after_learner_restart(self, iteration: int, weights_ref: ray.ObjectRef) -> None:
+        """Settle the held rows once a new learner has started from the checkpoint of `iteration`: those after it are
+        dropped (their iterations are redone); the rest are written once their evaluations are in. An evaluation whose
+        actors had not fetched its weights when their learner died is lost with it: the checkpoint's own iteration is
+        evaluated again with the new learner's `weights_ref` (the same version, from that checkpoint); an earlier one
+        cannot be, and its row is written without it, with a warning."""
+        held, self.held = self.held, deque()
+        for row, evaluation in held:
+            if row["iteration"] > iteration:
+                continue
+            if evaluation is not None:
+                try:
+                    row.update(self.evaluator.collect(evaluation))
+                except LearnerDiedError:
+                    if row["iteration"] == iteration:
+                        row.update(self.evaluator.run(weights_ref, f"{evaluation.label}, again", iteration))
+                    else:
+                        warnings.warn(f"the evaluation of iteration {row['iteration']} was lost with the learner that "
+                                      "published its weights: its row has none", RuntimeWarning, stacklevel=2)  # fmt: skip
+            self.held.append((row, None))
+        self.write(wait=True)
 
     def keep_completed(self) -> None:
         """Write the held rows as they are: a run that stops keeps its completed iterations, not their unfinished evaluations."""

@@ -245,11 +245,48 @@ def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed
     assert first_launch["faults/resampled_env_steps"] > 0  # the retried calls' samples, taken again
 
     monkeypatch.undo()
+    # The resumed launch loses its final evaluation with its learner, which is started again for it.
+    killed = kill_the_learner_while_the_final_evaluation_fetches_its_weights(monkeypatch)
     assert main(argv + ["--resume"]) == 0
+    assert killed
     assert_same_run(run_dir, undisturbed)  # nothing lost, nothing counted twice
+    final, undisturbed_final = rows_by_iteration(run_dir)[ITERATIONS], rows_by_iteration(undisturbed)[ITERATIONS]
+    assert {k: v for k, v in final.items() if k.startswith("eval/") and k != "eval/wait_seconds"} == {
+        k: v for k, v in undisturbed_final.items() if k.startswith("eval/") and k != "eval/wait_seconds"}  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(r"\[fault\] the learner died .*: restarting it \(1/3\) from .*iter_000024", out), out
+    assert f"[eval:iteration {ITERATIONS}, again] held-out" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["env_steps"] == rows_by_iteration(undisturbed)[ITERATIONS]["rollout/total_env_steps"]
-    assert summary["faults"]["faults/learner_restarts"] == summary["faults"]["faults/actor_restarts"] == 0.0  # the resumed launch's own
+    assert summary["env_steps"] == undisturbed_final["rollout/total_env_steps"]
+    assert summary["faults"]["faults/learner_restarts"] == 1.0  # the resumed launch's own
+    assert 1.0 <= summary["faults"]["faults/actor_restarts"] <= 2.0  # an actor whose retry finds the weights gone stops the wait
+
+
+def kill_the_learner_while_the_final_evaluation_fetches_its_weights(monkeypatch) -> list[int]:
+    """At the final checkpoint, with the final evaluation (submitted just before) under way on the actors: the rollout
+    actors are killed (so that their restarts fetch the evaluation's weights again), then, once the checkpoint is
+    written, the learner that owns those weights, until Ray sees it dead. Returns the killed pids."""
+    from learner.learner_handle import LearnerHandle
+
+    real_save, killed = LearnerHandle.save, []
+
+    def pids(actor_class: str) -> list[int]:
+        return [a["Pid"] for a in state.actors().values() if a["ActorClassName"] == actor_class and a["State"] == "ALIVE"]
+
+    def save(self: LearnerHandle, iteration: int) -> None:
+        final = iteration == ITERATIONS and not killed
+        for pid in pids("RolloutActor") if final else []:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        real_save(self, iteration)
+        if final:
+            killed.extend(pids("LearnerActor"))
+            os.kill(killed[-1], signal.SIGKILL)
+            while killed[-1] in pids("LearnerActor"):
+                time.sleep(0.05)
+
+    monkeypatch.setattr(LearnerHandle, "save", save)
+    return killed
 
 
 CHAOS_SEED = 20240611

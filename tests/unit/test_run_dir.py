@@ -243,6 +243,49 @@ def test_a_full_disk_under_the_runs_record_loses_no_row_and_no_summary_and_ends_
     assert err == "error: could not write m; the latest checkpoint is kept: continue with --resume\n", err
 
 
+def test_after_a_learner_restart_held_rows_are_dropped_evaluated_again_or_written_without_their_lost_evaluation(tmp_path) -> None:
+    """Rows held for their evaluations when the learner died, a new one started from the checkpoint of iteration 3:
+    iteration 2's evaluation finished before the death, iteration 3's was lost (evaluated again with the new learner's
+    weights), iteration 4's row is dropped (redone); with the checkpoint at 4, iteration 3's lost evaluation cannot be
+    redone (its weights are gone) and its row is written without it, with a warning."""
+    import types
+
+    from learner.failures import LearnerDiedError
+    from learner.reporting import MetricsRows
+
+    class Evaluations:
+        films = None
+
+        def __init__(self) -> None:
+            self.ran: list[tuple[str, str, int]] = []
+
+        def collect(self, evaluation: types.SimpleNamespace) -> dict[str, float]:
+            if evaluation.lost:
+                raise LearnerDiedError("the learner that published the weights of rollout actor 0's evaluate call died")
+            return {"eval/success_rate": 0.5}
+
+        def run(self, weights_ref: str, label: str, iteration: int) -> dict[str, float]:
+            self.ran.append((weights_ref, label, iteration))
+            return {"eval/success_rate": 0.75}
+
+    def held_rows(log: MetricsLog) -> MetricsRows:
+        rows = MetricsRows(log, Evaluations(), types.SimpleNamespace(export_gauges=lambda row: None), None, single_batch=False)
+        rows.held.extend([({"iteration": 2}, types.SimpleNamespace(label="iteration 2", lost=False)),
+                          ({"iteration": 3}, types.SimpleNamespace(label="iteration 3", lost=True)), ({"iteration": 4}, None)])  # fmt: skip
+        return rows
+
+    rows = held_rows(MetricsLog(tmp_path / "a.jsonl"))
+    rows.after_learner_restart(3, "new weights")
+    assert not rows.held and rows.evaluator.ran == [("new weights", "iteration 3, again", 3)]
+    written = MetricsLog(tmp_path / "a.jsonl").read()
+    assert written == [{"iteration": 2, "eval/success_rate": 0.5}, {"iteration": 3, "eval/success_rate": 0.75}]
+
+    rows = held_rows(MetricsLog(tmp_path / "b.jsonl"))
+    with pytest.warns(RuntimeWarning, match="the evaluation of iteration 3 was lost with the learner that published its weights"):
+        rows.after_learner_restart(4, "new weights")
+    assert MetricsLog(tmp_path / "b.jsonl").read() == [{"iteration": 2, "eval/success_rate": 0.5}, {"iteration": 3}, {"iteration": 4}]
+
+
 def test_keep_checkpoints_deletes_the_oldest_but_never_the_one_latest_names(tmp_path) -> None:
     directory = RunDirectory(tmp_path / "run")
     for iteration in (1, 2, 3, 4):
