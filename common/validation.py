@@ -3,6 +3,7 @@ path) and how to fix it. Free of torch and of the schema, so that every backend'
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -13,6 +14,15 @@ class ConfigError(ValueError):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # a model repository's owner/name on the Hugging Face hub
+
+
+def require_hub_id(value: str, what: str) -> None:
+    """`value` is a hub repository id (owner/name), not a local path."""
+    example = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+    require(bool(HUB_ID.fullmatch(value)), f"{what} must be a hub id as owner/name (e.g. {example}), got {value!r}")
 
 
 def require_positive(obj: Any, path: str, *names: str) -> None:

@@ -6,7 +6,9 @@ loaded strictly (FlowPolicy.from_pretrained: checksums, every tensor), and its b
 loaders read (FlowPolicy.to_lerobot): lerobot's policy config and weights, and its processor pipelines carrying the
 project's normalisation. What the backend keeps to itself (the VLAs' noise head and critic) is left out. DIR is
 written whole or not at all (write_directory_atomically, with a checksums.json); an existing DIR is replaced only
-with --overwrite.
+with --overwrite. The files lerobot reads by name and the export does not hold (SmolVLA's backbone config, processor
+and tokenizer; pi0's tokenizer) are named by their hub id (--hub-id, or the one the checkpoint records), so that the
+directory loads on another machine; without one, by their directory on this machine, with a note saying so.
 
 Nothing here depends on the backend: a backend exports when its record in common.policy.registry.BACKENDS names a
 lerobot type (SmolVLA's "smolvla", pi0's "pi0" and "pi05") and it implements to_lerobot; the MLP has no lerobot
@@ -30,6 +32,7 @@ from common.policy import (
 )
 from common.policy.registry import BACKENDS
 from common.policy.torchvision_shim import plain_import_advice, plain_import_fails
+from common.validation import require_hub_id
 from learner.run_dir import policy_directory
 
 EXIT_BAD_INPUT = 2
@@ -40,6 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("checkpoint", help="policy directory, run directory (its latest checkpoint), or a run's checkpoints/ directory")
     parser.add_argument("--out", required=True, help="directory to write the lerobot checkpoint to")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument(
+        "--hub-id",
+        help="the hub id (owner/name) of the backbone (SmolVLA) or tokenizer (pi0) files the policy read from a local directory: "
+        "the export names them by it, so that it loads wherever the hub or its cache holds them (default: the id the "
+        "checkpoint records, e.g. from its lerobot checkpoint)",
+    )
     return parser.parse_args(argv)
 
 
@@ -84,14 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, list[str]] = {}
     with contextlib.redirect_stdout(sys.stderr):  # lerobot's progress messages; stdout carries the summary alone
         try:
+            if args.hub_id is not None:
+                require_hub_id(args.hub_id, "--hub-id")
             checkpoint = policy_directory(Path(args.checkpoint))
             check_out(out, checkpoint, args.overwrite)
             policy = load(checkpoint)
+            hub_id = args.hub_id or policy.lerobot_hub_id()
         except (ValueError, OSError, ImportError, CheckpointError) as exc:  # ConfigError is a ValueError
             print(f"python -m learner.export: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         try:
-            write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp)))
+            write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp, hub_id)))
         except CheckpointWriteError as exc:  # a full disk or an unwritable directory: nothing was left at --out
             print(f"python -m learner.export: error: {exc}", file=sys.stderr)
             return 1
@@ -99,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
         print(f"  {', '.join(names)}: {what}")
     print(how_to_load(out.resolve(), policy.lerobot_type))
+    if hub_id is None:
+        print(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
+              "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
     if plain_import_fails():
         print(f"note: {plain_import_advice()}")
     return 0

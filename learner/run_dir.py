@@ -120,12 +120,15 @@ class RunDirectory:
         os.replace(tmp, self.path / RUN_CONFIG_FILE)
 
     def config_changes(self, config: RunConfig) -> dict[str, tuple[Any, Any]]:
-        """field -> (stored, now) for every field that differs from the run's recorded config (a retired field recorded
-        at the value that behaves as the schema now does differs from nothing)."""
+        """field -> (stored, now) for every field that differs from the run's recorded config. A retired field recorded
+        at the value that behaves as the schema now does differs from nothing, nor does a field added since the run was
+        recorded, at its default (which behaves as the code before it did)."""
         recorded = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text()))
         stored = {k: v for k, v in recorded.items() if not is_retired_at_rest(k, v)}
-        current = flatten(config.to_dict())
-        return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)}
+        current, defaults = flatten(config.to_dict()), flatten(RunConfig().to_dict())
+        added_at_default = {k for k in set(current) - set(recorded) if k in defaults and current[k] == defaults[k]}
+        return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current) - added_at_default)
+                if stored.get(k) != current.get(k)}  # fmt: skip
 
     def resume(self, config: RunConfig, allowed: frozenset[str] | set[str] = frozenset()) -> Path:
         """The checkpoint to continue from, after checking that the config is the run's own (bar allowed fields).

@@ -349,8 +349,25 @@ class VLAFlowPolicy(FlowPolicy):
     # -- export to lerobot (python -m learner.export) -------------------------------------------------
 
     @abstractmethod
-    def lerobot_summary(self) -> str:
-        """What lerobot's config names besides the features, for the export's listing: the backbone and its tokenizer."""
+    def lerobot_summary(self, files: str) -> str:
+        """What lerobot's config names besides the features, for the export's listing: the backbone, and `files` (the
+        name its backbone's or tokenizer's files go by in the export)."""
+
+    @abstractmethod
+    def lerobot_files(self) -> Path:
+        """The local directory of the files lerobot reads by name and the export does not hold (SmolVLA's backbone
+        config, processor and tokenizer; pi0's tokenizer)."""
+
+    @abstractmethod
+    def lerobot_hub_id(self) -> str | None:
+        """The hub id lerobot_files() is a copy of, or None where none is known."""
+
+    def name_on_hub(self, lerobot_config: Any, preprocessor: Any, hub_id: str) -> None:
+        """Name lerobot_files() by `hub_id` in lerobot's config and preprocessor, as they are about to be saved (both
+        were built on the local files): here the tokenizer step's name."""
+        for step in preprocessor.steps:
+            if hasattr(step, "tokenizer_name"):
+                step.tokenizer_name = hub_id
 
     def lerobot_state_normalisation(self) -> tuple[str, dict[str, np.ndarray]]:
         """(lerobot's NormalizationMode name, its statistics) under which lerobot's normaliser turns env-unit state into
@@ -364,14 +381,16 @@ class VLAFlowPolicy(FlowPolicy):
 
         return make_pre_post_processors(lerobot_config, dataset_stats=stats)
 
-    def to_lerobot(self, directory: Path) -> dict[str, list[str]]:
+    def to_lerobot(self, directory: Path, hub_id: str | None = None) -> dict[str, list[str]]:
         """lerobot's policy checkpoint of this policy: its config and weights as lerobot saves them, padded action elements
         neutralised (lerobot_sampling_copy), the noise head and critic left out; and its processor pipelines as lerobot
         builds them, with the project's normalisation as the statistics of lerobot's normaliser: the action's mean and
         std (MEAN_STD), the state's as lerobot_state_normalisation says; frames are not normalised, on either side.
         lerobot's pipeline then maps env-unit state to the state this policy reads, and its normalised chunk to env
         units, as normalized_state and to_env_action do, except for their clips (normalised state to +-OBS_CLIP,
-        actions to [-1, 1]), which lerobot's normaliser does not apply."""
+        actions to [-1, 1]), which lerobot's normaliser does not apply. The files lerobot reads by name
+        (lerobot_files) are named by `hub_id` where given, so that the export loads wherever the hub or its cache
+        holds them; else by their directory on this machine."""
         from lerobot.configs.types import NormalizationMode
         from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE
 
@@ -382,16 +401,18 @@ class VLAFlowPolicy(FlowPolicy):
             "STATE": NormalizationMode[state_mode],
             "ACTION": NormalizationMode.MEAN_STD,
         }
-        vla.save_pretrained(directory)
         action_stats = {"mean": self.action_mean.detach().cpu().numpy(), "std": self.action_std.detach().cpu().numpy()}
         preprocessor, postprocessor = self.lerobot_processors(vla.config, {OBS_STATE: state_stats, ACTION: action_stats})
+        if hub_id:
+            self.name_on_hub(vla.config, preprocessor, hub_id)
+        vla.save_pretrained(directory)
         for pipeline in (preprocessor, postprocessor):
             pipeline.save_pretrained(directory)
         written = sorted(path.name for path in Path(directory).iterdir())
         cameras = ", ".join(f"{OBS_IMAGES}.{camera}" for camera in self.config.cameras)
-        side, config = self.config.image_size, self.config
+        side, config, named = self.config.image_size, self.config, self.lerobot_summary(hub_id or str(self.lerobot_files()))
         return {
-            f"{type(vla.config).__name__}: {self.lerobot_summary()}; {OBS_STATE} ({config.obs_dim},), {cameras} (3, {side}, {side}), "
+            f"{type(vla.config).__name__}: {named}; {OBS_STATE} ({config.obs_dim},), {cameras} (3, {side}, {side}), "
             f"{ACTION} ({config.action_dim},); chunk {config.chunk_size}, {config.num_steps} steps": [CONFIG_FILE],
             f"{type(vla).__name__} weights, {len(vla.state_dict())} tensors (the noise head and critic left out)": [WEIGHTS_FILE],
             f"preprocessor: the tokenizer; the project's state ({state_mode}) and action (MEAN_STD) normalisation": [

@@ -15,18 +15,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.config import PolicyConfig, RunConfig
+from common.flow import sample_chain
 from common.policy import OBS_CLIP, build_policy, write_directory_atomically
 from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
+from common.policy.torchvision_shim import plain_import_fails
 from learner.checkpoints import TRAINER_STATE_FILE
 from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
 from tests.conftest import REPO
@@ -132,6 +135,103 @@ def test_states_beyond_the_projects_clip_are_not_clipped_by_lerobot(exported) ->
     lerobot_state = preprocessor(lerobot_observation(far, INSTRUCTIONS[:1]))[OBS_STATE]
     torch.testing.assert_close(lerobot_state, torch.full((1, 39), 2.0 * OBS_CLIP), atol=1e-4, rtol=0)
     assert torch.equal(policy.normalized_state(far), torch.full((1, 39), OBS_CLIP))
+
+
+# -- the export on another machine --------------------------------------------------------------------------------
+
+HUB_ID = "flowrl-tests/tiny-smolvlm"  # what the backbone stand-in goes by in the other machine's hub cache
+
+# Run in a fresh interpreter, without the project: a user's own script loading the export with lerobot alone.
+LOAD_WITH_LEROBOT_ALONE = """
+import json, sys
+import torch
+from safetensors.torch import load_file, save_file
+from lerobot.envs.utils import preprocess_observation
+from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+export, inputs, output, repository = sys.argv[1:5]
+policy = get_policy_class("smolvla").from_pretrained(export, strict=True)
+preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path=export)
+tensors = load_file(inputs)
+cameras = sorted(key.removeprefix("pixels.") for key in tensors if key.startswith("pixels."))
+raw = {"pixels": {camera: tensors[f"pixels.{camera}"].numpy() for camera in cameras}, "agent_pos": tensors["agent_pos"].numpy()}
+batch = preprocessor({**preprocess_observation(raw), "task": json.loads(sys.argv[5])})
+noise = torch.zeros(len(tensors["agent_pos"]), policy.config.chunk_size, policy.config.max_action_dim)
+save_file({"actions": postprocessor(policy.predict_action_chunk(batch, noise=noise)).contiguous()}, output)
+project = sorted(name for name, module in sys.modules.items() if (getattr(module, "__file__", None) or "").startswith(repository))
+print(json.dumps({"vlm_model_name": policy.config.vlm_model_name, "project_modules": project}))
+"""
+
+
+def hub_cache_holding(directory: Path, hub_id: str, files: Path) -> Path:
+    """A Hugging Face hub cache at `directory` holding a snapshot of `hub_id` with the files of `files`, laid out as the
+    hub client writes it (what a machine that downloaded the backbone once has)."""
+    commit = "0" * 40
+    repository = directory / f"models--{hub_id.replace('/', '--')}"
+    shutil.copytree(files, repository / "snapshots" / commit)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    return directory
+
+
+def test_the_export_loads_on_another_machine_by_lerobot_alone_from_the_hub_cache(tmp_path) -> None:
+    """Exported with --hub-id, moved to another directory, its checkpoint and the backbone directory it was trained
+    with deleted: lerobot alone, in a fresh interpreter with no project module and no network (the backbone in the hub
+    cache), loads it and turns env-unit state and frames into the project's env actions. Where plain `import
+    torchvision` fails (a CUDA torchvision beside a CPU torch, as the export's note says), lerobot alone cannot
+    import at all: that failure is asserted instead (the Python 3.12 stage of CI, whose torch and torchvision match,
+    runs the load)."""
+    backbone = Path(shutil.copytree(tiny_vlm_dir(TinyVLMSpec(image_size=VLM_IMAGE_SIZE)), tmp_path / "backbone"))
+    policy = moved_off_init(tiny_smolvla(40, cameras=CAMERAS, smolvla={**SMOLVLA, "vlm_path": str(backbone)}), 40)
+    checkpoint = save_checkpoint(policy, tmp_path / "checkpoint")
+    status, stdout, stderr = export(str(checkpoint), "--out", str(tmp_path / "lerobot"), "--hub-id", HUB_ID)
+    assert status == 0, stderr
+    assert f"SmolVLAConfig: backbone and tokenizer {HUB_ID};" in stdout and "note: the export names" not in stdout
+    for name in ("config.json", "policy_preprocessor.json"):
+        text = (tmp_path / "lerobot" / name).read_text()
+        assert HUB_ID in text and str(backbone) not in text and str(tmp_path) not in text, name
+
+    elsewhere = tmp_path / "another_machine"
+    hub = hub_cache_holding(elsewhere / "hub_cache", HUB_ID, backbone)
+    shutil.move(tmp_path / "lerobot", elsewhere / "policy")
+    shutil.rmtree(backbone)
+    shutil.rmtree(checkpoint)
+
+    obs = within_clip(policy, tiny_observations(policy, 3, seed=41), seed=42)
+    with torch.no_grad():
+        chunk = sample_chain(policy, policy.encode(obs), 3, deterministic=True).chain[:, -1]
+    expected = chunk * policy.action_std + policy.action_mean  # lerobot's unnormaliser does not clip to [-1, 1]
+    inputs = {f"pixels.{camera}": obs.images[:, i].contiguous() for i, camera in enumerate(CAMERAS)} | {"agent_pos": obs.state}
+    save_file(inputs, str(elsewhere / "inputs.safetensors"))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HOME", "XDG_CACHE_HOME")}
+    env |= {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    argv = [str(elsewhere / "policy"), str(elsewhere / "inputs.safetensors"), str(elsewhere / "actions.safetensors"), str(REPO)]
+    done = subprocess.run([sys.executable, "-c", LOAD_WITH_LEROBOT_ALONE, *argv, json.dumps(instructions_of(3))],
+                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    if plain_import_fails():
+        assert done.returncode != 0 and "operator torchvision::nms does not exist" in done.stderr, done.stderr[-2000:]
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {"vlm_model_name": HUB_ID, "project_modules": []}
+    actions = load_file(str(elsewhere / "actions.safetensors"))["actions"]
+    assert actions.shape == (3, policy.chunk_size, ACTION_DIM) and expected.std() > 0.1
+    torch.testing.assert_close(actions, expected, atol=ACTION_TOLERANCE, rtol=0)
+
+
+def test_without_a_hub_id_the_export_names_this_machines_directory_and_says_so(exported, tmp_path) -> None:
+    """The tiny backbone has no hub id: the export names its directory here, with a note; a bad --hub-id is refused."""
+    _, checkpoint, _ = exported
+    status, stdout, stderr = export(str(checkpoint), "--out", str(tmp_path / "out"))
+    assert status == 0, stderr
+    backbone = tiny_vlm_dir(TinyVLMSpec(image_size=VLM_IMAGE_SIZE))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vlm_model_name"] == str(backbone)
+    (note,) = [line for line in stdout.splitlines() if line.startswith("note: the export names")]
+    assert note == (f"note: the export names {backbone} (this machine's) for the files it does not hold, so it loads only where "
+                    "that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
+    assert "--hub-id must be a hub id as owner/name" in refused(str(checkpoint), "--out", str(tmp_path / "b"), "--hub-id", "/a/path")
+    assert not (tmp_path / "b").exists()
 
 
 # -- refusals: one line on stderr, exit status 2, nothing written -------------------------------------------------

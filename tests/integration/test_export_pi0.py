@@ -16,7 +16,10 @@ for token (for states within the clip).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +35,7 @@ if LEROBOT_LINE < (0, 6):
         allow_module_level=True,
     )
 
-from common.policy.pi0.model import LEROBOT_CLASSES, PiFlowPolicy, resolve_tokenizer_path  # noqa: E402
+from common.policy.pi0.model import LEROBOT_CLASSES, LEROBOT_PROCESSORS, PALIGEMMA_TOKENIZER, PiFlowPolicy, resolve_tokenizer_path  # noqa: E402
 from common.policy.pi0.stand_ins import swapped_attributes, tiny_gemma_sizes  # noqa: E402
 from tests.helpers.lerobot_export import (  # noqa: E402
     ACTION,
@@ -149,3 +152,25 @@ def test_lerobot_pipeline_gives_the_projects_env_actions(exported, start) -> Non
         torch.testing.assert_close(batch[OBS_STATE], policy.normalized_state(obs), atol=1e-6, rtol=0)  # lerobot adds 1e-8 to std
     assert torch.equal(batch[OBS_LANGUAGE_TOKENS], tokens) and torch.equal(batch[OBS_LANGUAGE_ATTENTION_MASK], mask)
     check_lerobot_chunk_is_the_projects(policy, loaded, postprocessor, obs, batch, start, ACTION_TOLERANCE)
+
+
+def test_a_copy_of_paligemmas_tokenizer_is_named_as_lerobots_factory_names_it(exported, tmp_path) -> None:
+    """With policy.pi0.tokenizer_path (a local copy of PaliGemma's tokenizer) the export's preprocessor names the tokenizer
+    as lerobot's own factory does, on the hub, not by this machine's path; the offline stand-in, a tokenizer of no hub
+    id, keeps its directory."""
+    policy, out = exported
+    stand_in = str(resolve_tokenizer_path(policy.config))
+    assert tokenizer_named(out) == stand_in
+    assert f'tokenizer_name="{PALIGEMMA_TOKENIZER}"' in inspect.getsource(LEROBOT_PROCESSORS[policy.config.type])
+    copy = shutil.copytree(stand_in, tmp_path / "tokenizer")
+    checkpoint = save_checkpoint(PiFlowPolicy.from_pretrained(out.parent / "checkpoint", tokenizer_path=str(copy)), tmp_path / "copy")
+    status, stdout, stderr = export(str(checkpoint), "--out", str(tmp_path / "lerobot"))
+    assert status == 0, stderr
+    assert tokenizer_named(tmp_path / "lerobot") == PALIGEMMA_TOKENIZER and f"tokenizer {PALIGEMMA_TOKENIZER};" in stdout
+    assert "note: the export names" not in stdout
+
+
+def tokenizer_named(export: Path) -> str:
+    (name,) = [step["config"]["tokenizer_name"] for step in json.loads((export / "policy_preprocessor.json").read_text())["steps"]
+               if "tokenizer_name" in step.get("config", {})]  # fmt: skip
+    return name

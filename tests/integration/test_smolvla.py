@@ -24,7 +24,7 @@ from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
-from common.policy import CheckpointError, FlowPolicy, build_policy, index_features
+from common.policy import CheckpointError, FlowPolicy, build_policy, index_features, write_directory_atomically
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
 from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
@@ -302,6 +302,11 @@ def test_lerobot_checkpoint_loads_strictly_with_the_vlm_path_overridden(policy, 
     fresh = tiny_smolvla(seed=1, smolvla={"lerobot_checkpoint": str(lerobot_dir), "vlm_path": vlm_path})
     for name, tensor in policy.vla.state_dict().items():
         assert torch.equal(tensor, fresh.vla.state_dict()[name]), name
+    # The checkpoint's hub id for the backbone is kept, through a save and a load, for an export to name it by.
+    saved = write_directory_atomically(tmp_path / "saved", fresh.save_pretrained)
+    assert SmolVLAFlowPolicy.from_pretrained(saved).lerobot_hub_id() == "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+    with pytest.raises(ConfigError, match=r"policy.smolvla.vlm_hub_id must be a hub id as owner/name .* got '/models/smolvlm'"):
+        smolvla_config(smolvla={"vlm_hub_id": "/models/smolvlm"}).validate()
 
     weights = load_file(str(lerobot_dir / "model.safetensors"))
     dropped = "model.action_time_mlp_out.bias"

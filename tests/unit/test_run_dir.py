@@ -103,6 +103,13 @@ def test_a_retired_field_at_rest_loads_from_checkpoints_recorded_configs_and_fil
     assert directory.config_changes(config) == {} and directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"
     with_retired_dropout(directory.path / RUN_CONFIG_FILE, 0.2)
     assert directory.config_changes(config) == {"policy.dropout": (0.2, None)}
+    # A field the schema gained since the run was recorded is no change at its default, and one at another value is.
+    recorded = json.loads((directory.path / RUN_CONFIG_FILE).read_text())
+    del recorded["policy"]["dropout"], recorded["policy"]["smolvla"]["vlm_hub_id"]
+    (directory.path / RUN_CONFIG_FILE).write_text(json.dumps(recorded))
+    assert directory.config_changes(config) == {}
+    named = tiny_config(tmp_path, **{"policy.smolvla.vlm_hub_id": "owner/backbone"})
+    assert directory.config_changes(named) == {"policy.smolvla.vlm_hub_id": (None, "owner/backbone")}
     yaml_file = tmp_path / "old.yaml"
     for value, outcome in ((0.0, None), (0.2, "policy.dropout=0.2 is no longer a setting: dropout while scoring")):
         yaml_file.write_text(f"policy:\n  dropout: {value}\n")

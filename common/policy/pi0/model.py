@@ -72,6 +72,7 @@ LEROBOT_ARCHITECTURE_FIELDS = {
 }
 LEROBOT_CLASSES = {"pi0": (PI0Config, modeling_pi0.PI0Policy, modeling_pi0), "pi05": (PI05Config, modeling_pi05.PI05Policy, modeling_pi05)}
 LEROBOT_PROCESSORS = {"pi0": processor_pi0, "pi05": processor_pi05}  # the modules of lerobot's processor factories
+PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # the tokenizer those factories name on the hub
 
 
 def is_tiny(config: PolicyConfig) -> bool:
@@ -288,9 +289,17 @@ class PiFlowPolicy(VLAFlowPolicy):
 
     # -- export to lerobot (VLAFlowPolicy.to_lerobot) -------------------------------------------------
 
-    def lerobot_summary(self) -> str:
+    def lerobot_summary(self, files: str) -> str:
         pi = self.config.pi0
-        return f"PaliGemma {pi.paligemma_variant}, expert {pi.action_expert_variant}, tokenizer {resolve_tokenizer_path(self.config)}"
+        return f"PaliGemma {pi.paligemma_variant}, expert {pi.action_expert_variant}, tokenizer {files}"
+
+    def lerobot_files(self) -> Path:
+        return resolve_tokenizer_path(self.config)
+
+    def lerobot_hub_id(self) -> str | None:
+        """lerobot's own name for PaliGemma's tokenizer where policy.pi0.tokenizer_path holds a copy of it; the offline
+        character tokenizer has none."""
+        return PALIGEMMA_TOKENIZER if self.config.pi0.tokenizer_path else None
 
     def lerobot_state_normalisation(self) -> tuple[str, dict[str, np.ndarray]]:
         """pi0: as every backend (its state_proj reads the normalised state). pi0.5's prompt spells out a state lerobot's

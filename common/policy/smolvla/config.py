@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.policy.vla_config import VLASectionConfig
-from common.validation import require, require_positive
+from common.validation import require, require_hub_id, require_positive
 
 
 @dataclass
@@ -18,6 +18,10 @@ class SmolVLAConfig(VLASectionConfig):
     # names a hub id, e.g. HuggingFaceTB/SmolVLM2-500M-Video-Instruct: this path replaces it; nothing is
     # downloaded). "": the tiny SmolVLM built offline for policy.image_size (common.policy.smolvla.stand_ins).
     vlm_path: str = ""
+    # The hub id of the backbone vlm_path holds a copy of: a lerobot export names the backbone by it, so that the export
+    # loads on another machine. "": the id lerobot_checkpoint's config names, recorded when the model loads it; with
+    # neither, an export names vlm_path (python -m learner.export --hub-id names it then).
+    vlm_hub_id: str = ""
     # lerobot's SmolVLA architecture (its defaults are smolvla_base's).
     num_vlm_layers: int = 16  # first layers of the VLM's text model kept; <= its number of layers
     num_expert_layers: int = -1  # <= 0: as many as num_vlm_layers
@@ -28,6 +32,8 @@ class SmolVLAConfig(VLASectionConfig):
     def validate(self, path: str = "policy.smolvla") -> None:
         super().validate(path)
         require_positive(self, path, "num_vlm_layers", "self_attn_every_n_layers")
+        if self.vlm_hub_id:
+            require_hub_id(self.vlm_hub_id, f"{path}.vlm_hub_id")
         width = self.expert_width_multiplier
         require(0 < width <= 1, f"{path}.expert_width_multiplier must be in (0, 1], got {width}")
         require(

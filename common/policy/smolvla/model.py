@@ -38,9 +38,11 @@ from torch import Tensor, nn
 
 from common.config import PolicyConfig
 from common.observation import Observation
+from common.policy.base import CONFIG_FILE
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.storage import CheckpointError
+from common.validation import HUB_ID
 
 install_cpu_torchvision_shim()
 
@@ -101,6 +103,13 @@ def build_lerobot_config(config: PolicyConfig, vlm_path: Path) -> LerobotSmolVLA
     )
 
 
+def checkpoint_hub_id(lerobot_checkpoint: str) -> str:
+    """The hub id a lerobot SmolVLA checkpoint names its backbone by (smolvla_base's vlm_model_name), or "" where it
+    names a local directory."""
+    name = json.loads((Path(lerobot_checkpoint).expanduser() / CONFIG_FILE).read_text()).get("vlm_model_name", "")
+    return name if HUB_ID.fullmatch(name) and not Path(name).expanduser().exists() else ""
+
+
 class SmolVLAFlowPolicy(VLAFlowPolicy):
     """lerobot's SmolVLAPolicy (attribute `vla`) plus a ReinFlow noise head and a critic head."""
 
@@ -122,6 +131,7 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
             )
         if config.smolvla.lerobot_checkpoint:
             load_lerobot_checkpoint(self.vla, config, "smolvla", LEROBOT_ARCHITECTURE_FIELDS)
+            self.config.smolvla.vlm_hub_id = config.smolvla.vlm_hub_id or checkpoint_hub_id(config.smolvla.lerobot_checkpoint)
         model = self.vla.model
         self.add_heads(model.vlm_with_expert.expert_hidden_size, model.vlm_with_expert.config.text_config.hidden_size)
 
@@ -207,8 +217,18 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         model = self.vla.model
         return model.denoise_step(features.prefix_pad_mask, denoise_cache(model.vlm_with_expert, features.kv()), action, lerobot_t)
 
-    def lerobot_summary(self) -> str:
-        return f"backbone and tokenizer {self.vla.config.vlm_model_name}"
+    def lerobot_summary(self, files: str) -> str:
+        return f"backbone and tokenizer {files}"
+
+    def lerobot_files(self) -> Path:
+        return Path(self.vla.config.vlm_model_name)
+
+    def lerobot_hub_id(self) -> str | None:
+        return self.config.smolvla.vlm_hub_id or None
+
+    def name_on_hub(self, lerobot_config: Any, preprocessor: Any, hub_id: str) -> None:
+        super().name_on_hub(lerobot_config, preprocessor, hub_id)
+        lerobot_config.vlm_model_name = hub_id
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, vlm_path: str | None = None, **overrides: Any) -> SmolVLAFlowPolicy:
