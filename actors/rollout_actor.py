@@ -50,12 +50,12 @@ def close_and_free(envs: list | dict) -> None:
 
 class RolloutActor:
     def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
-                 benchmark_tables: dict | list | None = None, niceness: int | None = None,
+                 benchmark_tables: dict | str | None = None, niceness: int | None = None,
                  known_digests: dict | None = None):  # fmt: skip
-        """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a
-        dict, or a list of Ray ObjectRefs to such dicts, still being built by the driver's start-up tasks and read only
-        once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed it needs
-        itself (50 simulated resets each). niceness: the process's scheduling niceness from now on, if higher than it is
+        """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a dict, or the name
+        of the run's learner.startup.LayoutTables actor, whose tables the driver's start-up tasks may still be building,
+        read only once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed
+        it needs itself (50 simulated resets each). niceness: the process's scheduling niceness from now on, if higher than it is
         (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
         known_digests: the driver's file digests (common.file_digests.known_digests), so that the checkpoint's
         checksums, verified by the driver, are not hashed again where its files are unchanged."""
@@ -81,10 +81,10 @@ class RolloutActor:
         # The suite's module first: it sets up what its simulator needs on import (MuJoCo's headless GL backend), and
         # unpickling its tables imports the simulator, which would otherwise fix its GL backend without it.
         self.suite = make_suite(config.env)
-        if isinstance(benchmark_tables, list):
-            import ray  # only the Ray-hosted actor is handed refs; the class itself runs without Ray
+        if isinstance(benchmark_tables, str):
+            import ray  # only the Ray-hosted actor is handed the tables' actor; the class itself runs without Ray
 
-            benchmark_tables = {key: tasks for part in ray.get(benchmark_tables) for key, tasks in part.items()}
+            benchmark_tables = ray.get(ray.get_actor(benchmark_tables).merged.remote())
         if benchmark_tables:
             self.suite.adopt_layout_tables(benchmark_tables)
         grpo = config.algorithm.algo == "grpo"

@@ -39,13 +39,13 @@ class PendingCall:
 class ActorPool:
     """The rollout actors by index, called with a deadline; see the module docstring for what a fault does."""
 
-    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any], creation_refs: Iterable[ray.ObjectRef] = ()):
+    def __init__(self, config: RunConfig, start_actor: Callable[[int], Any], keep_alive: Iterable[Any] = ()):
         self.cfg = config.actors
         self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
         self.restarts = dict.fromkeys(self.actors, 0)
-        # Objects the actors were created with (the layout tables): Ray re-runs an actor's constructor with them when it
-        # restarts the actor, so they must live as long as the pool, not just until the actors first start.
-        self.creation_refs = list(creation_refs)
+        # What the actors were created with (the layout tables' actor): Ray re-runs an actor's constructor with it when it
+        # restarts the actor, so it must live as long as the pool, not just until the actors first start.
+        self.keep_alive = list(keep_alive)
         self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
                        "faults/resampled_env_steps": 0.0}  # fmt: skip
 

@@ -22,8 +22,10 @@ import contextlib
 import sys
 from pathlib import Path
 
+from common.metrics import MetricsLog
 from common.policy import (
     CHECKSUMS_FILE,
+    OBS_CLIP,
     CheckpointError,
     CheckpointWriteError,
     FlowPolicy,
@@ -75,6 +77,23 @@ def load(checkpoint: Path) -> FlowPolicy:
     return FlowPolicy.from_pretrained(checkpoint)
 
 
+def beyond_clip_note(checkpoint: Path, last: int = 10) -> str | None:
+    """For a checkpoint of a run (RUN/checkpoints/iter_NNNNNN) whose metrics.jsonl logs rollout/state_beyond_clip: how
+    often the run's last `last` iterations up to it met states the policy clips and lerobot's normaliser does not."""
+    run = checkpoint.parent.parent
+    if checkpoint.parent.name != "checkpoints" or not checkpoint.name.startswith("iter_") or not (run / "metrics.jsonl").is_file():
+        return None
+    iteration = int(checkpoint.name.removeprefix("iter_"))
+    rows = [row for row in MetricsLog(run / "metrics.jsonl").read() if row["iteration"] <= iteration and "rollout/state_beyond_clip" in row]
+    if not rows:
+        return None
+    rows = rows[-last:]
+    share = sum(row["rollout/state_beyond_clip"] for row in rows) / len(rows)
+    return (f"note: lerobot's normaliser does not clip the state as the policy does (at +-{OBS_CLIP:g} std of its mean): in "
+            f"iterations {rows[0]['iteration']}-{rows[-1]['iteration']} of the run, {100 * share:.1f}% of the decisions met "
+            "a state beyond it, where lerobot's actions differ from the policy's")  # fmt: skip
+
+
 def how_to_load(out: Path, lerobot_type: str) -> str:
     return (
         "load it in lerobot:\n"
@@ -114,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if hub_id is None:
         print(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
               "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
+    clipped = beyond_clip_note(checkpoint)
+    if clipped:
+        print(clipped)
     if plain_import_fails():
         print(f"note: {plain_import_advice()}")
     return 0

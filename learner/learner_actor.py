@@ -65,6 +65,7 @@ class LearnerActor:
         metrics = self.learner.update(batch, verbose=verbose)
         metrics.update(rollout_metrics(batch, version_before))
         metrics.update(per_actor_metrics(batches, version_before))
+        metrics["rollout/state_beyond_clip"] = self.learner.policy.share_beyond_clip(torch.from_numpy(batch.obs.state))
         metrics["time/update_seconds"] = time.perf_counter() - start
         metrics["time/update_cpu_seconds"] = time.process_time() - start_cpu
         # The env stepping's share of the CPU work of an iteration (actors' policy and envs, the learner's update):

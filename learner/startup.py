@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -189,8 +190,8 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     the building does not crowd out the start-up it hides behind. The tasks ask for no CPU: the run's placement group
     holds the cluster's CPUs, and a task that waited for one would never run. Seeds this process holds already (an
     earlier run in it: start_actors adopts what the tasks built) or reads from the layout cache (Metaworld's: every
-    run after a machine's first) go through one put instead. The actors take the list unresolved (Ray resolves only
-    top-level refs) and read it when their envs need it."""
+    run after a machine's first) go through one put instead. The actors read them through LayoutTables when their
+    envs need them."""
     seeds = list(dict.fromkeys([*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]))
     suite = make_suite(config.env)
     held, missing = suite.held_layout_tables([(task, seed) for task in suite.tasks() for seed in seeds])
@@ -202,24 +203,38 @@ def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:
     return refs
 
 
+class LayoutTables:
+    """The benchmark tables the start-up tasks build (build_benchmark_tables), merged and served to the rollout actors.
+
+    Ray re-runs a restarted actor's constructor with the arguments it was first given. Object references among them
+    (an actor handle holds one too) could be gone by then, and Ray says so at an error level as each actor is created.
+    The rollout actors are given this actor's name instead: while the pool holds its handle, a restarted rollout actor
+    finds it by that name and fetches the tables again."""
+
+    def __init__(self, parts: list[ray.ObjectRef]):
+        self.parts = parts  # nested in a list: Ray leaves them unresolved, so the actors start while the tasks build
+
+    def merged(self) -> dict:
+        return {key: tasks for part in ray.get(self.parts) for key, tasks in part.items()}
+
+
 def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceRequest) -> ActorPool:
     remote_actor = ray.remote(RolloutActor)
-    tables = build_benchmark_tables(config)
+    tables_name = f"layout-tables-{uuid.uuid4().hex}"  # one per run: several runs may share a cluster
+    tables = ray.remote(LayoutTables).options(name=tables_name, num_cpus=0).remote(build_benchmark_tables(config))
     digests = known_digests()  # the checkpoint's, verified by resolve_init_checkpoint or RunDirectory.resume
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
         return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(
-            config, index, checkpoint_dir, tables, niceness=ACTOR_NICENESS, known_digests=digests
+            config, index, checkpoint_dir, tables_name, niceness=ACTOR_NICENESS, known_digests=digests
         )
 
-    pool = ActorPool(config, start, creation_refs=tables)
+    pool = ActorPool(config, start, keep_alive=[tables])
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
     # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
-    make_suite(config.env).adopt_layout_tables(
-        {key: tasks for part in ray.get(tables) for key, tasks in part.items()}
-    )  # for a later run here
+    make_suite(config.env).adopt_layout_tables(ray.get(tables.merged.remote()))  # for a later run here
     return pool
 
 

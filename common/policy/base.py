@@ -181,6 +181,12 @@ class FlowPolicy(nn.Module, ABC):
         demonstrations saturate instead of dominating every layer."""
         return ((obs.state - self.obs_mean) / self.obs_std).clamp(-OBS_CLIP, OBS_CLIP)
 
+    def share_beyond_clip(self, state: Tensor) -> float:
+        """The share of the states (..., obs_dim), env units, with an element that normalized_state clips (beyond
+        +-OBS_CLIP std of the mean): where the policy reads another state than lerobot's normaliser gives an export."""
+        beyond = ((state.to(self.obs_mean.device) - self.obs_mean) / self.obs_std).abs() > OBS_CLIP
+        return float(beyond.any(dim=-1).float().mean()) if beyond.numel() else 0.0
+
     def normalize_action(self, action: Tensor) -> Tensor:
         return (action - self.action_mean) / self.action_std
 

@@ -34,6 +34,7 @@ def test_startup_smallest(capsys):
     assert 0 < main_stages["ray_up"] < main_stages["weights_published"] < main_stages["first_rollout"] < results["command_seconds"]
     assert "initial_evaluation" not in main_stages  # --single-batch: its start-up has no evaluation in it
     assert results["main_console_lines_before_its_own"] == 0  # the project's line comes first, before Ray's
+    assert results["main_console_error_lines"] == 0  # a healthy run prints no error-level line
     assert 0 < floor["ray_up"] < floor["actors_ready"] == results["floor_seconds"]
     assert results["ray_up_ratio"] == pytest.approx(main_stages["ray_up"] / floor["ray_up"], rel=1e-12)
     after_ray = (main_stages["first_rollout"] - main_stages["ray_up"]) / (floor["actors_ready"] - floor["ray_up"])

@@ -186,6 +186,7 @@ def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_
     assert cost["cpu_seconds_reserved"] == pytest.approx(2.0 * cost["wall_seconds"], rel=1e-9)
     assert cost["gpu_seconds_reserved"] == 0.0 and cost["env_steps"] == last_row["rollout/total_env_steps"]
     assert 0 < last_row["cost/wall_seconds"] <= cost["wall_seconds"]
+    assert 0.0 <= last_row["rollout/state_beyond_clip"] <= 1.0  # how often the policy clipped a state (an export reports it)
     # Every stage, once, in seconds since the run began; what needs another stage comes after it.
     startup = summary["startup"]
     assert list(startup) == sorted(startup, key=startup.get) and set(startup) == set(STARTUP_STAGES)

@@ -159,12 +159,12 @@ def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
 
 def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_path, bc_checkpoint, monkeypatch) -> None:
     """Start-up builds the benchmark tables in Ray tasks (one per 4 cores, asking for no CPU) beside the actors' own
-    start: together they hold exactly what the driver would build itself, and an actor handed their refs reads them
-    instead of simulating any benchmark. Tables the process holds already, or reads from the layout cache, go through
-    one put."""
+    start: together they hold exactly what the driver would build itself, and an actor given the name of a
+    LayoutTables actor over their refs reads them instead of simulating any benchmark. Tables the process holds
+    already, or reads from the layout cache, go through one put."""
     import common.suites.metaworld as envs_module
     from actors.rollout_actor import RolloutActor
-    from learner.startup import build_benchmark_tables
+    from learner.startup import LayoutTables, build_benchmark_tables
 
     config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a process that has built no table
@@ -178,7 +178,8 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     assert built == envs_module.MetaworldSuite(config.env).layout_tables([("pick-place-v3", seed) for seed in (2, 3, 1)])
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setattr(envs_module.metaworld, "MT1", lambda *args, **kwargs: pytest.fail("built an MT1 benchmark again"))
-    actor = RolloutActor(config, 0, bc_checkpoint, refs)
+    tables = ray.remote(LayoutTables).options(name="layout-tables-of-this-test", num_cpus=0).remote(refs)  # noqa: F841  (held)
+    actor = RolloutActor(config, 0, bc_checkpoint, "layout-tables-of-this-test")
     assert set(envs_module._BENCHMARK_TASKS) == set(built)
     actor.vec_env.envs[0].set_layout(envs_module.Layout("pick-place-v3", 3, 49))  # any layout of the run resets without a benchmark build
     actor.vec_env.envs[0].reset(seed=0)

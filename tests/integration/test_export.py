@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from common.config import PolicyConfig, RunConfig
 from common.flow import sample_chain
+from common.metrics import MetricsLog
 from common.policy import OBS_CLIP, build_policy, write_directory_atomically
 from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
@@ -50,6 +51,7 @@ from tests.helpers.lerobot_export import (  # lerobot's names through it: import
     lerobot_observation,
     make_pre_post_processors,
     moved_off_init,
+    noise_of,
     save_checkpoint,
     within_clip,
 )
@@ -126,15 +128,39 @@ def test_lerobot_pipeline_gives_the_projects_env_actions(exported, start) -> Non
     torch.testing.assert_close(loaded.select_action(batch, noise=noise), lerobot_chunk[:, 0], atol=1e-6, rtol=0)
 
 
-def test_states_beyond_the_projects_clip_are_not_clipped_by_lerobot(exported) -> None:
-    """Where equality ends: the project clips normalised states to +-OBS_CLIP, lerobot's normaliser does not."""
+def test_states_beyond_the_projects_clip_are_not_clipped_by_lerobot(exported, monkeypatch) -> None:
+    """Where equality ends: the project clips normalised states to +-OBS_CLIP, lerobot's normaliser does not. On such a
+    state lerobot's env actions are those of the project's chain on the unclipped state, not the project's own;
+    share_beyond_clip (the runs' rollout/state_beyond_clip, which the export reports) counts the states where this
+    happens."""
     policy, _, out = exported
-    _, preprocessor, _ = load_lerobot(out)
+    loaded, preprocessor, postprocessor = load_lerobot(out)
     obs = tiny_observations(policy, 1, seed=24)
-    far = dataclasses.replace(obs, state=(policy.obs_mean + 2 * OBS_CLIP * policy.obs_std).unsqueeze(0))
-    lerobot_state = preprocessor(lerobot_observation(far, INSTRUCTIONS[:1]))[OBS_STATE]
-    torch.testing.assert_close(lerobot_state, torch.full((1, 39), 2.0 * OBS_CLIP), atol=1e-4, rtol=0)
+    far = dataclasses.replace(obs, state=(policy.obs_mean + 20 * OBS_CLIP * policy.obs_std).unsqueeze(0))
+    batch = preprocessor(lerobot_observation(far, INSTRUCTIONS[:1]))
+    torch.testing.assert_close(batch[OBS_STATE], torch.full((1, 39), 20.0 * OBS_CLIP), atol=1e-3, rtol=0)
     assert torch.equal(policy.normalized_state(far), torch.full((1, 39), OBS_CLIP))
+
+    def env_actions() -> torch.Tensor:  # the project's deterministic chain, unclipped as lerobot's unnormaliser leaves it
+        with torch.no_grad():
+            chunk = sample_chain(policy, policy.encode(far), 1, deterministic=True).chain[:, -1]
+        return chunk * policy.action_std + policy.action_mean
+
+    clipped = env_actions()
+    monkeypatch.setattr(policy, "normalized_state", lambda obs: (obs.state - policy.obs_mean) / policy.obs_std)
+    unclipped = env_actions()
+    with torch.no_grad():
+        lerobot_actions = postprocessor(loaded.predict_action_chunk(batch, noise=noise_of(policy, 1, "zero")))
+    torch.testing.assert_close(lerobot_actions, unclipped, atol=ACTION_TOLERANCE, rtol=0)
+    assert (lerobot_actions - clipped).abs().max() > 2 * ACTION_TOLERANCE  # small in the tiny model, 0.2 in smolvla_base's
+
+    within = within_clip(policy, tiny_observations(policy, 4, seed=25), seed=26).state
+    beyond_rows = within[:3].clone()
+    for i, sign in enumerate((1.0, -1.0, 1.0)):  # one element just beyond the clip, on either side
+        beyond_rows[i, 7 * i] = policy.obs_mean[7 * i] + sign * (OBS_CLIP + 0.01) * policy.obs_std[7 * i]
+    states = torch.cat([within, beyond_rows])  # 3 of 7 beyond
+    beyond = [bool(((row - policy.obs_mean) / policy.obs_std).abs().max() > OBS_CLIP) for row in states]
+    assert policy.share_beyond_clip(states) == pytest.approx(sum(beyond) / len(beyond)) == pytest.approx(3 / 7)
 
 
 # -- the export on another machine --------------------------------------------------------------------------------
@@ -296,6 +322,9 @@ def test_the_command_exports_a_run_directorys_latest_checkpoint(tmp_path) -> Non
         write_directory_atomically(run.checkpoints / name, write)
         run.write_latest(name)
 
+    MetricsLog(run.path / "metrics.jsonl").write({"iteration": 1, "rollout/state_beyond_clip": 0.5})
+    for iteration, share in ((2, 0.125), (3, 0.75)):  # iteration 3 comes after the checkpoint exported
+        MetricsLog(run.path / "metrics.jsonl").write({"iteration": iteration, "rollout/state_beyond_clip": share})
     out = tmp_path / "lerobot"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
@@ -307,6 +336,10 @@ def test_the_command_exports_a_run_directorys_latest_checkpoint(tmp_path) -> Non
     assert any(line.startswith("  model.safetensors: SmolVLAPolicy weights") for line in lines)
     assert any(line.startswith("  policy_preprocessor.json, ") for line in lines)
     assert any(line.startswith("  checksums.json: ") for line in lines)
+    assert (
+        "note: lerobot's normaliser does not clip the state as the policy does (at +-5 std of its mean): in iterations "
+        "1-2 of the run, 31.2% of the decisions met a state beyond it, where lerobot's actions differ from the policy's"
+    ) in lines
     # torchvision imported as a user's own interpreter does, without the project: the export says when that fails here.
     plain = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True, timeout=120)
     noted = [line for line in lines if line.startswith("note: lerobot alone cannot import on this machine: torchvision ")]
