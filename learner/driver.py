@@ -37,6 +37,7 @@ from learner.actor_pool import ActorPool, PendingCall
 from learner.failures import LearnerDiedError
 from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
+from learner.node_files import check_every_node_holds
 from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
 from learner.run_dir import RunDirectory, completed_iterations
 from learner.startup import StartupClock, plan_resources, resolve_init_checkpoint, start_actors, warn_if_ratio_insensitive
@@ -52,6 +53,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
     if resume_dir is None:
         clock.reached("initial_policy")
+        check_every_node_holds(config, **({"the starting checkpoint": str(checkpoint)} if checkpoint else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # shown at every run's start, like the ratio warning
         directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))

@@ -87,6 +87,9 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             connected_here = connect_ray(joining, include_dashboard)
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
+        from learner.node_files import check_every_node_holds
+
+        check_every_node_holds(config)  # a cluster's nodes: each holds the directories the config names
         from learner.driver import train
         from learner.run_dir import RunDirectory
 

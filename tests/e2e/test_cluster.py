@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from learner.main import main, run
-from tests.conftest import tiny_config
+from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.usefixtures("no_ray")
 
@@ -93,3 +93,33 @@ def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_
         assert ray.get([actor.__ray_call__.remote(niceness) for actor in pool.actors.values()]) == [ACTOR_NICENESS] * 2
     finally:
         ray.shutdown()
+
+
+def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_node(tmp_path: Path) -> None:
+    """Two Ray nodes whose `~` differ (each node's own home, as on two machines): a backbone directory under the head's
+    home only is refused in one line naming the other node and the field, before any actor could start there; once
+    that node holds it too, the check passes."""
+    from ray.cluster_utils import Cluster
+
+    from common.config import ConfigError
+    from learner.node_files import check_every_node_holds
+
+    homes = {name: tmp_path / name for name in ("head_home", "worker_home")}
+    (homes["head_home"] / "models" / "backbone").mkdir(parents=True)
+    token = {"RAY_AUTH_TOKEN_PATH": str(Path.home() / ".ray" / "auth_token")}  # where this process's Ray keeps it
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": {"HOME": str(homes["head_home"]), **token}})
+    worker = cluster.add_node(num_cpus=1, env_vars={"HOME": str(homes["worker_home"]), **token})
+    config = tiny_config(tmp_path, REPO / "configs" / "smolvla_tiny_pick.yaml", **{"policy.smolvla.vlm_path": "~/models/backbone"})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        with pytest.raises(ConfigError) as refused:
+            check_every_node_holds(config)
+        (homes["worker_home"] / "models" / "backbone").mkdir(parents=True)
+        check_every_node_holds(config)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(
+        f"node {worker.address.split(':')[0]} (Ray node {worker.node_id[:8]}) has no '~/models/backbone' (policy.smolvla.vlm_path): "
+    ), message
