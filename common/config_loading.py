@@ -8,11 +8,13 @@ schema's dataclasses (common.config) from nested dicts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,25 +140,38 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file at `path` (if any), then `overrides`, then the sizes the suite knows where neither
-    sets them (with_suite_sizes); validated."""
+def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file at `path` (if any; several are layered, each file's fields over the earlier ones':
+    a recipe, then a site's resources and paths), then `overrides`, then the sizes the suite knows where neither sets
+    them (with_suite_sizes); validated."""
+    paths = [] if path is None else [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        loaded = read_yaml_file(path, "config file")
+    for file in paths:
+        loaded = read_yaml_file(file, "config file")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at top level")
-        data = loaded or {}
+            raise ConfigError(f"config file {file} must hold a mapping at top level")
+        layered(data, loaded or {})
     for override in overrides:
         apply_override(data, override)
     try:
         config = from_dict(RunConfig, data)
     except TypeError as exc:  # a section given a scalar, for instance
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{', '.join(map(str, paths)) or 'config'}: {exc}") from exc
     config = with_suite_sizes(config, given=set((data.get("policy") or {}).keys()))
     config.validate()
     return config
+
+
+def layered(data: dict[str, Any], over: dict[str, Any], schema: type = RunConfig) -> None:
+    """`over`'s fields into `data`, a config section of `schema` in both layered in turn; any other value (a mapping
+    such as actors.resources included) replaced whole."""
+    hints = typing.get_type_hints(schema)
+    for key, value in over.items():
+        section = hints.get(key)
+        if dataclasses.is_dataclass(section) and isinstance(value, dict) and isinstance(data.get(key), dict):
+            layered(data[key], value, section)
+        else:
+            data[key] = copy.deepcopy(value)
 
 
 SUITE_SIZES = ("obs_dim", "action_dim")

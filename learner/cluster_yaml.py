@@ -21,11 +21,12 @@ import difflib
 import json
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import read_yaml_file
+from learner.node_files import paths_every_node_reads
 from learner.ray_runtime import RESOURCE_UNIT, ResourceRequest, actor_request, learner_request
 
 # Top-level parameters of EC2 RunInstances, which Ray's AWS provider passes node_config to verbatim
@@ -295,6 +296,28 @@ def _ranges(indices: list[int]) -> str:
     return f"{indices[0]}-{indices[-1]}" if contiguous else ",".join(map(str, indices))
 
 
+def mounted_model_directories(prepared: dict[str, Any], config: RunConfig, source: str) -> list[str]:
+    """Each model directory the run config names (a VLA's lerobot checkpoint, backbone, tokenizer) must reach every node
+    through the YAML's file_mounts, from a source on this machine that holds it: lines saying where each comes from,
+    or ConfigError naming the field."""
+    mounts = {PurePosixPath(remote): local for remote, local in prepared.get("file_mounts", {}).items()}
+    lines = []
+    for field, path in paths_every_node_reads(config).items():
+        if not field.startswith("policy."):
+            continue
+        under = [(remote, local) for remote, local in mounts.items() if PurePosixPath(path).is_relative_to(remote)]
+        if not under:
+            raise ConfigError(f"{field}={path!r} reaches no node of {source}: its file_mounts copy {sorted(map(str, mounts))}; "
+                              "put the directory under one of them (the VLA run configs use ~/flowrl-models)")  # fmt: skip
+        remote, local = max(under, key=lambda item: len(item[0].parts))
+        copied = Path(local).expanduser() / PurePosixPath(path).relative_to(remote)
+        if not copied.is_dir():
+            raise ConfigError(f"{field}={path!r}: {source}'s file_mounts copy {remote} from {local} on this machine, which holds "
+                              f"no {copied.relative_to(Path(local).expanduser())}: put the directory there before `ray up`")  # fmt: skip
+        lines.append(f"  {field}: {path} <- {copied} (file_mounts)")
+    return lines
+
+
 def check_cluster(path: str | Path, config: RunConfig) -> str:
     """Every check on the cluster YAML at `path` against `config`; returns the placement printout or raises ConfigError."""
     source = str(path)
@@ -310,4 +333,6 @@ def check_cluster(path: str | Path, config: RunConfig) -> str:
         node_cpus = [t.resources.get("CPU", 0) for t in types for _ in range(t.count)]
     learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
     plan = plan_placement(types, learner, actor, config.actors.num_actors, source, even_split_cpus=config.actors.num_cpus is None)
-    return describe(source, prepared["provider"]["type"], types, learner, actor, plan)
+    models = mounted_model_directories(prepared, config, source)
+    printout = describe(source, prepared["provider"]["type"], types, learner, actor, plan)
+    return "\n".join([printout, "model directories on every node:", *models]) if models else printout

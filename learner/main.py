@@ -28,7 +28,12 @@ __all__ = ["main", "run"]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m learner.main", description="Ray actor/learner PPO fine-tuning of a flow policy.")
-    parser.add_argument("--config", help="YAML run config (default: the embedded defaults = configs/pick_place.yaml)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        help="YAML run config (default: the embedded defaults = configs/pick_place.yaml); "
+        "repeatable: each file's fields over the earlier ones' (a recipe, then a cluster's resources and paths)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override any config field (repeatable)")
     parser.add_argument("--num-actors", type=int, help="rollout actors (actors.num_actors)")
     parser.add_argument("--iterations", type=int, help="PPO iterations (iterations)")
@@ -77,8 +82,9 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
     connected_here = False
     try:
         # Before the input checks start: an address nothing answers at is refused at once, not after them.
-        joining = None if ray.is_initialized() else cluster_to_join(address)
-        ray_line = "this process's Ray" if ray.is_initialized() else f"joining Ray at {joining}" if joining else "starting a local Ray"
+        on_a_ray_already = ray.is_initialized()
+        joining = None if on_a_ray_already else cluster_to_join(address)
+        ray_line = "this process's Ray" if on_a_ray_already else f"joining Ray at {joining}" if joining else "starting a local Ray"
         print(f"[start] flowrl: {'resuming' if resume else 'a new run in'} {config.run_dir}; {ray_line} while the input is checked",
               flush=True)  # fmt: skip
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
@@ -87,9 +93,10 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             connected_here = connect_ray(joining, include_dashboard)
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
-        from learner.node_files import check_every_node_holds
+        if joining or on_a_ray_already:  # a local Ray this run started is one node, whose files preflight has checked
+            from learner.node_files import check_every_node_holds
 
-        check_every_node_holds(config)  # a cluster's nodes: each holds the directories the config names
+            check_every_node_holds(config)  # a cluster's nodes: each holds the directories the config names
         from learner.driver import train
         from learner.run_dir import RunDirectory
 

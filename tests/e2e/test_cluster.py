@@ -6,25 +6,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
+from safetensors.numpy import load_file
 
+from common.config_loading import load_config
 from learner.main import main, run
 from tests.conftest import REPO, tiny_config
+from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN
 
 pytestmark = pytest.mark.usefixtures("no_ray")
 
 
-def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: Path, bc_checkpoint: Path) -> None:
-    """Three Ray nodes on this machine: the learner must land on the head, one rollout actor on each worker."""
+def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_resources(tmp_path: Path) -> None:
+    """Three Ray nodes on this machine declaring configs/cluster_smolvla.yaml's custom resources (learner_slot on the
+    head, rollout_gpu on two workers; here without GPUs): the tiny SmolVLA's learner lands on the head and one rollout
+    actor on each worker, frames and instruction tokens reach the learner, which updates with the ratio check, and the
+    frozen VLM stays bit-identical."""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1}, "include_dashboard": True})
-    workers = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in range(2)]
-    config = tiny_config(tmp_path, init_checkpoint=str(bc_checkpoint), iterations=2,
-                         **{"learner.num_cpus": 0.5, "learner.resources": "{learner_node: 1}",
-                            "actors.num_cpus": 0.5, "actors.resources": "{rollout_node: 1}"})  # fmt: skip
+    site = load_config([SMOLVLA_TINY_CONFIG, REPO / "configs" / "cluster_smolvla.yaml"])
+    (learner_slot,), (rollout_gpu,) = site.learner.resources, site.actors.resources
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {learner_slot: 1}, "include_dashboard": True})
+    workers = [cluster.add_node(num_cpus=1, resources={rollout_gpu: 1}) for _ in range(2)]
+    run_dir = tmp_path / "run"
+    config = tiny_config(tmp_path, SMOLVLA_TINY_CONFIG, **{**TINY_VLA_RUN, "iterations": 2, "allow_random_init": True,
+                         "learner.num_cpus": 0.5, "learner.resources": f"{{{learner_slot}: 1}}", "actors.num_cpus": 0.5,
+                         "actors.resources": f"{{{rollout_gpu}: 1}}"})  # fmt: skip
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         run(config, address=cluster.address)
@@ -36,14 +46,21 @@ def test_multi_node_run_places_learner_and_actors_by_custom_resources(tmp_path: 
         cluster.shutdown()
     assert placed == intended
 
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [1, 2]
+    assert rows[0]["ppo/first_minibatch_ratio_dev"] <= 1e-5 and rows[0]["logprob/behaviour_gap_max"] < 1e-4
+    assert rows[0]["rollout/env_steps"] == 2 * 4 * 4  # 2 actors x 1 env x 4 decisions of a 4-action chunk
     # At the default actors.policy_lag=1 iterations 1 and 2 both sample with v0 on every actor (iteration 2 while
     # iteration 1 trains): each actor loaded the version its calls named.
     for row, lag in zip(rows, (0, 1)):
         assert [row[f"actor/{i}/weight_version"] for i in range(2)] == [0, 0]
         assert [row[f"actor/{i}/weight_version_lag"] for i in range(2)] == [lag, lag]
         assert [row[f"actor/{i}/alive"] for i in range(2)] == [1, 1]
+    before = load_file(str(run_dir / "checkpoints" / "random_init" / "model.safetensors"))
+    after = load_file(str(run_dir / "checkpoints" / "iter_000002" / "model.safetensors"))
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert any(k.startswith("vla.model.action_out_proj") for k in changed) and any(k.startswith("critic_head") for k in changed)
+    assert not any(".vlm." in k or k.startswith("vla.model.state_proj") for k in changed)  # the frozen VLM is bit-identical
 
 
 def test_bad_input_found_while_ray_starts_shuts_that_ray_down_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -16,13 +16,15 @@ ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # its worker
 
 from actors.rollout_actor import RolloutActor
 from common.suites import make_suite
+from learner.startup import LayoutTables
 from tests.conftest import tiny_config
 
 config = tiny_config(Path(sys.argv[2]))
 suite = make_suite(config.env)  # sets MUJOCO_GL in this process only, after Ray's start
 seeds = [*config.env.train_benchmark_seeds, *config.env.eval_benchmark_seeds]
 tables = [ray.put(suite.layout_tables([(task, seed) for task in suite.tasks() for seed in seeds]))]
-actor = ray.remote(RolloutActor).remote(config, 0, sys.argv[1], tables)
+holder = ray.remote(LayoutTables).options(name="layout-tables", num_cpus=0).remote(tables)
+actor = ray.remote(RolloutActor).remote(config, 0, sys.argv[1], "layout-tables")
 (recording,) = ray.get(actor.record_episodes.remote(None, suite.held_out(1), 32))
 print("frames", recording.frames.shape)
 """

@@ -1,7 +1,7 @@
 """The tiny SmolVLA through the project's loop pieces in one process: BC on rendered demonstrations (frames + instruction
 + state), rollout records with uint8 frames and instruction tokens, the learner's update with the ratio check and the
 cached prefix, compiled and bfloat16 paths, several tasks under their instructions (a run on Ray:
-tests/e2e/test_smolvla.py)."""
+tests/e2e/test_cluster.py, on three nodes)."""
 
 from __future__ import annotations
 

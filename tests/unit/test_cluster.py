@@ -233,3 +233,46 @@ def test_an_address_whose_port_takes_connections_but_is_not_ray_is_refused_withi
 def test_resource_fields_are_validated_by_name(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+VLA_JOBS = ("smolvla", "pi0", "pi05")
+
+
+@pytest.mark.parametrize("job", VLA_JOBS)
+def test_each_vla_job_passes_the_cluster_check_with_its_model_directories_on_every_node(job, tmp_path, monkeypatch, capsys) -> None:
+    """A VLA recipe with its cluster file after it (layered): the learner on a whole H200, the 16 actors on rollout
+    slices of the same node, and each model directory the config names reaching every node through file_mounts
+    from where this machine holds it (here a home of the test's own)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config_files = [str(REPO / "configs" / f"{job}_pick.yaml"), str(REPO / "configs" / f"cluster_{job}.yaml")]
+    config = load_config(config_files)
+    section = getattr(config.policy, config.policy.vla_section())
+    models = [section.lerobot_checkpoint, section.vlm_path if job == "smolvla" else section.tokenizer_path]
+    for model in models:
+        (tmp_path / Path(model).relative_to("~")).mkdir(parents=True)
+    argv = ["--check-cluster", str(REPO / "cluster" / "h200.yaml"), *(arg for file in config_files for arg in ("--config", file))]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    slice_of_a_gpu = {"smolvla": 0.125, "pi0": 0.25, "pi05": 0.25}[job]
+    assert "learner           -> gpu_worker#0  asks {CPU: 8, GPU: 1, learner_slot: 1}" in out
+    assert f"actors 0-15       -> gpu_worker#0  asks {{CPU: 4, GPU: {slice_of_a_gpu:g}, rollout_gpu: {slice_of_a_gpu:g}}} each" in out
+    for model in models:
+        assert f": {model} <- {tmp_path / Path(model).relative_to('~')} (file_mounts)" in out
+
+    # Refused: a directory this machine does not hold, and one that no file_mounts entry copies.
+    (tmp_path / Path(models[0]).relative_to("~")).rmdir()
+    assert main(argv) == 2
+    assert f"file_mounts copy ~/flowrl-models from ~/flowrl-models on this machine, which holds no {Path(models[0]).name}" in (
+        capsys.readouterr().err)  # fmt: skip
+    assert main([*argv, "--set", f"policy.{config.policy.vla_section()}.lerobot_checkpoint=/mnt/models/base"]) == 2
+    assert "lerobot_checkpoint='/mnt/models/base' reaches no node of" in capsys.readouterr().err
+
+
+def test_config_files_are_layered_section_by_section_and_a_mapping_field_is_replaced_whole(tmp_path) -> None:
+    recipe, site = tmp_path / "recipe.yaml", tmp_path / "site.yaml"
+    recipe.write_text("actors:\n  num_actors: 6\n  resources: {a: 1}\nlearner:\n  num_cpus: 2\n")
+    site.write_text("actors:\n  resources: {b: 2}\n")
+    layered = load_config([recipe, site])
+    assert (layered.actors.num_actors, layered.actors.resources, layered.learner.num_cpus) == (6, {"b": 2.0}, 2.0)
+    assert load_config([site, recipe]).actors.resources == {"a": 1.0}  # the later file wins
+    assert load_config(recipe) == load_config([recipe])
