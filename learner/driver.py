@@ -53,7 +53,8 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
     if resume_dir is None:
         clock.reached("initial_policy")
-        check_every_node_holds(config, **({"the starting checkpoint": str(checkpoint)} if checkpoint else {}))
+        if checkpoint and not config.init_checkpoint:  # found or built by the run (learner.main checked a named one)
+            check_every_node_holds({"the starting checkpoint": str(checkpoint)})
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # shown at every run's start, like the ratio warning
         directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))

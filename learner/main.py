@@ -94,9 +94,9 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         if joining or on_a_ray_already:  # a local Ray this run started is one node, whose files preflight has checked
-            from learner.node_files import check_every_node_holds
+            from learner.node_files import check_every_node_holds, paths_every_node_reads
 
-            check_every_node_holds(config)  # a cluster's nodes: each holds the directories the config names
+            check_every_node_holds(paths_every_node_reads(config))  # a cluster's nodes: each holds what the config names
         from learner.driver import train
         from learner.run_dir import RunDirectory
 

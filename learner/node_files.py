@@ -39,10 +39,9 @@ def missing_here(paths: dict[str, str]) -> dict[str, str]:
     return {field: path for field, path in paths.items() if not Path(path).expanduser().exists()}
 
 
-def check_every_node_holds(config: RunConfig, **also: str) -> None:
-    """ConfigError naming the first node (its address and Ray node id) that lacks a directory the config names, or one
-    of `also` (what -> path: the starting checkpoint a run resolved itself)."""
-    paths = paths_every_node_reads(config) | also
+def check_every_node_holds(paths: dict[str, str]) -> None:
+    """ConfigError naming the first node (its address and Ray node id) that lacks one of `paths` (what -> path: those
+    of paths_every_node_reads, or the starting checkpoint a run resolved itself)."""
     nodes = [node for node in ray.nodes() if node["Alive"] and (node["Resources"].get("CPU", 0) > 0 or node["Resources"].get("GPU", 0) > 0)]
     if not paths or len(nodes) < 2:
         return

@@ -119,7 +119,7 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
     from ray.cluster_utils import Cluster
 
     from common.config import ConfigError
-    from learner.node_files import check_every_node_holds
+    from learner.node_files import check_every_node_holds, paths_every_node_reads
 
     homes = {name: tmp_path / name for name in ("head_home", "worker_home")}
     (homes["head_home"] / "models" / "backbone").mkdir(parents=True)
@@ -130,9 +130,9 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         with pytest.raises(ConfigError) as refused:
-            check_every_node_holds(config)
+            check_every_node_holds(paths_every_node_reads(config))
         (homes["worker_home"] / "models" / "backbone").mkdir(parents=True)
-        check_every_node_holds(config)
+        check_every_node_holds(paths_every_node_reads(config))
     finally:
         ray.shutdown()
         cluster.shutdown()
