@@ -335,6 +335,10 @@ class LearnerConfig:
     num_cpus: float | None = None
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+    # Ranks of a data-parallel learner group, each a Ray actor with the resources above (learner.learner_group): each
+    # scores and trains on a share of the iteration's rollouts and the gradients are summed, so the update is the
+    # one-rank update up to float rounding. 1: the learner alone.
+    num_learners: int = 1
     # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
@@ -389,6 +393,7 @@ class LearnerConfig:
     def validate(self, path: str = "learner") -> None:
         require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
+        require_positive(self, path, "num_learners")
         require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         require_choice(self, path, "precision", ("float32", "bfloat16"))
         require(
@@ -512,6 +517,11 @@ class RunConfig:
             algorithm.grad_accum <= smallest,
             f"algorithm.grad_accum ({algorithm.grad_accum}) exceeds the decisions of the smallest minibatch ({smallest} of {decisions}, "
             "algorithm.num_minibatches / algorithm.minibatch_size): lower it, or make the minibatches larger",
+        )
+        require(
+            self.learner.num_learners <= self.actors.num_actors,
+            f"learner.num_learners ({self.learner.num_learners}) exceeds actors.num_actors ({self.actors.num_actors}): each learner rank "
+            "trains on the rollouts of at least one actor",
         )
         for section in ("actors", "learner"):
             require(

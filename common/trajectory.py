@@ -6,6 +6,7 @@ Both are plain numpy so they travel through Ray's object store without pickling 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +139,12 @@ class RolloutBatch:
             env_cpu_seconds=sum(b.env_cpu_seconds for b in batches),
             episode_tasks=sum((b.episode_tasks for b in batches), ()),
         )
+
+    def statistics_only(self) -> RolloutBatch:
+        """The record without its chains and frames (views, no copies): what the rollout statistics read, for a learner
+        rank to send to the rank that reports them."""
+        return dataclasses.replace(self, obs=Observation(state=self.obs.state), chains=self.chains[:, :, :0],
+                                   bootstrap_obs=Observation(state=self.bootstrap_obs.state))  # fmt: skip
 
     def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Copies as torch tensors (copies, because the arrays may be read-only shared memory)."""

@@ -74,9 +74,9 @@ class NodeType:
 
 @dataclass
 class Placement:
-    """A first-fit plan: the node (type#index) of the learner and of each actor, and what is left on each node."""
+    """A first-fit plan: the node (type#index) of each learner rank and of each actor, and what is left on each node."""
 
-    learner: str
+    learners: list[str]
     actors: list[str]
     free: dict[str, dict[str, float]]
 
@@ -236,8 +236,9 @@ def _units(amounts: dict[str, float]) -> dict[str, int]:
 
 
 def plan_placement(types: list[NodeType], learner: ResourceRequest, actor: ResourceRequest, num_actors: int, source: str,
-                   even_split_cpus: bool = False) -> Placement:  # fmt: skip
-    """First fit: the learner, then each actor, onto the first node with room. Raises ConfigError naming the field.
+                   even_split_cpus: bool = False, num_learners: int = 1) -> Placement:  # fmt: skip
+    """First fit: each learner rank, then each actor, onto the first node with room (a learner group's placement group
+    packs its ranks so too). Raises ConfigError naming the field.
 
     even_split_cpus: the actors' CPUs were derived (actors.num_cpus unset); only changes the hint of the error.
     """
@@ -262,9 +263,10 @@ def plan_placement(types: list[NodeType], learner: ResourceRequest, actor: Resou
         raise ConfigError(f"{what} does not fit: it asks {request.amounts()} ({field_name}.num_cpus/num_gpus/resources) and each node "
                           f"lacks {short} at the cluster's largest size; {hint}")  # fmt: skip
 
-    learner_node = place(learner, "the learner", "learner")
+    learner_nodes = [place(learner, "the learner" if num_learners == 1 else f"learner rank {rank} (of {num_learners})", "learner")
+                     for rank in range(num_learners)]  # fmt: skip
     actor_nodes = [place(actor, f"rollout actor {i} (of {num_actors})", "actors") for i in range(num_actors)]
-    return Placement(learner_node, actor_nodes, {n: {k: v / RESOURCE_UNIT for k, v in left.items()} for n, left in free.items()})
+    return Placement(learner_nodes, actor_nodes, {n: {k: v / RESOURCE_UNIT for k, v in left.items()} for n, left in free.items()})
 
 
 def _fmt(amounts: dict[str, float]) -> str:
@@ -278,7 +280,9 @@ def describe(source: str, provider: str, types: list[NodeType], learner: Resourc
         role = "head" if t.is_head else f"worker, up to {t.count}"
         lines.append(f"  {t.name:<12} {t.instance:<15} ({role}): {_fmt(t.resources)} each")
     lines.append("planned placement (first fit, every worker type at max_workers):")
-    lines.append(f"  learner           -> {plan.learner}  asks {_fmt(learner.amounts())}")
+    for rank, node in enumerate(plan.learners):
+        name = "learner" if len(plan.learners) == 1 else f"learner rank {rank}"
+        lines.append(f"  {name:<17} -> {node}  asks {_fmt(learner.amounts())}")
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(plan.actors):
         by_node.setdefault(node, []).append(i)
@@ -332,7 +336,8 @@ def check_cluster(path: str | Path, config: RunConfig) -> str:
     if not any(node_cpus):
         node_cpus = [t.resources.get("CPU", 0) for t in types for _ in range(t.count)]
     learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
-    plan = plan_placement(types, learner, actor, config.actors.num_actors, source, even_split_cpus=config.actors.num_cpus is None)
+    plan = plan_placement(types, learner, actor, config.actors.num_actors, source, even_split_cpus=config.actors.num_cpus is None,
+                          num_learners=config.learner.num_learners)  # fmt: skip
     models = mounted_model_directories(prepared, config, source)
     printout = describe(source, prepared["provider"]["type"], types, learner, actor, plan)
     return "\n".join([printout, "model directories on every node:", *models]) if models else printout

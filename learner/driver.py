@@ -71,7 +71,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     print(f"[start] {len(pool.actors)} rollout actors and the learner up in {clock.stages['weights_published']:.1f}s ({clock})", flush=True)
 
     summary = RunSummary(directory, resume=resume_dir is not None)
-    cost = CostMeter(clock.began, learner_resources, actor_resources, summary.data.get("cost", {}))
+    cost = CostMeter(clock.began, learner_resources.times(config.learner.num_learners), actor_resources, summary.data.get("cost", {}))
     wandb_run = None if single_batch else init_wandb(config, directory.path, resume_dir is not None)
     films = EvaluationFilms(config, pool, eval_layouts, directory.path, wandb_run) if config.eval_videos else None
     evaluator = Evaluator(pool, eval_layouts, films)
@@ -113,6 +113,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         if not isinstance(exc, RunFileWriteError):  # else the disk refused a row: a checkpoint past it would lose that row
             rows.keep_completed()
             learner.save_progress(exc)
+        learner.close()
         raise
 
     logged, faults = rows.log.read(), {**pool.faults, "faults/learner_restarts": float(learner.restarts)}
@@ -120,6 +121,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     rows.close()  # the last films saved and wandb's closing lines printed first: the summary is the last thing on screen
     if logged and not single_batch:
         summary.plot_and_print(config, logged, directory.path)
+    learner.close()
     return summary.data
 
 

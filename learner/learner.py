@@ -49,9 +49,10 @@ from common.diagnostics import (
 from common.flow import ChainLogProb, chain_log_prob, compile_steps, num_log_prob_elements, transition_kl
 from common.observation import Observation
 from common.policy import FlowPolicy, concat_features, index_features
-from common.rl import gae, grpo_advantages, kl_to_reference, normalize, ppo_policy_loss, value_loss
+from common.rl import gae, grpo_advantages, kl_to_reference, ppo_policy_loss, value_loss
 from common.trajectory import RolloutBatch, WeightsPayload
 from learner.checkpoints import LearnerCheckpoint, TrainerState
+from learner.data_parallel import SingleRank
 from learner.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
 from learner.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
 from learner.single_batch import describe, micro_batch_line, minibatch_line
@@ -162,6 +163,9 @@ class PreparedBatch:
     # (B,) the learner's scores of the chains under the weights that sampled them, when those are older than the
     # current ones (actors.policy_lag > 0); None: the chains came from the current weights (behaviour = old).
     behaviour_log_probs: Tensor | None = None
+    # (B_all,) for each decision of the whole update (every rank's, in the order one learner would hold them), its row
+    # in this batch, or -1 where another rank holds it; one learner alone holds every row, in order.
+    rows_here: Tensor | None = None
 
 
 @dataclass
@@ -173,12 +177,15 @@ class Advantages:
     returns: Tensor | None  # (B,) the critic's targets; None without a critic
     keep: Tensor | None  # (B,) bool: the decisions the algorithm lets into the loss; None: all of them
     metrics: dict[str, float]
+    # (B,) bool: the decisions whose advantages are normalised together (over every rank's); None: not normalised
+    normalize_over: Tensor | None = None
 
 
 class PPO:
     """GAE on the critic's values; the critic trains beside the actor, and alone for algorithm.critic_warmup_iters."""
 
     critic = True
+    counts: tuple[str, ...] = ()  # metrics that count (a learner group sums them over its ranks)
 
     def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
@@ -194,16 +201,17 @@ class PPO:
         values = b_values.view(num_decisions, num_envs)
         advantages, returns = gae(t["rewards"], values, next_values, t["discounts"], t["terminated"], t["truncated"], cfg.gae_lambda)
         b_advantages, b_returns = advantages.flatten(), returns.flatten()
-        if cfg.normalize_advantages:  # over the decisions that enter the loss
-            valid = t["valid"].flatten().to(b_advantages.device)
-            b_advantages = b_advantages.clone()
-            b_advantages[valid] = normalize(b_advantages[valid])
+        # over the decisions that enter the loss
+        normalize_over = t["valid"].flatten().to(b_advantages.device) if cfg.normalize_advantages else None
         metrics = {
             "values/mean": b_values.mean().item(),
             "values/advantage_raw_std": advantages.std().item(),
             "values/returns_mean": returns.mean().item(),
         }
-        return Advantages(b_advantages, b_values, b_returns, None, metrics)
+        return Advantages(b_advantages, b_values, b_returns, None, metrics, normalize_over)
+
+    def require_decisions(self, advantages: Advantages, ranks: SingleRank) -> None:
+        pass
 
 
 class GRPO:
@@ -211,6 +219,7 @@ class GRPO:
     warmed up. Only the decisions of groups whose episodes all completed, none broken by its env, enter the loss."""
 
     critic = False
+    counts = ("grpo/groups", "grpo/groups_all_equal", "grpo/groups_broken", "grpo/groups_incomplete", "grpo/episodes_cut_off")
 
     def __init__(self, cfg: AlgorithmConfig):
         self.cfg = cfg
@@ -225,12 +234,16 @@ class GRPO:
         advantages, keep, grpo_metrics = grpo_advantages(
             t["rewards"], t["discounts"], t["terminated"], t["truncated"], t["valid"], cfg.group_size, cfg.grpo_std_normalization
         )
-        if not keep.any() and grpo_metrics["groups_broken"] > 0:  # a fault, not a config mistake: the update is skipped
-            raise NonFiniteError("GRPO: every group that completed an episode has one an env ended with NaN/Inf output")
-        if not keep.any():
-            raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
         metrics = {f"grpo/{key}": float(value) for key, value in grpo_metrics.items()}
         return Advantages(advantages.flatten(), None, None, keep.flatten(), metrics)
+
+    def require_decisions(self, advantages: Advantages, ranks: SingleRank) -> None:
+        """Some decision of the update, on any rank, belongs to a group that completed an episode."""
+        if ranks.any(advantages.keep.any()):
+            return
+        if ranks.sum(advantages.metrics["grpo/groups_broken"]) > 0:  # a fault, not a config mistake: the update is skipped
+            raise NonFiniteError("GRPO: every group that completed an episode has one an env ended with NaN/Inf output")
+        raise ValueError("GRPO: no group completed an episode in this rollout, so there is nothing to learn from")
 
 
 ALGORITHMS: dict[str, type[PPO] | type[GRPO]] = {"ppo": PPO, "grpo": GRPO}  # algorithm.algo -> its strategy
@@ -247,6 +260,8 @@ def update_shape(config: RunConfig) -> str:
         line += f", micro-batches of <= {micro_batch_rows(cfg, decisions)}"
     if not ALGORITHMS[cfg.algo].critic:
         line += " (fewer decisions when GRPO drops incomplete groups)"
+    if config.learner.num_learners > 1:
+        line += f"; each of the {config.learner.num_learners} learner ranks scores and trains on the rollouts of its share of the actors"
     return line
 
 
@@ -291,9 +306,13 @@ def minibatch_loss(
 
 
 class Learner:
-    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None):
-        """`memory`: what learner.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device)."""
+    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None, ranks: SingleRank | None = None):
+        """`memory`: what learner.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device).
+        `ranks`: this learner's place in a learner group (learner.data_parallel; default: alone)."""
         require_pretrained(policy, config.allow_random_init)
+        self.ranks = ranks or SingleRank()
+        # Every rank starts from rank 0's trainable weights, whatever each loaded.
+        self.ranks.broadcast_from_first([p for p in policy.parameters() if p.requires_grad])
         self.config = config
         self.cfg = config.algorithm
         self.policy = policy.eval()
@@ -337,10 +356,15 @@ class Learner:
 
     def broadcast(self, copy: bool = True) -> WeightsPayload:
         """The current version's trainable tensors; copy=False for a payload serialised at once (WeightsPayload.from_state)."""
+        return WeightsPayload.from_state(self.version, self.record_version(), copy=copy)
+
+    def record_version(self) -> dict[str, Tensor]:
+        """The current version's trainable tensors, checked finite and kept while rollouts sampled with them are in flight
+        (what a learner rank that publishes nothing itself does at each publication)."""
         state = self.policy.broadcast_state()
         check_finite_tensors(state, f"weights version {self.version} before publishing")
         self.weight_versions.record(self.iteration, self.version, state)
-        return WeightsPayload.from_state(self.version, state, copy=copy)
+        return state
 
     def in_flight_versions(self) -> list[int]:
         """The weight versions that sample iterations k, ..., k + policy_lag (k = completed iterations). Call after broadcast()."""
@@ -368,52 +392,60 @@ class Learner:
 
     def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
         policy, cfg = self.policy, self.cfg
-        read = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "valid")
-        t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(read).items()}
-        b_obs = batch.obs.flatten_leading().to_torch(policy.obs_device)  # (B, ...)
-        b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
-        rows = self.plan.rows(len(b_chains))  # the most rows the update's model sees at once
-        one_pass = self.config.learner.steps_in_one_pass  # the update's passes score the same way
-        features = encode_in_chunks(policy, b_obs, rows)
-        old = score_in_chunks(policy, features, b_chains, rows, one_pass)
-        # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
-        # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
-        lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
-        behaviour = old
-        if lag:
-            with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
-                behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
-                behaviour = score_in_chunks(policy, behaviour_features, b_chains, rows, one_pass)
-        behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
-        metrics = {
-            "logprob/old_mean": old.log_prob.mean().item(),
-            "logprob/per_element": old.log_prob_per_element.mean().item(),
-            "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0: another precision or device, or a bug
-            "policy/sigma_mean": old.std.mean().item(),
-            "policy/entropy": old.entropy.mean().item(),
-        }
-        advantages = self.algorithm.advantages(policy, batch, t, features, rows)
-        b_values, b_advantages, b_returns = advantages.values, advantages.advantages, advantages.returns
-        metrics.update(advantages.metrics)
-        reference = None
-        if self.reference is not None:
-            # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
-            ref_features = encode_in_chunks(self.reference, b_obs, rows) if policy.encoder_is_trainable else features
-            reference = score_in_chunks(self.reference, ref_features, b_chains, rows, one_pass)
-            kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
-            metrics.update({
-                "kl_ref/mean": kl.mean().item(),
-                "kl_ref/max": kl.max().item(),
-                "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
-                "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
-            })  # fmt: skip
-        finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
-        finite |= {} if b_values is None else {"values": b_values}
-        check_finite_tensors(finite, "learner.prepare")
-        warn_on_behaviour_gap(metrics["logprob/behaviour_gap_max"], self.config.learner.behaviour_gap_warn, batch.actor_precision,
-                              policy.precision, batch.weight_version)  # fmt: skip
-        if self.config.learner.precision == "bfloat16":
-            metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
+        with self.ranks.together("learner.prepare"):  # this rank's rollouts, scored
+            batch.validate()  # where the rollout enters the learner: NaN/Inf in it rolls the iteration back as any other
+            read = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "valid")
+            t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(read).items()}
+            b_obs = batch.obs.flatten_leading().to_torch(policy.obs_device)  # (B, ...)
+            b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
+            rows = self.plan.rows(len(b_chains))  # the most rows the update's model sees at once
+            one_pass = self.config.learner.steps_in_one_pass  # the update's passes score the same way
+            features = encode_in_chunks(policy, b_obs, rows)
+            old = score_in_chunks(policy, features, b_chains, rows, one_pass)
+            # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
+            # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
+            lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
+            behaviour = old
+            if lag:
+                with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
+                    behaviour_features = encode_in_chunks(policy, b_obs, rows) if policy.encoder_is_trainable else features
+                    behaviour = score_in_chunks(policy, behaviour_features, b_chains, rows, one_pass)
+            behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
+            metrics = {
+                "logprob/old_mean": old.log_prob.mean().item(),
+                "logprob/per_element": old.log_prob_per_element.mean().item(),
+                "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0: another precision or device, or a bug
+                "policy/sigma_mean": old.std.mean().item(),
+                "policy/entropy": old.entropy.mean().item(),
+            }
+            advantages = self.algorithm.advantages(policy, batch, t, features, rows)
+            b_values, b_advantages, b_returns = advantages.values, advantages.advantages, advantages.returns
+            metrics.update(advantages.metrics)
+            reference = None
+            if self.reference is not None:
+                # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
+                ref_features = encode_in_chunks(self.reference, b_obs, rows) if policy.encoder_is_trainable else features
+                reference = score_in_chunks(self.reference, ref_features, b_chains, rows, one_pass)
+                kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
+                metrics.update({
+                    "kl_ref/mean": kl.mean().item(),
+                    "kl_ref/max": kl.max().item(),
+                    "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
+                    "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
+                })  # fmt: skip
+            finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
+            finite |= {} if b_values is None else {"values": b_values}
+            check_finite_tensors(finite, "learner.prepare")
+            warn_on_behaviour_gap(metrics["logprob/behaviour_gap_max"], self.config.learner.behaviour_gap_warn, batch.actor_precision,
+                                  policy.precision, batch.weight_version)  # fmt: skip
+            if self.config.learner.precision == "bfloat16":
+                metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
+        # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
+        self.algorithm.require_decisions(advantages, self.ranks)
+        if advantages.normalize_over is not None:
+            over = advantages.normalize_over
+            b_advantages = b_advantages.clone()
+            b_advantages[over] = self.ranks.normalize(b_advantages[over])
         cached = None if policy.encoder_is_trainable else features
         if lag:
             weight = (old.log_prob - behaviour.log_prob).exp()
@@ -422,12 +454,15 @@ class Learner:
                              behaviour_log_probs=behaviour.log_prob if lag else None)  # fmt: skip
         # Decisions of episodes an env broke (NaN/Inf output) never enter the loss, nor those the algorithm leaves out.
         keep_decisions = t["valid"].flatten().to(b_advantages.device)
-        if not keep_decisions.any():
+        if not self.ranks.any(keep_decisions.any()):
             raise NonFiniteError("every decision of this rollout belongs to an episode that an env ended with NaN/Inf output")
         if advantages.keep is not None:
             keep_decisions &= advantages.keep
         if not keep_decisions.all():
             data = index_features(data, keep_decisions.nonzero().squeeze(1))
+        positions, total = self.ranks.decision_order(keep_decisions.view(batch.num_decisions, batch.num_envs))
+        data.rows_here = torch.full((total,), -1, dtype=torch.int64)
+        data.rows_here[positions.cpu()] = torch.arange(len(positions))
         return data
 
     def update(self, batch: RolloutBatch, verbose: bool = False) -> dict[str, float]:
@@ -469,7 +504,7 @@ class Learner:
     def _skip_update(self, batch: RolloutBatch, error: NonFiniteError) -> dict[str, float]:
         """Count a rolled-back iteration; after nonfinite_backoff_after in a row, back the learning rates off."""
         self.iteration += 1  # the schedule and the minibatch order move on; the weight version does not
-        self.env_steps += batch.env_steps  # sampled, so counted, though not trained on
+        self.env_steps += self.ranks.sum(batch.env_steps)  # sampled, so counted, though not trained on
         self.skipped_updates += 1
         self.nonfinite_streak += 1
         backoff = ""
@@ -490,7 +525,6 @@ class Learner:
         minibatches, each one optimiser step over the plan's micro-batches. The shell around it (update) rolls back."""
         cfg, policy, plan, learner_cfg = self.cfg, self.policy, self.plan, self.config.learner
         policy.eval()
-        batch.validate()  # where the rollout enters the learner: NaN/Inf in it rolls the iteration back as any other
         data = self.prepare(batch)
         if verbose:
             print(describe(batch, data), flush=True)
@@ -501,7 +535,7 @@ class Learner:
         self.optimizer.param_groups[1]["lr"] = cfg.critic_lr * scale
 
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.iteration)
-        batch_size = len(data.old_log_probs)
+        batch_size = len(data.rows_here)  # every rank's decisions
         minibatch_sizes = cfg.minibatch_sizes(batch_size)
         history: dict[str, list[float]] = {}
         first_ratio_deviation = 0.0  # max |ratio - 1| over the first minibatch (the old log-probs' weights)
@@ -511,33 +545,36 @@ class Learner:
             for index, mb_inds in enumerate(b_inds.split(minibatch_sizes)):
                 where = f"epoch {epoch} minibatch {index}"
                 self.optimizer.zero_grad(set_to_none=True)
-                terms: dict[str, list[float]] = {}
-                for micro_index, micro in enumerate(plan.split(mb_inds)):
-                    measured = plan.measures(micro_index, train_actor)
-                    allocated = plan.memory.allocated() if measured else 0
-                    features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-                    new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps, learner_cfg.steps_in_one_pass)
-                    loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
-                    logratio = new.log_prob - data.old_log_probs[micro]
-                    check_micro_batch(new, logratio, metrics, where)
-                    if optimizer_steps == 0:
-                        first_ratio_deviation = max(first_ratio_deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
-                    if verbose:
-                        print(micro_batch_line(new, logratio))
-                    (loss * (len(micro) / len(mb_inds))).backward()
-                    for key, value in metrics.items():
-                        terms.setdefault(key, []).append(float(value.detach()))
-                    if measured:
-                        plan.size_from(allocated, len(micro), minibatch_sizes[0])
+                here = data.rows_here[mb_inds]  # this rank's share of the minibatch
+                terms: dict[str, list[tuple[float, int]]] = {}  # metric -> (value, rows) per micro-batch
+                with self.ranks.together(where):
+                    for micro_index, micro in enumerate(plan.split(here[here >= 0])):
+                        measured = plan.measures(micro_index, train_actor)
+                        allocated = plan.memory.allocated() if measured else 0
+                        features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
+                        new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps,
+                                             learner_cfg.steps_in_one_pass)  # fmt: skip
+                        loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
+                        logratio = new.log_prob - data.old_log_probs[micro]
+                        check_micro_batch(new, logratio, metrics, where)
+                        if optimizer_steps == 0:
+                            first_ratio_deviation = max(first_ratio_deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
+                        if verbose:
+                            print(micro_batch_line(new, logratio))
+                        (loss * (len(micro) / len(mb_inds))).backward()  # the minibatch's mean over every rank's decisions
+                        for key, value in metrics.items():
+                            terms.setdefault(key, []).append((float(value.detach()), len(micro)))
+                        if measured:
+                            plan.size_from(allocated, len(micro), minibatch_sizes[0])
+                self.ranks.sum_gradients(self.actor_params + self.critic_params)
                 check_finite_gradients(policy, f"learner.update {where}")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
                 self.optimizer.step()
                 check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
                 optimizer_steps += 1
-                mb_metrics = {key: float(np.mean(values)) for key, values in terms.items()}
-                mb_metrics.update(ratio_min=min(terms["ratio_min"]), ratio_max=max(terms["ratio_max"]),
-                                  actor_grad_norm=float(actor_grad_norm))  # fmt: skip
+                mb_metrics = self.ranks.minibatch_means(terms)
+                mb_metrics["actor_grad_norm"] = float(actor_grad_norm)
                 if self.critic_params:  # none with GRPO
                     mb_metrics["critic_grad_norm"] = float(critic_grad_norm)
                 for key, value in mb_metrics.items():
@@ -553,8 +590,8 @@ class Learner:
 
         self.iteration += 1
         self.version += 1
-        self.env_steps += batch.env_steps
-        metrics = dict(data.metrics)
+        self.env_steps += self.ranks.sum(batch.env_steps)
+        metrics = self.ranks.across_ranks(dict(data.metrics), len(data.old_log_probs), self.algorithm.counts)
         for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
                     "kl_ref"):  # fmt: skip
             if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0
@@ -565,7 +602,7 @@ class Learner:
             "losses/approx_kl_max": float(np.max(history["approx_kl"])),
             "ppo/ratio_min": float(np.min(history["ratio_min"])),
             "ppo/ratio_max": float(np.max(history["ratio_max"])),
-            "ppo/first_minibatch_ratio_dev": float(first_ratio_deviation),
+            "ppo/first_minibatch_ratio_dev": float(self.ranks.max(first_ratio_deviation)),
             "ppo/optimizer_steps": optimizer_steps,
             "ppo/batch_size": batch_size,
             "ppo/num_minibatches": len(minibatch_sizes),

@@ -21,6 +21,7 @@ from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.trajectory import RolloutBatch
 from learner.learner import Learner
+from learner.learner_group import join_learner_group
 from learner.monitoring import GaugeExporter, per_actor_metrics
 
 
@@ -28,12 +29,14 @@ class LearnerActor:
     """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
 
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
-                 state_bounds: list[list[float]] | None = None, known_digests: dict | None = None):  # fmt: skip
+                 state_bounds: list[list[float]] | None = None, known_digests: dict | None = None,
+                 group: tuple[str, int, int] | None = None):  # fmt: skip
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
         privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS).
         state_bounds: (low, high) of the suite's state, for a random init to normalise to (learner.startup.start_learner).
-        known_digests: the driver's file digests, as for actors.rollout_actor.RolloutActor."""
+        known_digests: the driver's file digests, as for actors.rollout_actor.RolloutActor.
+        group: (rendezvous address, rank, ranks) of a learner group (learner.learner_group); None: the learner alone."""
         trust_digests(known_digests)
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
@@ -49,7 +52,7 @@ class LearnerActor:
                 policy.set_state_bounds(*(torch.tensor(bound, dtype=torch.float32) for bound in state_bounds))
         # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
         policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.learner = Learner(config, policy)
+        self.learner = Learner(config, policy, ranks=None if group is None else join_learner_group(*group, policy.obs_device))
         if resume_dir is not None:
             self.learner.load_trainer_state(resume_dir)
         self.gauges = GaugeExporter(config.env.task)
@@ -59,10 +62,18 @@ class LearnerActor:
         return self.learner.iteration, self.learner.env_steps
 
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
+        """This learner's update on `batches` (in a group: this rank's share of the iteration's rollouts), and the
+        iteration's metrics; in a group, rank 0 reports them for every rank, and the other ranks report nothing."""
         batch = RolloutBatch.concat(list(batches))  # Learner.update validates it
         version_before = self.learner.version
         start, start_cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.update(batch, verbose=verbose)
+        ranks = self.learner.ranks
+        shares = ranks.gather_to_first([share.statistics_only() for share in batches] if ranks.size > 1 else batches)
+        if shares is None:
+            return {}
+        batches = [share for rank_shares in shares for share in rank_shares]
+        batch = batch if ranks.size == 1 else RolloutBatch.concat(batches)
         metrics.update(rollout_metrics(batch, version_before))
         metrics.update(per_actor_metrics(batches, version_before))
         metrics["rollout/state_beyond_clip"] = self.learner.policy.share_beyond_clip(torch.from_numpy(batch.obs.state))
@@ -77,12 +88,18 @@ class LearnerActor:
 
     def publish(self) -> list[ray.ObjectRef]:
         """ONE ray.put per weight version; wrapped in a list so Ray hands the driver the reference itself. The payload
-        views the weights (no copy): ray.put has serialised it into the object store when it returns."""
+        views the weights (no copy): ray.put has serialised it into the object store when it returns. In a group only
+        rank 0 puts; the others keep the version for the rollouts in flight."""
+        if self.learner.ranks.rank > 0:
+            self.learner.record_version()
+            return []
         return [ray.put(self.learner.broadcast(copy=False))]
 
     def publish_in_flight(self) -> list[ray.ObjectRef]:
         """The weights that sample iterations k, ..., k + policy_lag (k: completed iterations; Learner.in_flight_versions),
         one ray.put per distinct version; the last is the current version. Called when a learner (re)starts."""
+        if self.learner.ranks.rank > 0:
+            return self.publish()
         refs = {self.learner.version: self.publish()[0]}
         versions = self.learner.in_flight_versions()
         for version in versions:

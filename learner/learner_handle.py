@@ -1,4 +1,8 @@
-"""The learner actor behind one handle: its calls, each with a deadline, and its restart when it dies or wedges.
+"""The learner behind one handle: its calls, each with a deadline, and its restart when it dies or wedges.
+
+The learner is one actor, or a learner group (learner.learner_group): an update goes to every rank, each with a
+consecutive share of the iteration's rollouts; a publication to every rank (each keeps the version); the rest to rank
+0. A rank that dies or wedges takes the group down: every rank is killed and the group started again.
 
 A learner that dies, or wedges (no answer within its deadline; it is killed), is started again from the run's
 latest checkpoint (learner.max_restarts times, deaths and wedges together). The iterations since that checkpoint are
@@ -15,10 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from common.config import RunConfig
+from learner.data_parallel import PeerRankError
 from learner.failures import LearnerDiedError, LearnerWedgedError
 from learner.ray_runtime import ResourceRequest
 from learner.run_dir import RunDirectory
@@ -40,11 +46,15 @@ class LearnerHandle:
         self._start(checkpoint, resume_dir)
 
     def _start(self, checkpoint: Path | None, resume_dir: Path | None) -> None:
-        self.actor = start_learner(self.config, checkpoint, resume_dir, self.request)
+        self.ranks = start_learner(self.config, checkpoint, resume_dir, self.request)
+        self.actor = self.ranks.actors[0]
         self.answered = False
+        if len(self.ranks.actors) > 1:
+            print(f"[start] learner group: {self.ranks.where()}", flush=True)
 
     def when_ready(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` once the learner is up, without waiting for it; its failure surfaces at its first call."""
+        """Call `callback()` once the learner is up (a group: rank 0, which is up once every rank has joined), without
+        waiting for it; its failure surfaces at its first call."""
         self.actor.__ray_ready__.remote().future().add_done_callback(lambda _: callback())
 
     def deadline(self) -> float:
@@ -53,20 +63,40 @@ class LearnerHandle:
         return max(cfg.call_timeout_s, cfg.call_timeout_update_factor * self.slowest_update)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`method(*args, **kwargs)` on the learner, waited for; LearnerDiedError if it dies, LearnerWedgedError (after
-        killing it) if it does not answer in time."""
-        ref = getattr(self.actor, method).remote(*args, **kwargs)
+        """`method(*args, **kwargs)` on the learner (a group's rank 0), waited for; LearnerDiedError if it dies,
+        LearnerWedgedError (after killing it) if it does not answer in time."""
+        return self._wait(method, [getattr(self.actor, method).remote(*args, **kwargs)])
+
+    def call_every_rank(self, method: str, args: list[tuple], **kwargs: Any) -> Any:
+        """`method(*args[rank], **kwargs)` on every rank, waited for as `call` does; rank 0's answer."""
+        calls = zip(self.ranks.actors, args, strict=True)
+        return self._wait(method, [getattr(actor, method).remote(*rank_args, **kwargs) for actor, rank_args in calls])
+
+    def _wait(self, method: str, refs: list[ray.ObjectRef]) -> Any:
+        """The first ref's result, once every ref has answered. A rank that dies, or no answer from all within the
+        deadline, kills every rank (LearnerDiedError, LearnerWedgedError). Where ranks raised, the error raised is
+        a rank's own, not another's report of it (data_parallel.PeerRankError)."""
         timeout = self.deadline() if self.answered else None
-        try:
-            result = ray.get(ref, timeout=timeout)
-        except RayActorError as exc:
-            raise LearnerDiedError(str(exc).splitlines()[0]) from exc
-        except GetTimeoutError:
-            ray.kill(self.actor, no_restart=True)
-            raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.call_timeout_s, "
-                                     "learner.call_timeout_update_factor); killed") from None  # fmt: skip
+        ends = None if timeout is None else time.monotonic() + timeout
+        pending, errors = list(refs), []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=None if ends is None else max(0.0, ends - time.monotonic()))
+            if not ready:
+                self.ranks.kill()
+                raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.call_timeout_s, "
+                                         "learner.call_timeout_update_factor); killed") from None  # fmt: skip
+            try:
+                ray.get(ready[0])
+            except RayActorError as exc:
+                self.ranks.kill()
+                raise LearnerDiedError(str(exc).splitlines()[0]) from exc
+            except Exception as exc:  # raised by the learner's code: raised here once every rank has answered
+                errors.append(exc)
+        own = [error for error in errors if not isinstance(error, PeerRankError)]
+        if errors:
+            raise (own or errors)[0]
         self.answered = True
-        return result
+        return ray.get(refs[0])
 
     def resume_point(self) -> tuple[int, int]:
         """(completed iterations, env steps sampled for them) of the checkpoint the learner started from."""
@@ -80,17 +110,22 @@ class LearnerHandle:
 
     def publish_in_flight(self) -> list[ray.ObjectRef]:
         """The weights that sample the next iterations (LearnerActor.publish_in_flight); the last is the current version."""
-        return self.call("publish_in_flight")
+        return self.call_every_rank("publish_in_flight", [()] * len(self.ranks.actors))
 
     def update(self, batch_refs: list[ray.ObjectRef], verbose: bool = False) -> dict[str, float]:
+        """The update on the iteration's rollouts: each rank fetches its consecutive share of them from the object store."""
         began = time.perf_counter()
-        metrics = self.call("update", *batch_refs, verbose=verbose)
+        size = len(self.ranks.actors)
+        if len(batch_refs) < size:
+            raise ValueError(f"{len(batch_refs)} rollout actors left for a learner group of {size} ranks: each rank needs one")
+        shares = [tuple(share) for share in np.array_split(np.array(batch_refs, dtype=object), size)]
+        metrics = self.call_every_rank("update", shares, verbose=verbose)
         self.slowest_update = max(self.slowest_update, time.perf_counter() - began)
         return metrics
 
     def publish(self) -> ray.ObjectRef:
-        """The current weights, put in the object store once."""
-        return self.call("publish")[0]
+        """The current weights, put in the object store once (by rank 0)."""
+        return self.call_every_rank("publish", [()] * len(self.ranks.actors))[0]
 
     def save(self, iteration: int) -> None:
         """Checkpoint the learner as iter_NNNNNN and point the run's `latest` at it."""
@@ -113,11 +148,16 @@ class LearnerHandle:
         if self.restarts > limit:
             raise LearnerDiedError(f"the learner died {self.restarts} times (learner.max_restarts={limit}); last: {failure}") from failure
         restart_dir = self.directory.latest_checkpoint() if self.last_saved > 0 else self.resume_dir
+        self.ranks.kill()  # what is left of it: a group's other ranks wait for the one gone, holding its placement
         what = "wedged" if isinstance(failure, LearnerWedgedError) else "died"
         print(f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
               f"{restart_dir or self.checkpoint or 'its random initialisation'}", flush=True)  # fmt: skip
         self._start(None if restart_dir else self.checkpoint, restart_dir)
         return self.resume_point()
+
+    def close(self) -> None:
+        """The learner's actors and a group's placement, let go at the run's end (a placement outlives its handles)."""
+        self.ranks.kill()
 
     def save_progress(self, error: BaseException) -> None:
         """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them."""

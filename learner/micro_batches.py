@@ -64,7 +64,8 @@ class MicroBatchPlan:
         return micro_batch_rows(self.cfg, decisions, self.grad_accum)
 
     def split(self, minibatch: Tensor) -> tuple[Tensor, ...]:
-        return minibatch.tensor_split(min(self.grad_accum, len(minibatch)))
+        """The micro-batches of a minibatch's rows (none for none: a learner rank may hold no row of a minibatch)."""
+        return minibatch.tensor_split(min(self.grad_accum, len(minibatch))) if len(minibatch) else ()
 
     def measures(self, micro_batch: int, train_actor: bool) -> bool:
         """Whether the allocator is read around micro-batch `micro_batch` of a step (the plan is still to size)."""

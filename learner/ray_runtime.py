@@ -41,6 +41,10 @@ class ResourceRequest:
     def amounts(self) -> dict[str, float]:
         return {k: v for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items() if v > 0}
 
+    def times(self, count: int) -> ResourceRequest:
+        """What `count` actors with this request hold together."""
+        return ResourceRequest(self.num_cpus * count, self.num_gpus * count, {k: v * count for k, v in self.resources.items()})
+
     def options(self, bundle_index: int | None = None) -> dict[str, Any]:
         """Keyword arguments for `ray.remote(...).options(...)`.
 
@@ -65,13 +69,13 @@ def actor_request(config: RunConfig, node_cpus: Sequence[float]) -> ResourceRequ
     """actors.num_cpus, or an even split of the CPUs of the nodes up now (`node_cpus`, one entry per node).
 
     The split is the largest per-actor amount (in Ray's 1e-4 units) for which every actor fits whole on
-    some node, after taking the learner's CPUs off each node (it may land on any): on one machine that
+    some node, after taking the learner's CPUs (every rank's) off each node (it may land on any): on one machine that
     is (CPUs - learner) / actors; across nodes, dividing the total instead would leave a fragment on
     each node and the last actors pending forever.
     """
     if config.actors.num_cpus is not None:
         return ResourceRequest(config.actors.num_cpus, config.actors.num_gpus, dict(config.actors.resources))
-    learner_units = round(learner_request(config, sum(node_cpus)).num_cpus * RESOURCE_UNIT)
+    learner_units = round(learner_request(config, sum(node_cpus)).num_cpus * RESOURCE_UNIT) * config.learner.num_learners
     free = [max(0, round(c * RESOURCE_UNIT) - learner_units) for c in node_cpus]
     low, high = 1, max(free, default=0) or 1  # low always counts as fitting (Ray's smallest request)
     while low < high:  # largest per-actor amount with sum(floor(free / amount)) >= num_actors

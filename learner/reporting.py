@@ -286,7 +286,9 @@ def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, 
     lines.append(f"config fingerprint : {config.fingerprint()}")
     lines.append(f"ray resources      : {resources}")
     lines.append(f"  per actor        : {cpus_per_actor:.4g} CPU, {config.actors.num_gpus} GPU, custom {config.actors.resources}")
-    lines.append(f"  learner          : {config.learner.num_gpus} GPU, custom {config.learner.resources}")
+    ranks = config.learner.num_learners
+    group = f"; a group of {ranks} ranks, each with that (learner.num_learners)" if ranks > 1 else ""
+    lines.append(f"  learner          : {config.learner.num_gpus} GPU, custom {config.learner.resources}{group}")
     if checkpoint is not None:
         lines.append(f"init checkpoint    : {checkpoint} (sha256 {file_sha256(checkpoint / WEIGHTS_FILE)[:16]})")
         report = checkpoint / REPORT_FILE

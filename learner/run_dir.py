@@ -32,10 +32,11 @@ LOCK_FILE = "run.lock"
 RUN_CONFIG_FILE = "run_config.json"
 CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
-# and the resources actors and the learner ask for. Nothing here changes what is computed.
+# and the resources actors and the learner ask for. Nothing here changes what is computed, beyond float rounding (the
+# learner's ranks).
 SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "keep_checkpoints", "wandb_project", "actors.num_cpus",
                             "actors.num_gpus", "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
-                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.max_restarts",
+                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners", "learner.max_restarts",
                             "learner.call_timeout_s", "learner.call_timeout_update_factor"})  # fmt: skip
 
 

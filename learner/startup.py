@@ -23,6 +23,7 @@ from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
+from learner.learner_group import LearnerRanks, start_learner_group
 from learner.pretrain import check_task_demos, ensure_bc_checkpoint
 from learner.ray_runtime import (
     FIRST_ACTOR_BUNDLE,
@@ -157,31 +158,27 @@ def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]
     resources = ray.cluster_resources()
     node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
     learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
-    for section, request in (("learner", learner), ("actors", actor)):
-        missing = {k: v for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v}
+    ranks = config.learner.num_learners
+    for section, request, count in (("learner", learner, ranks), ("actors", actor, 1)):
+        missing = {k: v * count for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v * count}
         if missing:  # Ray would leave the actor pending forever
-            raise ConfigError(f"{section} asks for {missing} ({section}.num_gpus / {section}.resources) but the Ray cluster "
+            fields = f"{section}.num_gpus / {section}.resources" + (f", times learner.num_learners={count} ranks" if count > 1 else "")
+            raise ConfigError(f"{section} asks for {missing} ({fields}) but the Ray cluster "
                               f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)")  # fmt: skip
     check_actor_cpus(config, actor)
     return learner, actor
 
 
-def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> Any:
-    """The learner actor, fine-tuning `checkpoint` or continuing from `resume_dir`; with neither (a random init), given
-    the suite's state bounds to normalise to, when it knows them."""
+def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> LearnerRanks:
+    """The learner's actors, fine-tuning `checkpoint` or continuing from `resume_dir`; with neither (a random init), given
+    the suite's state bounds to normalise to, when it knows them. learner.num_learners > 1: a learner group."""
     bounds = make_suite(config.env).state_bounds() if checkpoint is None and resume_dir is None else None
-    return (
-        ray.remote(LearnerActor)
-        .options(**request.options(bundle_index=LEARNER_BUNDLE))
-        .remote(
-            config,
-            None if checkpoint is None else str(checkpoint),
-            None if resume_dir is None else str(resume_dir),
-            niceness=os.getpriority(os.PRIO_PROCESS, 0),
-            state_bounds=None if bounds is None else [bound.tolist() for bound in bounds],
-            known_digests=known_digests(),
-        )
-    )
+    args = (config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
+    kwargs = {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "known_digests": known_digests(),
+              "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds]}  # fmt: skip
+    if config.learner.num_learners > 1:
+        return start_learner_group(config, request, LearnerActor, *args, **kwargs)
+    return LearnerRanks([ray.remote(LearnerActor).options(**request.options(bundle_index=LEARNER_BUNDLE)).remote(*args, **kwargs)])
 
 
 def build_benchmark_tables(config: RunConfig) -> list[ray.ObjectRef]:

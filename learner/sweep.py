@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
             raise ConfigError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
         base = load_config(args.config, args.set)
+        if base.learner.num_learners > 1:
+            raise ConfigError(f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
+                              "seed's placement group; set learner.num_learners: 1")  # fmt: skip
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

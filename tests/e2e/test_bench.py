@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from bench import broadcast, overhead, startup, throughput
+from bench import broadcast, learner_scaling, overhead, startup, throughput
+from common.policy import FlowPolicy
 from tests.helpers.bench_output import TINY_MAIN_ARGS, assert_positive, printed
 
 pytestmark = pytest.mark.usefixtures("no_ray")
@@ -78,3 +79,19 @@ def test_overhead_smallest_replays_the_ray_run_in_one_process(capsys):
     assert results["in_process_over_ray"] == pytest.approx(
         results["in_process_median_iteration_seconds"] / results["ray_median_iteration_seconds"], rel=1e-12
     )
+
+
+def test_learner_scaling_smallest_times_the_learner_alone_and_two_ranks(capsys, bc_checkpoint):
+    results = learner_scaling.main(["--ranks", "1,2", "--repeats", "1", "--warmup", "0", "--actors", "2", "--envs-per-actor", "1",
+                                    "--decisions", "4", "--all-reduce-calls", "2", "--checkpoint", str(bc_checkpoint)])  # fmt: skip
+    assert printed(capsys) == json.loads(json.dumps(results))  # every figure also a `name: value` line
+    assert results["decisions_per_update"] == 2 * 1 * 4
+    trainable = sum(p.numel() for p in FlowPolicy.from_pretrained(bc_checkpoint).parameters() if p.requires_grad)
+    assert results["trainable_parameters"] == trainable  # what the all-reduce timed is the size of
+    assert_positive(results["all_reduce_seconds_2"], results["optimizer_steps_per_update"])
+    for size in (1, 2):
+        assert_positive(results[f"update_seconds_{size}"], results[f"update_wall_seconds_{size}"])
+    for name in ("update_seconds", "update_wall_seconds"):
+        assert results[f"{name}_ratio_2_to_1"] == pytest.approx(results[f"{name}_2"] / results[f"{name}_1"], rel=1e-12)
+    steps_times_all_reduce = results["optimizer_steps_per_update"] * results["all_reduce_seconds_2"]
+    assert results["all_reduce_share_of_update_2"] == pytest.approx(steps_times_all_reduce / results["update_seconds_2"], rel=1e-12)

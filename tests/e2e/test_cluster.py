@@ -106,7 +106,7 @@ def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_
         learner_request, actor_request = plan_resources(config)
         learner = start_learner(config, bc_checkpoint, None, learner_request)
         pool = start_actors(config, str(bc_checkpoint), actor_request)
-        assert ray.get(learner.__ray_call__.remote(niceness)) == niceness(None) < ACTOR_NICENESS
+        assert ray.get(learner.actors[0].__ray_call__.remote(niceness)) == niceness(None) < ACTOR_NICENESS
         assert ray.get([actor.__ray_call__.remote(niceness) for actor in pool.actors.values()]) == [ACTOR_NICENESS] * 2
     finally:
         ray.shutdown()

@@ -34,8 +34,6 @@ import ray
 from ray._private import state
 from ray.exceptions import OwnerDiedError
 
-from common.metrics import MetricsLog
-from common.policy import WEIGHTS_FILE
 from learner.actor_pool import ActorPool
 from learner.failures import ActorsExhaustedError, LearnerDiedError
 from learner.main import main
@@ -43,6 +41,7 @@ from learner.run_dir import RunDirectory
 from tests.conftest import tiny_config, tiny_run
 from tests.helpers import fault_injection
 from tests.helpers.flaky_actor import Flaky, Owner
+from tests.helpers.runs import assert_same_run, rows_by_iteration, undisturbed_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -111,11 +110,6 @@ ITERATIONS = 24
 # finishes within on two cores busy with other work too. Only fault knobs differ between the runs, so all of them must give the same bits.
 SETTINGS = {"iterations": ITERATIONS, "actors.decisions_per_rollout": 16, "env.max_episode_steps": 60, "algorithm.minibatch_size": 32,
             "checkpoint_every": 5, "actors.max_restarts": 30, "actors.call_timeout_s": 30, "learner.max_restarts": 3}  # fmt: skip
-COMPARED = ("rollout/env_steps", "rollout/total_env_steps", "rollout/episode_return", "losses/pg_loss", "losses/v_loss")
-
-
-def rows_by_iteration(run_dir: Path) -> dict[int, dict]:
-    return {int(row["iteration"]): row for row in MetricsLog(run_dir / "metrics.jsonl").read()}
 
 
 def logged_iterations(run_dir: Path) -> int:
@@ -126,20 +120,7 @@ def logged_iterations(run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory, bc_checkpoint, fault_plan) -> Path:
-    fault_injection.arm(fault_plan)  # nothing armed
-    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
-    assert main(tiny_run(run_dir, bc_checkpoint, **SETTINGS)) == 0
-    return run_dir
-
-
-def assert_same_run(run_dir: Path, reference: Path) -> None:
-    """Every iteration's compared figures and the final weights are the reference's, bit for bit."""
-    got, want = rows_by_iteration(run_dir), rows_by_iteration(reference)
-    assert sorted(got) == sorted(want) == list(range(1, ITERATIONS + 1))
-    for iteration, row in want.items():
-        assert {k: got[iteration][k] for k in COMPARED} == {k: row[k] for k in COMPARED}, f"iteration {iteration} differs"
-    final = f"checkpoints/iter_{ITERATIONS:06d}/{WEIGHTS_FILE}"
-    assert (run_dir / final).read_bytes() == (reference / final).read_bytes(), "final weights differ from the undisturbed run's"
+    return undisturbed_run(tmp_path_factory.mktemp("undisturbed") / "run", bc_checkpoint, fault_plan, SETTINGS)
 
 
 @dataclass
@@ -250,7 +231,7 @@ def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed
     killed = kill_the_learner_while_the_final_evaluation_fetches_its_weights(monkeypatch)
     assert main(argv + ["--resume"]) == 0
     assert killed
-    assert_same_run(run_dir, undisturbed)  # nothing lost, nothing counted twice
+    assert_same_run(run_dir, undisturbed, ITERATIONS)  # nothing lost, nothing counted twice
     final, undisturbed_final = rows_by_iteration(run_dir)[ITERATIONS], rows_by_iteration(undisturbed)[ITERATIONS]
     assert {k: v for k, v in final.items() if k.startswith("eval/") and k != "eval/wait_seconds"} == {
         k: v for k, v in undisturbed_final.items() if k.startswith("eval/") and k != "eval/wait_seconds"}  # fmt: skip
@@ -340,7 +321,7 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
         sender.join(timeout=5)
         fault_injection.arm(fault_plan)
 
-    assert_same_run(run_dir, undisturbed)
+    assert_same_run(run_dir, undisturbed, ITERATIONS)
     kinds = [event["kind"] for event in signals.sent]
     assert len(kinds) == len(signals.planned) and kinds.count("kill learner") == 1
     summary = json.loads((run_dir / "summary.json").read_text())["faults"]

@@ -276,3 +276,22 @@ def test_config_files_are_layered_section_by_section_and_a_mapping_field_is_repl
     assert (layered.actors.num_actors, layered.actors.resources, layered.learner.num_cpus) == (6, {"b": 2.0}, 2.0)
     assert load_config([site, recipe]).actors.resources == {"a": 1.0}  # the later file wins
     assert load_config(recipe) == load_config([recipe])
+
+
+def test_the_learner_group_cluster_file_places_one_rank_on_each_gpu_node(tmp_path, monkeypatch, capsys) -> None:
+    """configs/cluster_smolvla_learner_group.yaml over the SmolVLA recipe and its cluster file: each learner rank takes a
+    node's learner_slot, so the two ranks land on the two GPU nodes; a third finds no slot and is refused naming it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config_files = [
+        str(REPO / "configs" / name) for name in ("smolvla_pick.yaml", "cluster_smolvla.yaml", "cluster_smolvla_learner_group.yaml")
+    ]
+    smolvla = load_config(config_files).policy.smolvla
+    for model in (smolvla.lerobot_checkpoint, smolvla.vlm_path):
+        (tmp_path / Path(model).relative_to("~")).mkdir(parents=True)
+    argv = ["--check-cluster", str(REPO / "cluster" / "h200.yaml"), *(arg for file in config_files for arg in ("--config", file))]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"learner rank {rank}    -> gpu_worker#{rank}  asks {{CPU: 8, GPU: 1, learner_slot: 1}}" in out
+    assert main([*argv, "--set", "learner.num_learners=3"]) == 2
+    assert "learner rank 2 (of 3) does not fit" in capsys.readouterr().err

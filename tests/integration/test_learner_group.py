@@ -1,0 +1,161 @@
+"""A learner group of two ranks (Ray actors joined by gloo) against the learner alone, on the same rollouts.
+
+The two updates differ by float rounding only: each rank sums its share of a minibatch's loss and the all-reduce adds
+the two shares, where the learner alone sums every decision in one pass, and the advantages are normalised with the
+mean and std accumulated in float64 across the ranks. Over one update of a few Adam steps that moves the weights by
+about 1e-7 of their scale; the tests allow 1e-5 (absolute, on weights of order 1), far below what one Adam step
+moves them (the learning rate, 3e-4 and up).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.rollout_actor import RolloutActor
+from common.config import ConfigError, RunConfig
+from common.metrics import rollout_metrics
+from common.policy import FlowPolicy, build_policy, write_directory_atomically
+from common.trajectory import RolloutBatch
+from learner.learner import Learner
+from learner.learner_actor import LearnerActor
+from learner.learner_group import start_learner_group
+from learner.ray_runtime import ResourceRequest
+from learner.startup import plan_resources
+from tests.conftest import tiny_config
+from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN, with_test_normalization
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+WEIGHT_TOLERANCE = 1e-5
+RANK = ResourceRequest(0.5, 0.0)  # two ranks beside the tests' 2-CPU Ray
+
+
+def rollouts(config: RunConfig, checkpoint: Path, learner: Learner) -> list[RolloutBatch]:
+    """One iteration's rollouts, one batch per actor, sampled with the learner's current weights."""
+    batches = []
+    for index in range(config.actors.num_actors):
+        actor = RolloutActor(config, index, checkpoint)
+        actor.load_weights(learner.broadcast())
+        batches.append(actor.sample(None, iteration=0))
+    return batches
+
+
+def group_update(config: RunConfig, checkpoint: Path, iterations: list[list[RolloutBatch]]) -> tuple[list[dict], list[dict]]:
+    """A two-rank group's metrics of each update and each rank's trainable weights after the last; each rank fetches
+    its share of an iteration's rollouts (one actor's batch each) from the object store."""
+    ranks = start_learner_group(config, RANK, LearnerActor, config, str(checkpoint), None)
+    try:
+        metrics = []
+        for batches in iterations:
+            refs = [ray.put(batch) for batch in batches]
+            answers = ray.get([rank.update.remote(*refs[i :: len(ranks.actors)]) for i, rank in enumerate(ranks.actors)])
+            assert answers[1:] == [{}] * (len(answers) - 1)  # rank 0 reports for the group
+            metrics.append(answers[0])
+            ray.get([rank.publish.remote() for rank in ranks.actors])
+        weights = ray.get([rank.__ray_call__.remote(lambda actor: actor.learner.trainable_state()) for rank in ranks.actors])
+        return metrics, weights
+    finally:
+        ranks.kill()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({}, id="ppo"),
+        pytest.param({"algorithm.target_kl": 1e-6, "algorithm.update_epochs": 4}, id="ppo-kl-early-stop"),
+        pytest.param(
+            {
+                "algorithm.algo": "grpo",
+                "algorithm.group_size": 2,
+                "actors.decisions_per_rollout": 10,
+                "env.reward": "dense",
+                "algorithm.kl_beta": 0.01,
+            },
+            id="grpo-kl-reference",
+        ),  # fmt: skip
+    ],
+)
+def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_checkpoint, fields) -> None:
+    config = tiny_config(tmp_path, **{"learner.num_learners": 2, **fields})
+    alone = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    iterations, expected = [], []
+    for _ in range(2):  # the second update also checks the optimiser's state and the published versions
+        iterations.append(rollouts(config, bc_checkpoint, alone))
+        batch, version = RolloutBatch.concat(iterations[-1]), alone.version
+        expected.append({**alone.update(batch), **rollout_metrics(batch, version)})
+    metrics, weights = group_update(config, bc_checkpoint, iterations)
+
+    for rank_weights in weights[1:]:  # the ranks stay identical: the same summed gradients, the same Adam steps
+        assert all(torch.equal(rank_weights[name], weights[0][name]) for name in weights[0])
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+    moved = max((tensor - FlowPolicy.from_pretrained(bc_checkpoint).state_dict()[name]).abs().max().item()
+                for name, tensor in alone.trainable_state().items())  # fmt: skip
+    assert moved > 20 * WEIGHT_TOLERANCE  # the tolerance is far below what the updates did
+    for group, one in zip(metrics, expected, strict=True):
+        # The ratio check holds on every rank: old and new log-probs of a chain differ by a rounding at most (a rank
+        # scores its rows in other batch shapes than the learner alone, so its kernels may round differently).
+        assert one["ppo/first_minibatch_ratio_dev"] <= 1e-6 and group["ppo/first_minibatch_ratio_dev"] <= 1e-6
+        for key in ("ppo/optimizer_steps", "ppo/epochs_run", "ppo/kl_early_stop", "ppo/batch_size", "rollout/env_steps",
+                    "rollout/episodes", "rollout/decisions"):  # fmt: skip
+            assert group[key] == one[key], key
+        for key in ("losses/approx_kl", "losses/pg_loss", "losses/clipfrac", "logprob/old_mean", "rollout/success_rate",
+                    "rollout/reward_per_decision"):  # fmt: skip
+            assert group[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7, nan_ok=True), key
+    if "algorithm.target_kl" in fields:  # stopped early, at the same step
+        assert metrics[0]["ppo/kl_early_stop"] == 1.0 and metrics[0]["ppo/optimizer_steps"] < 4 * 2
+    if fields.get("algorithm.algo") == "grpo":  # each rank holds whole groups; their counts add up
+        assert [m["grpo/groups"] for m in metrics] == [m["grpo/groups"] for m in expected] == [2.0, 2.0]
+
+
+def test_a_group_the_cluster_cannot_hold_is_refused_in_one_line_naming_what_is_missing(tmp_path) -> None:
+    gpus = tiny_config(tmp_path, **{"learner.num_learners": 2, "learner.num_gpus": 1})
+    named = r"learner asks for \{'GPU': 2\.0\} \(learner\.num_gpus / learner\.resources, times learner\.num_learners=2 ranks\)"
+    with pytest.raises(ConfigError, match=named) as error:
+        plan_resources(gpus)
+    assert "\n" not in str(error.value)
+    slots = tiny_config(tmp_path, **{"learner.num_learners": 2, "learner.resources": {"learner_slot": 1}})
+    with pytest.raises(ConfigError, match=r"\{'learner_slot': 2\.0\} \(.*times learner\.num_learners=2 ranks\)"):
+        plan_resources(slots)
+    with pytest.raises(ConfigError, match=r"learner\.num_learners \(3\) exceeds actors\.num_actors \(2\)"):
+        tiny_config(tmp_path, **{"learner.num_learners": 3})
+
+
+@pytest.fixture(scope="module")
+def smolvla_checkpoint(tmp_path_factory) -> Path:
+    """The tiny SmolVLA of configs/smolvla_tiny_pick.yaml with seeded weights, saved as a checkpoint (no BC: the update is
+    what is compared)."""
+    config = tiny_config(tmp_path_factory.mktemp("cfg"), SMOLVLA_TINY_CONFIG, **TINY_VLA_RUN)
+    torch.manual_seed(0)
+    policy = with_test_normalization(build_policy(config.policy))
+    return write_directory_atomically(tmp_path_factory.mktemp("smolvla") / "checkpoint", policy.save_pretrained)
+
+
+def test_two_ranks_make_the_one_rank_update_of_the_tiny_smolvla(tmp_path, smolvla_checkpoint) -> None:
+    """The VLA path: frames and instruction tokens in the rollouts, the frozen VLM's prefix encoded once per iteration and
+    each rank's rows of it reused in every minibatch."""
+    fields = {**TINY_VLA_RUN, "actors.envs_per_actor": 2, "algorithm.update_epochs": 2, "algorithm.critic_warmup_iters": 0,
+              "learner.num_learners": 2}  # fmt: skip
+    config = tiny_config(tmp_path, SMOLVLA_TINY_CONFIG, **fields)
+    alone = Learner(config, FlowPolicy.from_pretrained(smolvla_checkpoint))
+    assert not alone.policy.encoder_is_trainable  # so the prefix features are cached and indexed by each rank's rows
+    iterations, expected = [], []
+    for _ in range(2):
+        iterations.append(rollouts(config, smolvla_checkpoint, alone))
+        expected.append(alone.update(RolloutBatch.concat(iterations[-1])))
+    metrics, weights = group_update(config, smolvla_checkpoint, iterations)
+    assert all(torch.equal(weights[1][name], weights[0][name]) for name in weights[0])
+    start = FlowPolicy.from_pretrained(smolvla_checkpoint).state_dict()
+    assert max((tensor - start[name]).abs().max().item() for name, tensor in alone.trainable_state().items()) > 20 * WEIGHT_TOLERANCE
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+    for group, one in zip(metrics, expected, strict=True):
+        assert group["ppo/first_minibatch_ratio_dev"] <= 1e-6 and one["ppo/first_minibatch_ratio_dev"] <= 1e-6
+        assert (group["ppo/optimizer_steps"], group["ppo/batch_size"]) == (one["ppo/optimizer_steps"], one["ppo/batch_size"]) == (8, 16)
+        # Normalised advantages average to 0, so the policy loss is a small difference of unit-sized terms: their
+        # rounding (1e-7) shows at 1e-6 of it.
+        assert group["losses/pg_loss"] == pytest.approx(one["losses/pg_loss"], abs=1e-6)
