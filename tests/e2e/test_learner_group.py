@@ -16,8 +16,8 @@ from tests.helpers.runs import COMPARED, assert_same_run, rows_by_iteration, und
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
-ITERATIONS = 4
-# 2 minibatches x 2 epochs: 4 optimiser steps an iteration; a checkpoint every 2 iterations.
+ITERATIONS = 3
+# 2 minibatches x 2 epochs: 4 optimiser steps an iteration; a checkpoint every 2 iterations and at the end.
 SETTINGS = {"iterations": ITERATIONS, "checkpoint_every": 2, "learner.num_learners": 2}
 
 
