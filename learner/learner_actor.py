@@ -64,7 +64,8 @@ class LearnerActor:
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         """This learner's update on `batches` (in a group: this rank's share of the iteration's rollouts), and the
         iteration's metrics; in a group, rank 0 reports them for every rank, and the other ranks report nothing."""
-        batch = RolloutBatch.concat(list(batches))  # Learner.update validates it
+        with self.learner.ranks.together("learner.update"):  # a share refused here is refused on every rank
+            batch = RolloutBatch.concat(list(batches))  # Learner.update validates it
         version_before = self.learner.version
         start, start_cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.update(batch, verbose=verbose)

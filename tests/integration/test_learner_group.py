@@ -20,6 +20,7 @@ from common.config import ConfigError, RunConfig
 from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.trajectory import RolloutBatch
+from learner.data_parallel import PeerRankError
 from learner.learner import Learner
 from learner.learner_actor import LearnerActor
 from learner.learner_group import start_learner_group
@@ -159,3 +160,21 @@ def test_two_ranks_make_the_one_rank_update_of_the_tiny_smolvla(tmp_path, smolvl
         # Normalised advantages average to 0, so the policy loss is a small difference of unit-sized terms: their
         # rounding (1e-7) shows at 1e-6 of it.
         assert group["losses/pg_loss"] == pytest.approx(one["losses/pg_loss"], abs=1e-6)
+
+
+def test_a_share_one_rank_refuses_is_raised_on_every_rank_without_waiting(tmp_path, bc_checkpoint) -> None:
+    """Rank 1's rollouts of two lengths cannot be joined: it raises its own error, rank 0 a PeerRankError naming it, both
+    at once (rank 0 waits for no collective that rank 1 never reaches)."""
+    config = tiny_config(tmp_path, **{"learner.num_learners": 2})
+    learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    full = rollouts(config, bc_checkpoint, learner)
+    short = rollouts(tiny_config(tmp_path, **{"actors.decisions_per_rollout": 4}), bc_checkpoint, learner)[0]
+    ranks = start_learner_group(config, RANK, LearnerActor, config, str(bc_checkpoint), None)
+    try:
+        calls = [ranks.actors[0].update.remote(full[0]), ranks.actors[1].update.remote(full[1], short)]
+        with pytest.raises(PeerRankError, match="learner.update: learner rank 1 failed"):
+            ray.get(calls[0], timeout=60)
+        with pytest.raises(ValueError, match="rollouts have different lengths"):
+            ray.get(calls[1], timeout=60)
+    finally:
+        ranks.kill()
