@@ -64,12 +64,12 @@ class LearnerActor:
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         """This learner's update on `batches` (in a group: this rank's share of the iteration's rollouts), and the
         iteration's metrics; in a group, rank 0 reports them for every rank, and the other ranks report nothing."""
-        with self.learner.ranks.together("learner.update"):  # a share refused here is refused on every rank
+        ranks = self.learner.ranks
+        with ranks.together("learner.update"):  # a share refused here is refused on every rank
             batch = RolloutBatch.concat(list(batches))  # Learner.update validates it
         version_before = self.learner.version
         start, start_cpu = time.perf_counter(), time.process_time()
         metrics = self.learner.update(batch, verbose=verbose)
-        ranks = self.learner.ranks
         shares = ranks.gather_to_first([share.statistics_only() for share in batches] if ranks.size > 1 else batches)
         if shares is None:
             return {}

@@ -67,9 +67,10 @@ class LearnerHandle:
         LearnerWedgedError (after killing it) if it does not answer in time."""
         return self._wait(method, [getattr(self.actor, method).remote(*args, **kwargs)])
 
-    def call_every_rank(self, method: str, args: list[tuple], **kwargs: Any) -> Any:
-        """`method(*args[rank], **kwargs)` on every rank, waited for as `call` does; rank 0's answer."""
-        calls = zip(self.ranks.actors, args, strict=True)
+    def call_every_rank(self, method: str, args: list[tuple] | None = None, **kwargs: Any) -> Any:
+        """`method(*args[rank], **kwargs)` on every rank (no positional arguments without `args`), waited for as `call`
+        does; rank 0's answer."""
+        calls = zip(self.ranks.actors, args or [()] * len(self.ranks.actors), strict=True)
         return self._wait(method, [getattr(actor, method).remote(*rank_args, **kwargs) for actor, rank_args in calls])
 
     def _wait(self, method: str, refs: list[ray.ObjectRef]) -> Any:
@@ -110,7 +111,7 @@ class LearnerHandle:
 
     def publish_in_flight(self) -> list[ray.ObjectRef]:
         """The weights that sample the next iterations (LearnerActor.publish_in_flight); the last is the current version."""
-        return self.call_every_rank("publish_in_flight", [()] * len(self.ranks.actors))
+        return self.call_every_rank("publish_in_flight")
 
     def update(self, batch_refs: list[ray.ObjectRef], verbose: bool = False) -> dict[str, float]:
         """The update on the iteration's rollouts: each rank fetches its consecutive share of them from the object store."""
@@ -125,7 +126,7 @@ class LearnerHandle:
 
     def publish(self) -> ray.ObjectRef:
         """The current weights, put in the object store once (by rank 0)."""
-        return self.call_every_rank("publish", [()] * len(self.ranks.actors))[0]
+        return self.call_every_rank("publish")[0]
 
     def save(self, iteration: int) -> None:
         """Checkpoint the learner as iter_NNNNNN and point the run's `latest` at it."""

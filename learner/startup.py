@@ -160,7 +160,7 @@ def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]
     learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
     ranks = config.learner.num_learners
     for section, request, count in (("learner", learner, ranks), ("actors", actor, 1)):
-        missing = {k: v * count for k, v in request.amounts().items() if k != "CPU" and resources.get(k, 0) < v * count}
+        missing = {k: v for k, v in request.times(count).amounts().items() if k != "CPU" and resources.get(k, 0) < v}
         if missing:  # Ray would leave the actor pending forever
             fields = f"{section}.num_gpus / {section}.resources" + (f", times learner.num_learners={count} ranks" if count > 1 else "")
             raise ConfigError(f"{section} asks for {missing} ({fields}) but the Ray cluster "
