@@ -4,6 +4,7 @@ and the cost of the gradient all-reduce that each of the group's optimiser steps
     nice -n 5 python bench/learner_scaling.py                   # 4 actors x 2 envs x 50 decisions, ranks 1 and 2
     python bench/learner_scaling.py --actors 10                 # the main job's batch (10 x 2 x 50 decisions)
     python bench/learner_scaling.py --ranks 1,2,4               # where the machine has 4 cores for 4 ranks
+    python bench/learner_scaling.py --sharding fsdp             # the groups' ranks each hold a shard (learner.sharding)
     python bench/learner_scaling.py --ranks 1,2 --repeats 1 --warmup 0 --actors 2 --envs-per-actor 1 --decisions 4  # a smoke run
 
 - rollouts: one iteration's, sampled once in this process by --actors rollout actors (actors.rollout_actor.RolloutActor,
@@ -26,7 +27,11 @@ and the cost of the gradient all-reduce that each of the group's optimiser steps
   inside the rank); update_wall_seconds_N: the median wall time of the ray.get over every rank's update call (with the
   fetching of the rollouts and Ray's calls). update_seconds_ratio_N_to_1 and update_wall_seconds_ratio_N_to_1: N
   ranks' over the learner alone's (below 1: the ranks make the update faster).
-- all-reduce: in each group, torch.distributed.all_reduce of one flat float32 tensor of trainable_parameters elements
+- memory: rank_{parameter,gradient,optimizer}_bytes_N, what the rank that holds the most holds after the last update
+  (Learner.state_bytes: the learner alone's own, a group's memory/rank_* metrics), and rank_state_bytes_ratio_N_to_1,
+  the three together against the learner alone's: 1 for an unsharded group, about 1/N with --sharding fsdp.
+- all-reduce (unsharded groups; a sharded one reduces and scatters its gradients in the backward passes): in each
+  group, torch.distributed.all_reduce of one flat float32 tensor of trainable_parameters elements
   (what RankGroup.sum_gradients reduces at each optimiser step) on the policy's device, on every rank at once, after
   a barrier, --all-reduce-calls times after 2 untimed ones: all_reduce_seconds_N is the median over the calls of the
   slowest rank's time. all_reduce_share_of_update_N = optimizer_steps_per_update x all_reduce_seconds_N /
@@ -122,7 +127,8 @@ def bench_config(args: argparse.Namespace, size: int) -> RunConfig:
     """The recipe with the bench's sizes, the actor trained from the first update, --set, then `size` learner ranks."""
     sizes = [f"actors.num_actors={args.actors}", f"actors.envs_per_actor={args.envs_per_actor}",
              f"actors.decisions_per_rollout={args.decisions}", "algorithm.critic_warmup_iters=0"]  # fmt: skip
-    return load_config(args.config, [*sizes, *args.set, f"learner.num_learners={size}"])
+    sharding = args.sharding if size > 1 else "none"  # the learner alone holds the whole policy
+    return load_config(args.config, [*sizes, *args.set, f"learner.num_learners={size}", f"learner.sharding={sharding}"])
 
 
 def start_ranks(config: RunConfig, size: int, cpus_per_rank: float, checkpoint: Path) -> LearnerRanks:
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--all-reduce-calls", type=int, default=20, help="timed all-reduces per group (the median is reported)")
     parser.add_argument("--checkpoint", default=None, help="policy directory (default: the config's cached BC checkpoint)")
     parser.add_argument("--config", default=None, help="a recipe (default: the embedded default)")
+    parser.add_argument("--sharding", choices=("none", "fsdp"), default="none", help="learner.sharding of the groups (N > 1)")
     parser.add_argument("--set", action="append", default=[], help="a dotted override, as learner.main takes (after the sizes)")
     args = parser.parse_args(argv)
     sizes = parse_ranks(args.ranks, args.cpus_per_rank)
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["sample_seconds"] = time.perf_counter() - began
     results.update(actors=args.actors, envs_per_actor=args.envs_per_actor, decisions_per_rollout=args.decisions,
                    decisions_per_update=sum(batch.num_decisions * batch.num_envs for batch in batches), ranks=args.ranks,
-                   cpus_per_rank=args.cpus_per_rank, repeats=args.repeats)  # fmt: skip
+                   cpus_per_rank=args.cpus_per_rank, repeats=args.repeats, sharding=args.sharding)  # fmt: skip
 
     start_local_ray(num_cpus=sum(sizes) * args.cpus_per_rank, include_dashboard=False, log_to_driver=False)
     groups: dict[int, LearnerRanks] = {}
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 answer, wall = timed_update(groups[size], configs[size], checkpoint, refs)
                 metrics[size].append(answer)
                 walls[size].append(wall)
-        for size in sizes[1:]:
+        alone_bytes = ray.get(groups[1].actors[0].__ray_call__.remote(lambda actor: actor.learner.state_bytes()))
+        for size in sizes[1 if args.sharding == "none" else len(sizes) :]:
             calls = ray.get([actor.__ray_call__.remote(time_all_reduce, args.all_reduce_calls) for actor in groups[size].actors])
             results[f"all_reduce_seconds_{size}"] = statistics.median(max(call) for call in zip(*calls))
     finally:
@@ -227,11 +235,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[f"update_wall_seconds_{size}"] = statistics.median(walls[size])
         if steps[size] != steps[1]:  # KL early stopping can end an update a step apart
             results[f"optimizer_steps_per_update_{size}"] = steps[size]
+        held = alone_bytes if size == 1 else {name: int(metrics[size][-1][f"memory/rank_{name}"]) for name in alone_bytes}
+        results.update({f"rank_{name}_{size}": value for name, value in held.items()})
     for size in sizes[1:]:
         results[f"update_seconds_ratio_{size}_to_1"] = ratio(results[f"update_seconds_{size}"], results["update_seconds_1"])
         results[f"update_wall_seconds_ratio_{size}_to_1"] = ratio(results[f"update_wall_seconds_{size}"], results["update_wall_seconds_1"])
-        all_reduces = steps[size] * results[f"all_reduce_seconds_{size}"]
-        results[f"all_reduce_share_of_update_{size}"] = ratio(all_reduces, results[f"update_seconds_{size}"])
+        state = [sum(results[f"rank_{name}_{n}"] for name in alone_bytes) for n in (size, 1)]
+        results[f"rank_state_bytes_ratio_{size}_to_1"] = ratio(*state)
+        if args.sharding == "none":
+            all_reduces = steps[size] * results[f"all_reduce_seconds_{size}"]
+            results[f"all_reduce_share_of_update_{size}"] = ratio(all_reduces, results[f"update_seconds_{size}"])
     results["load_average_1m_end"] = load_average()
     emit(results)
     return results

@@ -339,6 +339,10 @@ class LearnerConfig:
     # scores and trains on a share of the iteration's rollouts and the gradients are summed, so the update is the
     # one-rank update up to float rounding. 1: the learner alone.
     num_learners: int = 1
+    # How a learner group holds the policy: "none", every rank the whole of it; "fsdp", each rank a 1/num_learners shard
+    # of every parameter, its gradient and its Adam state (torch FSDP2, learner.sharding), gathered whole while scoring
+    # and one module at a time in the update, for a policy whose training state outgrows one device.
+    sharding: str = "none"
     # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
     # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
     # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
@@ -394,6 +398,16 @@ class LearnerConfig:
         require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
         require_positive(self, path, "num_learners")
+        require_choice(self, path, "sharding", ("none", "fsdp"))
+        require(
+            self.sharding == "none" or self.num_learners > 1,
+            f"{path}.sharding={self.sharding} splits the policy over a learner group: it needs {path}.num_learners >= 2",
+        )
+        for knob in ("compile_steps", "compile_vision"):
+            require(
+                self.sharding == "none" or not getattr(self, knob),
+                f"{path}.sharding=fsdp and {path}.{knob}: choose one (a compiled graph does not run FSDP's gathers of the shards it reads)",
+            )
         require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
         require_choice(self, path, "precision", ("float32", "bfloat16"))
         require(

@@ -43,12 +43,14 @@ class LearnerCheckpoint:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
 
-    def save(self, policy: FlowPolicy, state: TrainerState, reference: FlowPolicy | None) -> Path:
-        """Policy, trainer state and the KL reference (when there is one), written to a temp dir then renamed."""
+    def save(self, policy: FlowPolicy, state: TrainerState, reference: FlowPolicy | None,
+             policy_state: dict[str, Tensor] | None = None) -> Path:  # fmt: skip
+        """Policy, trainer state and the KL reference (when there is one), written to a temp dir then renamed.
+        `policy_state`: the policy's tensors to write in place of its state_dict (FlowPolicy.save_pretrained)."""
         saved = {f.name: getattr(state, f.name) for f in fields(state)}
 
         def write(tmp: Path) -> None:
-            policy.save_pretrained(tmp)
+            policy.save_pretrained(tmp, policy_state)
             torch.save(saved, tmp / TRAINER_STATE_FILE)
             if reference is not None:  # a resumed run must keep the starting weights as its reference
                 reference.save_pretrained(tmp / REFERENCE_DIR)

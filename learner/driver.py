@@ -76,6 +76,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     films = EvaluationFilms(config, pool, eval_layouts, directory.path, wandb_run) if config.eval_videos else None
     evaluator = Evaluator(pool, eval_layouts, films)
     rows = MetricsRows(MetricsLog(directory.path / "metrics.jsonl"), evaluator, learner, wandb_run, single_batch)
+    rows.recover(completed_iterations(resume_dir))
     if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
         summary.begin(config, checkpoint, eval_layouts)
         if not single_batch:
@@ -93,8 +94,6 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 done = iteration + 1 == config.iterations
                 due = not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0))
                 evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
-                if done or (iteration + 1) % config.checkpoint_every == 0:
-                    learner.save(iteration + 1)
                 env_steps += int(metrics["rollout/env_steps"])
                 metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps,
                                 "time/iteration_seconds": iteration_seconds,
@@ -103,6 +102,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                                 "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
                                 **cost.charge(len(pool.actors))})  # fmt: skip
                 rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
+                if done or (iteration + 1) % config.checkpoint_every == 0:
+                    rows.keep_held()  # on disk before the checkpoint passes them
+                    learner.save(iteration + 1)
             except LearnerDiedError as failure:  # a new learner, from the latest checkpoint: the iterations since are redone
                 iteration, env_steps = learner.restart(failure)
                 rollouts.restart(learner.publish_in_flight())

@@ -55,6 +55,7 @@ from learner.checkpoints import LearnerCheckpoint, TrainerState
 from learner.data_parallel import SingleRank
 from learner.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
 from learner.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
+from learner.sharding import hold, local_bytes, peak_bytes
 from learner.single_batch import describe, micro_batch_line, minibatch_line
 from learner.weight_versions import WeightVersions
 
@@ -262,6 +263,8 @@ def update_shape(config: RunConfig) -> str:
         line += " (fewer decisions when GRPO drops incomplete groups)"
     if config.learner.num_learners > 1:
         line += f"; each of the {config.learner.num_learners} learner ranks scores and trains on the rollouts of its share of the actors"
+        if config.learner.sharding == "fsdp":
+            line += " and holds a 1/N shard of the weights, gradients and Adam state"
     return line
 
 
@@ -322,15 +325,6 @@ class Learner:
             for name, param in policy.named_parameters():
                 if name in critic:
                     param.requires_grad_(False)
-        self.actor_params = [p for n, p in policy.named_parameters() if p.requires_grad and n not in critic]
-        self.critic_params = [p for n, p in policy.named_parameters() if p.requires_grad and n in critic]
-        self.optimizer = torch.optim.Adam(
-            [{"params": self.actor_params, "lr": self.cfg.actor_lr}, {"params": self.critic_params, "lr": self.cfg.critic_lr}],
-            eps=1e-5,
-            # One kernel per parameter group on a GPU instead of several per tensor; on the CPU the plain loop keeps
-            # runs bit-reproducible against docs/results.md.
-            fused=policy.obs_device.type == "cuda",
-        )
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
         self.env_steps = 0  # env steps of every rollout trained on; saved with checkpoints so a resume counts on
@@ -345,6 +339,17 @@ class Learner:
             compile_steps(policy, "learner.compile_steps")
         if config.learner.compile_vision:  # a VLA (RunConfig.validate)
             policy.compile_vision("learner.compile_vision")
+        # After the reference's copy, which every rank holds whole, and before the optimiser, which takes the shards.
+        self.sharding = hold(policy, self.ranks, config.learner.sharding)
+        self.actor_params = [p for n, p in policy.named_parameters() if p.requires_grad and n not in critic]
+        self.critic_params = [p for n, p in policy.named_parameters() if p.requires_grad and n in critic]
+        self.optimizer = torch.optim.Adam(
+            [{"params": self.actor_params, "lr": self.cfg.actor_lr}, {"params": self.critic_params, "lr": self.cfg.critic_lr}],
+            eps=1e-5,
+            # One kernel per parameter group on a GPU instead of several per tensor; on the CPU the plain loop keeps
+            # runs bit-reproducible against docs/results.md.
+            fused=policy.obs_device.type == "cuda",
+        )
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
         memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
@@ -361,7 +366,7 @@ class Learner:
     def record_version(self) -> dict[str, Tensor]:
         """The current version's trainable tensors, checked finite and kept while rollouts sampled with them are in flight
         (what a learner rank that publishes nothing itself does at each publication)."""
-        state = self.policy.broadcast_state()
+        state = self.sharding.full(self.policy.broadcast_state())
         check_finite_tensors(state, f"weights version {self.version} before publishing")
         self.weight_versions.record(self.iteration, self.version, state)
         return state
@@ -387,7 +392,7 @@ class Learner:
         """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
         values (PPO), or group-relative episode advantages keeping only complete groups' decisions (GRPO).
         With a KL reference, also its scores of the same chains."""
-        with torch.no_grad(), self.precision():
+        with torch.no_grad(), self.precision(), self.sharding.whole():
             return self._prepare(batch)
 
     def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
@@ -492,7 +497,20 @@ class Learner:
             metrics["faults/grad_accum"] = self.plan.grad_accum
         if self.config.learner.micro_batch_memory_gib:
             metrics["ppo/micro_batch_rows"] = self.plan.rows(decisions)
+        if self.ranks.size > 1:  # the figures of the rank that holds the most
+            held = {**self.state_bytes(), "peak_bytes": peak_bytes(self.policy.obs_device)}
+            metrics.update({f"memory/rank_{name}": self.ranks.max(value) for name, value in held.items()})
         return metrics
+
+    def state_bytes(self) -> dict[str, int]:
+        """The bytes this rank holds of the policy's parameters, of their gradients and of the optimiser's state (a
+        sharded learner's shards; the KL reference, held whole, not counted)."""
+        optimizer = [value for state in self.optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
+        return {
+            "parameter_bytes": local_bytes(list(self.policy.parameters())),
+            "gradient_bytes": local_bytes([p.grad for p in self.policy.parameters() if p.grad is not None]),
+            "optimizer_bytes": local_bytes(optimizer),
+        }
 
     def _roll_back(self, before: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
         """The trainable weights and the optimiser as they were before the iteration."""
@@ -548,17 +566,25 @@ class Learner:
                 here = data.rows_here[mb_inds]  # this rank's share of the minibatch
                 terms: dict[str, list[tuple[float, int]]] = {}  # metric -> (value, rows) per micro-batch
                 with self.ranks.together(where):
-                    for micro_index, micro in enumerate(plan.split(here[here >= 0])):
-                        measured = plan.measures(micro_index, train_actor)
+                    checks = self.sharding.checks()
+                    for micro_index, micro in enumerate(self.sharding.micro_batches(plan.split(here[here >= 0]))):
+                        padding = micro is None  # a pass a sharded rank runs in step with the others', over a row it holds
+                        micro = torch.zeros(1, dtype=torch.int64) if padding else micro
+                        measured = not padding and plan.measures(micro_index, train_actor)
                         allocated = plan.memory.allocated() if measured else 0
                         features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
                         new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps,
                                              learner_cfg.steps_in_one_pass)  # fmt: skip
                         loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
+                        if padding:
+                            (loss * 0.0).backward()
+                            continue
                         logratio = new.log_prob - data.old_log_probs[micro]
-                        check_micro_batch(new, logratio, metrics, where)
-                        if optimizer_steps == 0:
-                            first_ratio_deviation = max(first_ratio_deviation, check_ratio_is_one(logratio, policy, cfg.ratio_tolerance))
+                        with checks:
+                            check_micro_batch(new, logratio, metrics, where)
+                            if optimizer_steps == 0:
+                                deviation = check_ratio_is_one(logratio, policy, cfg.ratio_tolerance)
+                                first_ratio_deviation = max(first_ratio_deviation, deviation)
                         if verbose:
                             print(micro_batch_line(new, logratio))
                         (loss * (len(micro) / len(mb_inds))).backward()  # the minibatch's mean over every rank's decisions
@@ -566,7 +592,8 @@ class Learner:
                             terms.setdefault(key, []).append((float(value.detach()), len(micro)))
                         if measured:
                             plan.size_from(allocated, len(micro), minibatch_sizes[0])
-                self.ranks.sum_gradients(self.actor_params + self.critic_params)
+                    checks.raise_first()
+                self.sharding.reduce_gradients(self.actor_params + self.critic_params)
                 check_finite_gradients(policy, f"learner.update {where}")
                 actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, cfg.max_grad_norm) if train_actor else torch.zeros(())
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, cfg.max_grad_norm)
@@ -617,12 +644,17 @@ class Learner:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Policy, optimiser and counters, the weight versions in flight and the KL reference, written atomically."""
+        """Policy, optimiser and counters, the weight versions in flight and the KL reference, written atomically. In a
+        learner group every rank calls it (a sharded one gathers its shards) and rank 0 writes what a learner alone would."""
         check_finite_tensors(self.trainable_state(), f"weights version {self.version} before saving")
+        policy_state = self.sharding.full(self.policy.state_dict()) if self.sharding.sharded else None
+        optimizer = self.sharding.full_optimizer_state(self.optimizer.state_dict())
+        if self.ranks.rank > 0:
+            return Path(directory)
         versions = self.weight_versions
-        state = TrainerState(self.optimizer.state_dict(), self.iteration, self.version, self.env_steps, self.config.fingerprint(),
-                             self.skipped_updates, self.lr_backoff, versions.sampling_versions, versions.published)  # fmt: skip
-        return LearnerCheckpoint(directory).save(self.policy, state, self.reference)
+        state = TrainerState(optimizer, self.iteration, self.version, self.env_steps, self.config.fingerprint(), self.skipped_updates,
+                             self.lr_backoff, versions.sampling_versions, versions.published)  # fmt: skip
+        return LearnerCheckpoint(directory).save(self.policy, state, self.reference, policy_state)
 
     def load_trainer_state(self, directory: str | Path) -> None:
         """Restore optimiser, counters, weight versions in flight and KL reference (the policy itself is loaded with
@@ -632,7 +664,7 @@ class Learner:
         # A checkpoint's parameter groups carry the fused flag of the machine that saved it: keep this machine's.
         fused = self.optimizer.defaults["fused"]
         optimizer = {**state.optimizer, "param_groups": [{**group, "fused": fused} for group in state.optimizer["param_groups"]]}
-        self.optimizer.load_state_dict(optimizer)
+        self.optimizer.load_state_dict(self.sharding.optimizer_state_here(optimizer, self.actor_params + self.critic_params))
         self.iteration, self.version, self.env_steps = state.iteration, state.version, state.env_steps
         self.skipped_updates, self.lr_backoff = state.skipped_updates, state.lr_backoff
         self.weight_versions.restore(state.sampling_versions, state.published)

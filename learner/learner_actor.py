@@ -109,6 +109,7 @@ class LearnerActor:
         return [refs[version] for version in versions]
 
     def save(self, directory: str) -> str:
+        """The learner's checkpoint (Learner.save_checkpoint); in a group every rank is called and rank 0 writes it."""
         return str(self.learner.save_checkpoint(directory))
 
     def export_gauges(self, metrics: dict[str, float]) -> None:

@@ -107,7 +107,7 @@ class LearnerHandle:
     def initial_weights(self) -> str:
         """The policy directory the rollout actors start from: a random-init run's learner saves its weights for them."""
         start = self.resume_dir or self.checkpoint
-        return str(start) if start else self.call("save", str(self.directory.checkpoints / "random_init"))
+        return str(start) if start else self._save(self.directory.checkpoints / "random_init")
 
     def publish_in_flight(self) -> list[ray.ObjectRef]:
         """The weights that sample the next iterations (LearnerActor.publish_in_flight); the last is the current version."""
@@ -131,11 +131,16 @@ class LearnerHandle:
     def save(self, iteration: int) -> None:
         """Checkpoint the learner as iter_NNNNNN and point the run's `latest` at it."""
         name = f"iter_{iteration:06d}"
-        self.call("save", str(self.directory.checkpoints / name))
+        self._save(self.directory.checkpoints / name)
         self.directory.write_latest(name)
         self.last_saved = iteration
         if self.config.keep_checkpoints:
             self.directory.prune_checkpoints(self.config.keep_checkpoints)
+
+    def _save(self, directory: Path) -> str:
+        """The learner's checkpoint in `directory`: every rank of a group takes part (a sharded one gathers its shards
+        to rank 0), and rank 0 writes it."""
+        return self.call_every_rank("save", [(str(directory),)] * len(self.ranks.actors))[0]
 
     def export_gauges(self, row: dict[str, float]) -> None:
         """Publish an iteration's metrics as Ray gauges, without waiting."""

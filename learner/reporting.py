@@ -139,17 +139,23 @@ class EvaluationFilms:
                 self.wandb_run.log(videos, commit=False)  # shown with the next iteration's row
 
 
+HELD_ROWS_FILE = "held_rows.json"  # rows a checkpoint passed before they were logged (MetricsRows.keep_held)
+
+
 class MetricsRows:
     """Each iteration's row, written in iteration order to metrics.jsonl, the Ray gauges, wandb and the console.
 
     Held-out evaluations do not stop training: one is submitted to the actors after its iteration's weights are
     published and collected once finished, while the learner trains on. An evaluated iteration's row (and those after
-    it) waits for its evaluation."""
+    it) waits for its evaluation. A checkpoint may not pass a row that is nowhere on disk (a resume would never redo its
+    iteration): before each one the held rows are written, as they are, to held_rows.json beside the log, and a resumed
+    run logs those its checkpoint covers and the log lacks (`recover`)."""
 
     def __init__(self, log: MetricsLog, evaluator: Evaluator, learner: LearnerHandle, wandb_run: Any, single_batch: bool):
         """wandb_run: None for no wandb; single_batch: each row is also printed whole."""
         self.log, self.evaluator, self.learner, self.wandb_run, self.single_batch = log, evaluator, learner, wandb_run, single_batch
         self.held: deque[tuple[dict[str, float], Evaluation | None]] = deque()
+        self.held_file = log.path.with_name(HELD_ROWS_FILE)
 
     def add(self, row: dict[str, float], evaluation: Evaluation | None, wait: bool) -> None:
         """Hold an iteration's row (with its submitted evaluation), then write what is ready (everything, if `wait`)."""
@@ -174,6 +180,29 @@ class MetricsRows:
             print(console_line(row), flush=True)
             if self.single_batch:
                 print(json.dumps(row, indent=1, sort_keys=True), flush=True)
+        self.held_file.unlink(missing_ok=True)  # every row it kept is in the log now
+
+    def keep_held(self) -> None:
+        """The held rows, without their unfinished evaluations, in held_rows.json (replaced whole): called before a
+        checkpoint that passes them, so that a run killed after it still logs their iterations once resumed."""
+        if self.held:
+            write_file_atomically(self.held_file, json.dumps([dict(row) for row, _ in self.held]), RunFileWriteError)
+
+    def recover(self, checkpoint_iteration: int) -> None:
+        """On resume from the checkpoint of `checkpoint_iteration`: the rows held_rows.json kept for iterations it covers
+        and the log lacks (the last launch was killed before it wrote them), logged as they were kept."""
+        if not self.held_file.is_file():
+            return
+        logged = {int(row["iteration"]) for row in self.log.read()}
+        kept = [row for row in json.loads(self.held_file.read_text()) if int(row["iteration"]) <= checkpoint_iteration]
+        kept = [row for row in kept if int(row["iteration"]) not in logged]
+        for row in kept:
+            self.log.write(row)
+        if kept:
+            iterations = ", ".join(str(row["iteration"]) for row in kept)
+            print(f"[resume] logged iteration {iterations} as the last launch held it when it stopped (its held-out evaluation, "
+                  "unfinished then, is not in it)", flush=True)  # fmt: skip
+        self.held_file.unlink()
 
     def after_learner_restart(self, iteration: int, weights_ref: ray.ObjectRef) -> None:
         """Settle the held rows once a new learner has started from the checkpoint of `iteration`: those after it are

@@ -36,7 +36,8 @@ CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # learner's ranks).
 SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "keep_checkpoints", "wandb_project", "actors.num_cpus",
                             "actors.num_gpus", "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
-                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners", "learner.max_restarts",
+                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners", "learner.sharding",
+                            "learner.max_restarts",
                             "learner.call_timeout_s", "learner.call_timeout_update_factor"})  # fmt: skip
 
 

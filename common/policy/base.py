@@ -216,10 +216,11 @@ class FlowPolicy(nn.Module, ABC):
         overrides this and names its type in common.policy.registry.BACKENDS."""
         raise CheckpointError(f"policy.type {self.config.type!r} has no lerobot counterpart: there is nothing to export to lerobot")
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
+        """`state`: the tensors to write in place of this policy's state_dict (a sharded learner's, gathered whole)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (self.state_dict() if state is None else state).items()}
         save_file(state, str(directory / WEIGHTS_FILE))
         (directory / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2, sort_keys=True))
         return directory

@@ -336,10 +336,10 @@ class VLAFlowPolicy(FlowPolicy):
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
         """As FlowPolicy, with policy.<section>.lerobot_checkpoint cleared in config.json: the saved weights
         hold every tensor, so loading never reads the original lerobot checkpoint again."""
-        directory = super().save_pretrained(directory)
+        directory = super().save_pretrained(directory, state)
         data = json.loads((directory / CONFIG_FILE).read_text())
         data[self.section]["lerobot_checkpoint"] = ""
         data[self.section]["reinit_state_proj"] = False  # applied at that load; the saved state_proj is the one to keep

@@ -95,3 +95,14 @@ def test_learner_scaling_smallest_times_the_learner_alone_and_two_ranks(capsys, 
         assert results[f"{name}_ratio_2_to_1"] == pytest.approx(results[f"{name}_2"] / results[f"{name}_1"], rel=1e-12)
     steps_times_all_reduce = results["optimizer_steps_per_update"] * results["all_reduce_seconds_2"]
     assert results["all_reduce_share_of_update_2"] == pytest.approx(steps_times_all_reduce / results["update_seconds_2"], rel=1e-12)
+    assert results["rank_state_bytes_ratio_2_to_1"] == 1.0  # unsharded: each rank holds what the learner alone holds
+
+
+def test_learner_scaling_sharded_ranks_each_hold_about_half_of_the_learner_alone_s_state(capsys, bc_checkpoint):
+    results = learner_scaling.main(["--ranks", "1,2", "--repeats", "1", "--warmup", "0", "--actors", "2", "--envs-per-actor", "1",
+                                    "--decisions", "4", "--sharding", "fsdp", "--checkpoint", str(bc_checkpoint)])  # fmt: skip
+    assert printed(capsys) == json.loads(json.dumps(results))
+    parameters = sum(p.numel() * p.element_size() for p in FlowPolicy.from_pretrained(bc_checkpoint).parameters())
+    assert results["rank_parameter_bytes_1"] == parameters
+    assert results["rank_state_bytes_ratio_2_to_1"] == pytest.approx(0.5, rel=0.05)
+    assert "all_reduce_seconds_2" not in results  # a sharded group's gradients are reduced in its backward passes

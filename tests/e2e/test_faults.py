@@ -341,3 +341,43 @@ def test_a_run_through_many_faults_ends_with_the_undisturbed_results_bit_for_bit
             "rollout actor restarts seen": actor_restarts, "rollout actor timeouts": timeouts,
             "env steps resampled by retried calls": resampled, "wall seconds (two launches)": round(wall_seconds, 1),
             "schedule": signals.sent, "mid-update kill after optimiser step": steps_before + 2}, indent=1), flush=True)  # fmt: skip
+
+
+class DriverKilled(BaseException):
+    """The driver's process gone at once: nothing of its own stop runs (see the test below)."""
+
+
+def test_a_row_a_checkpoint_passed_unlogged_is_logged_after_the_driver_dies(tmp_path, bc_checkpoint, monkeypatch, capsys) -> None:
+    """The driver dies right after the checkpoint of iteration 2, whose row still waits for its held-out evaluation; a
+    death skips the driver's stop, so here its writing of the held rows and the learner's last save do nothing. The resume
+    goes on from that checkpoint, so iteration 2 is never redone: its row comes from held_rows.json, without the
+    evaluation that never finished, and the log holds every iteration once."""
+    from learner.learner_handle import LearnerHandle
+    from learner.reporting import Evaluator, MetricsRows
+
+    real_save = LearnerHandle.save
+
+    def save_then_die(self: LearnerHandle, iteration: int) -> None:
+        real_save(self, iteration)
+        if iteration == 2:
+            raise DriverKilled
+
+    monkeypatch.setattr(LearnerHandle, "save", save_then_die)
+    monkeypatch.setattr(Evaluator, "finished", lambda self, evaluation: False)  # still running until waited for
+    monkeypatch.setattr(MetricsRows, "keep_completed", lambda self: None)
+    monkeypatch.setattr(LearnerHandle, "save_progress", lambda self, error: None)
+    run_dir = tmp_path / "run"
+    argv = tiny_run(run_dir, bc_checkpoint, iterations=3, eval_every=2, checkpoint_every=2)
+    with pytest.raises(DriverKilled):
+        main(argv)
+    assert sorted(rows_by_iteration(run_dir)) == [1] and (run_dir / "held_rows.json").is_file()
+    monkeypatch.undo()
+
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    assert "[resume] logged iteration 2 as the last launch held it when it stopped" in capsys.readouterr().out
+    rows = rows_by_iteration(run_dir)
+    assert sorted(rows) == [1, 2, 3]
+    assert "eval/success_rate" not in rows[2] and rows[2]["losses/pg_loss"] is not None
+    assert rows[3]["eval/success_rate"] is not None  # the resumed launch's evaluations are waited for as ever
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3 and not (run_dir / "held_rows.json").exists()

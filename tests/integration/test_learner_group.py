@@ -20,6 +20,7 @@ from common.config import ConfigError, RunConfig
 from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.trajectory import RolloutBatch
+from learner.checkpoints import LearnerCheckpoint
 from learner.data_parallel import PeerRankError
 from learner.learner import Learner
 from learner.learner_actor import LearnerActor
@@ -45,10 +46,12 @@ def rollouts(config: RunConfig, checkpoint: Path, learner: Learner) -> list[Roll
     return batches
 
 
-def group_update(config: RunConfig, checkpoint: Path, iterations: list[list[RolloutBatch]]) -> tuple[list[dict], list[dict]]:
-    """A two-rank group's metrics of each update and each rank's trainable weights after the last; each rank fetches
-    its share of an iteration's rollouts (one actor's batch each) from the object store."""
-    ranks = start_learner_group(config, RANK, LearnerActor, config, str(checkpoint), None)
+def group_update(config: RunConfig, checkpoint: Path | None, iterations: list[list[RolloutBatch]], resume_dir: Path | None = None,
+                 save_to: Path | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """A two-rank group's metrics of each update and each rank's trainable weights after the last (gathered whole when
+    sharded); each rank fetches its share of an iteration's rollouts (one actor's batch each) from the object store.
+    The group starts from `checkpoint`, or resumes from `resume_dir`; with `save_to`, it checkpoints there at the end."""
+    ranks = start_learner_group(config, RANK, LearnerActor, config, checkpoint and str(checkpoint), resume_dir and str(resume_dir))
     try:
         metrics = []
         for batches in iterations:
@@ -57,7 +60,10 @@ def group_update(config: RunConfig, checkpoint: Path, iterations: list[list[Roll
             assert answers[1:] == [{}] * (len(answers) - 1)  # rank 0 reports for the group
             metrics.append(answers[0])
             ray.get([rank.publish.remote() for rank in ranks.actors])
-        weights = ray.get([rank.__ray_call__.remote(lambda actor: actor.learner.trainable_state()) for rank in ranks.actors])
+        if save_to is not None:
+            ray.get([rank.save.remote(str(save_to)) for rank in ranks.actors])
+        weights = ray.get([rank.__ray_call__.remote(lambda actor: actor.learner.sharding.full(actor.learner.trainable_state()))
+                           for rank in ranks.actors])  # fmt: skip
         return metrics, weights
     finally:
         ranks.kill()
@@ -77,6 +83,18 @@ def group_update(config: RunConfig, checkpoint: Path, iterations: list[list[Roll
                 "algorithm.kl_beta": 0.01,
             },
             id="grpo-kl-reference",
+        ),  # fmt: skip
+        pytest.param({"learner.sharding": "fsdp", "algorithm.target_kl": 1e-6, "algorithm.update_epochs": 4}, id="fsdp-kl-early-stop"),
+        pytest.param(
+            {
+                "learner.sharding": "fsdp",
+                "algorithm.algo": "grpo",
+                "algorithm.group_size": 2,
+                "actors.decisions_per_rollout": 10,
+                "env.reward": "dense",
+                "algorithm.kl_beta": 0.01,
+            },
+            id="fsdp-grpo-kl-reference",
         ),  # fmt: skip
     ],
 )
@@ -111,6 +129,40 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         assert metrics[0]["ppo/kl_early_stop"] == 1.0 and metrics[0]["ppo/optimizer_steps"] < 4 * 2
     if fields.get("algorithm.algo") == "grpo":  # each rank holds whole groups; their counts add up
         assert [m["grpo/groups"] for m in metrics] == [m["grpo/groups"] for m in expected] == [2.0, 2.0]
+    # What the rank that holds the most holds: the whole policy, its gradients and Adam state, or about half of each.
+    share = 0.5 if fields.get("learner.sharding") == "fsdp" else 1.0
+    for name, held in alone.state_bytes().items():
+        assert metrics[-1][f"memory/rank_{name}"] == pytest.approx(share * held, rel=0.05), name
+
+
+def test_a_sharded_group_checkpoints_as_the_learner_alone_and_resumes_from_its_checkpoint(tmp_path, bc_checkpoint) -> None:
+    """Rank 0 writes the policy and the Adam state gathered from the shards: what the learner alone writes after the same
+    update. A sharded group that resumes from the learner alone's checkpoint takes its shard of that state and makes the
+    learner alone's next update."""
+    config = tiny_config(tmp_path, **{"learner.num_learners": 2, "learner.sharding": "fsdp"})
+    alone = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    first = rollouts(config, bc_checkpoint, alone)
+    alone.update(RolloutBatch.concat(first))
+    saved = alone.save_checkpoint(tmp_path / "alone")
+    second = rollouts(config, bc_checkpoint, alone)
+    alone.update(RolloutBatch.concat(second))
+
+    group_update(config, bc_checkpoint, [first], save_to=tmp_path / "group")
+    written, expected = LearnerCheckpoint(tmp_path / "group"), LearnerCheckpoint(saved)
+    group_state, alone_state = written.trainer_state(), expected.trainer_state()
+    assert (group_state.iteration, group_state.version, group_state.env_steps) == (alone_state.iteration, alone_state.version,
+                                                                                   alone_state.env_steps)  # fmt: skip
+    group_policy, alone_policy = FlowPolicy.from_pretrained(written.directory).state_dict(), FlowPolicy.from_pretrained(saved).state_dict()
+    for name, tensor in alone_policy.items():
+        torch.testing.assert_close(group_policy[name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+    assert group_state.optimizer["state"].keys() == alone_state.optimizer["state"].keys()
+    for index, moments in alone_state.optimizer["state"].items():
+        for key, tensor in moments.items():  # Adam's moments whole, in the learner alone's layout
+            torch.testing.assert_close(group_state.optimizer["state"][index][key], tensor, rtol=1e-4, atol=1e-9)
+
+    _, weights = group_update(config, None, [second], resume_dir=saved)
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
 
 
 def test_a_group_the_cluster_cannot_hold_is_refused_in_one_line_naming_what_is_missing(tmp_path) -> None:
@@ -136,11 +188,12 @@ def smolvla_checkpoint(tmp_path_factory) -> Path:
     return write_directory_atomically(tmp_path_factory.mktemp("smolvla") / "checkpoint", policy.save_pretrained)
 
 
-def test_two_ranks_make_the_one_rank_update_of_the_tiny_smolvla(tmp_path, smolvla_checkpoint) -> None:
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_two_ranks_make_the_one_rank_update_of_the_tiny_smolvla(tmp_path, smolvla_checkpoint, sharding) -> None:
     """The VLA path: frames and instruction tokens in the rollouts, the frozen VLM's prefix encoded once per iteration and
-    each rank's rows of it reused in every minibatch."""
+    each rank's rows of it reused in every minibatch; sharded, the frozen VLM is split over the ranks as well."""
     fields = {**TINY_VLA_RUN, "actors.envs_per_actor": 2, "algorithm.update_epochs": 2, "algorithm.critic_warmup_iters": 0,
-              "learner.num_learners": 2}  # fmt: skip
+              "learner.num_learners": 2, "learner.sharding": sharding}  # fmt: skip
     config = tiny_config(tmp_path, SMOLVLA_TINY_CONFIG, **fields)
     alone = Learner(config, FlowPolicy.from_pretrained(smolvla_checkpoint))
     assert not alone.policy.encoder_is_trainable  # so the prefix features are cached and indexed by each rank's rows
@@ -160,6 +213,9 @@ def test_two_ranks_make_the_one_rank_update_of_the_tiny_smolvla(tmp_path, smolvl
         # Normalised advantages average to 0, so the policy loss is a small difference of unit-sized terms: their
         # rounding (1e-7) shows at 1e-6 of it.
         assert group["losses/pg_loss"] == pytest.approx(one["losses/pg_loss"], abs=1e-6)
+    share = 0.5 if sharding == "fsdp" else 1.0
+    for name, held in alone.state_bytes().items():
+        assert metrics[-1][f"memory/rank_{name}"] == pytest.approx(share * held, rel=0.05), name
 
 
 def test_a_share_one_rank_refuses_is_raised_on_every_rank_without_waiting(tmp_path, bc_checkpoint) -> None:

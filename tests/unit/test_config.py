@@ -47,6 +47,8 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
         ("learner.micro_batch_memory_gib=-1", r"learner\.micro_batch_memory_gib must be >= 0"),
         ("learner.micro_batch_memory_gib=20", r"learner\.micro_batch_memory_gib reads a GPU's allocator: it needs learner\.num_gpus > 0"),
+        ("learner.sharding=zero3", r"learner\.sharding must be one of"),
+        ("learner.sharding=fsdp", r"learner\.sharding=fsdp splits the policy over a learner group: it needs learner\.num_learners >= 2"),
         ("nonsense", r"must look like section\.field=value"),
         ("pretrain.task_demos={reach-v3: 0}", r"pretrain\.task_demos\['reach-v3'\] must be in \[1, 50\]"),
         ("pretrain.task_demos=[3]", r"pretrain\.task_demos must be a mapping"),
@@ -55,6 +57,12 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
 def test_bad_values_name_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("knob", ["compile_steps", "compile_vision"])
+def test_a_sharded_learner_refuses_a_compiled_graph_naming_both_fields(knob: str) -> None:
+    with pytest.raises(ConfigError, match=rf"learner\.sharding=fsdp and learner\.{knob}: choose one"):
+        load_config(None, ["learner.num_learners=2", "learner.sharding=fsdp", f"learner.{knob}=true"])
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(AlgorithmConfig)])
