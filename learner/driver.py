@@ -101,10 +101,10 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                                 "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
                                 "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
                                 **cost.charge(len(pool.actors))})  # fmt: skip
-                rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
                 if done or (iteration + 1) % config.checkpoint_every == 0:
-                    rows.keep_held()  # on disk before the checkpoint passes them
+                    rows.keep_held(metrics)  # on disk before the checkpoint passes them
                     learner.save(iteration + 1)
+                rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
             except LearnerDiedError as failure:  # a new learner, from the latest checkpoint: the iterations since are redone
                 iteration, env_steps = learner.restart(failure)
                 rollouts.restart(learner.publish_in_flight())

@@ -464,7 +464,10 @@ class Learner:
         if advantages.keep is not None:
             keep_decisions &= advantages.keep
         if not keep_decisions.all():
-            data = index_features(data, keep_decisions.nonzero().squeeze(1))
+            kept = keep_decisions.nonzero().squeeze(1)
+            if not len(kept) and self.sharding.sharded:  # a row for the zero-weight passes it runs in step with the others
+                kept = torch.zeros(1, dtype=torch.int64, device=kept.device)
+            data = index_features(data, kept)
         positions, total = self.ranks.decision_order(keep_decisions.view(batch.num_decisions, batch.num_envs))
         data.rows_here = torch.full((total,), -1, dtype=torch.int64)
         data.rows_here[positions.cpu()] = torch.arange(len(positions))
@@ -618,7 +621,7 @@ class Learner:
         self.iteration += 1
         self.version += 1
         self.env_steps += self.ranks.sum(batch.env_steps)
-        metrics = self.ranks.across_ranks(dict(data.metrics), len(data.old_log_probs), self.algorithm.counts)
+        metrics = self.ranks.across_ranks(dict(data.metrics), int((data.rows_here >= 0).sum()), self.algorithm.counts)
         for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
                     "kl_ref"):  # fmt: skip
             if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0

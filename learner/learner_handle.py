@@ -140,7 +140,7 @@ class LearnerHandle:
     def _save(self, directory: Path) -> str:
         """The learner's checkpoint in `directory`: every rank of a group takes part (a sharded one gathers its shards
         to rank 0), and rank 0 writes it."""
-        return self.call_every_rank("save", [(str(directory),)] * len(self.ranks.actors))[0]
+        return self.call_every_rank("save", [(str(directory),)] * len(self.ranks.actors))
 
     def export_gauges(self, row: dict[str, float]) -> None:
         """Publish an iteration's metrics as Ray gauges, without waiting."""

@@ -182,11 +182,12 @@ class MetricsRows:
                 print(json.dumps(row, indent=1, sort_keys=True), flush=True)
         self.held_file.unlink(missing_ok=True)  # every row it kept is in the log now
 
-    def keep_held(self) -> None:
-        """The held rows, without their unfinished evaluations, in held_rows.json (replaced whole): called before a
-        checkpoint that passes them, so that a run killed after it still logs their iterations once resumed."""
-        if self.held:
-            write_file_atomically(self.held_file, json.dumps([dict(row) for row, _ in self.held]), RunFileWriteError)
+    def keep_held(self, row: dict[str, float]) -> None:
+        """The held rows, without their unfinished evaluations, and `row`, the iteration's not added yet, in
+        held_rows.json (replaced whole): called before a checkpoint that passes them, so that a run killed after it still
+        logs their iterations once resumed."""
+        rows = [dict(held) for held, _ in self.held] + [dict(row)]
+        write_file_atomically(self.held_file, json.dumps(rows), RunFileWriteError)
 
     def recover(self, checkpoint_iteration: int) -> None:
         """On resume from the checkpoint of `checkpoint_iteration`: the rows held_rows.json kept for iterations it covers

@@ -9,8 +9,10 @@ moves them (the learning rate, 3e-4 and up).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -161,6 +163,22 @@ def test_a_sharded_group_checkpoints_as_the_learner_alone_and_resumes_from_its_c
             torch.testing.assert_close(group_state.optimizer["state"][index][key], tensor, rtol=1e-4, atol=1e-9)
 
     _, weights = group_update(config, None, [second], resume_dir=saved)
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+
+
+def test_a_sharded_rank_left_without_a_decision_runs_in_step_with_the_others(tmp_path, bc_checkpoint) -> None:
+    """Every env of rank 1's actor broke its episodes (no valid decision): rank 1 keeps none for the loss, yet runs each
+    minibatch's passes in step with rank 0 (zero-weight ones over a row it holds, as FSDP's gathers need every rank),
+    and the update is the learner alone's on the same rollouts."""
+    config = tiny_config(tmp_path, **{"learner.num_learners": 2, "learner.sharding": "fsdp", "actors.policy_lag": 0})
+    alone = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
+    batches = rollouts(config, bc_checkpoint, alone)
+    batches[1] = dataclasses.replace(batches[1], valid=np.zeros_like(batches[1].valid))
+    expected = alone.update(RolloutBatch.concat(batches))
+    metrics, weights = group_update(config, bc_checkpoint, [batches])
+    assert metrics[0]["ppo/batch_size"] == expected["ppo/batch_size"] == batches[0].valid.size
+    assert metrics[0]["ppo/optimizer_steps"] == expected["ppo/optimizer_steps"]
     for name, tensor in alone.trainable_state().items():
         torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
 
