@@ -195,8 +195,8 @@ class MetricsRows:
         if not self.held_file.is_file():
             return
         logged = {int(row["iteration"]) for row in self.log.read()}
-        kept = [row for row in json.loads(self.held_file.read_text()) if int(row["iteration"]) <= checkpoint_iteration]
-        kept = [row for row in kept if int(row["iteration"]) not in logged]
+        kept = [row for row in json.loads(self.held_file.read_text())
+                if int(row["iteration"]) <= checkpoint_iteration and int(row["iteration"]) not in logged]  # fmt: skip
         for row in kept:
             self.log.write(row)
         if kept:

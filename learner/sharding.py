@@ -10,10 +10,10 @@ parameters, gradients and optimiser state falls as 1/N whatever the architecture
 FSDP's gathers and gradient reductions are collectives: every rank must run the same forward and backward passes in
 the same order. Two places would not:
 - scoring (no gradients) runs as many passes as a rank holds chunks of rollouts, so the policy is gathered whole for it
-  (`Sharding.whole`): no collective inside, a peak of the whole parameters (not their gradients or Adam state);
+  (`FullySharded.whole`): no collective inside, a peak of the whole parameters (not their gradients or Adam state);
 - in the update a rank runs as many micro-batches as its share of a minibatch needs, so every rank runs the largest
-  count, a rank with fewer running zero-weight passes over one of its rows (`Sharding.micro_batches`: None marks one),
-  and the checks that would stop one rank mid-minibatch wait for its end (`Sharding.checks`).
+  count, a rank with fewer running zero-weight passes over one of its rows (`FullySharded.micro_batches`: None marks one),
+  and the checks that would stop one rank mid-minibatch wait for its end (`FullySharded.checks`).
 """
 
 from __future__ import annotations
