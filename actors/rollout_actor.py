@@ -68,14 +68,14 @@ class RolloutActor:
         # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.
         self.device = torch.device("cuda" if config.actors.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
-        if config.actors.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
+        if config.actors.speed.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
-        if config.actors.compile_steps:
-            compile_steps(self.policy, "actors.compile_steps")
-        if config.actors.compile_vision:  # a VLA policy (RunConfig.validate)
-            self.policy.compile_vision("actors.compile_vision")
-        if self.device.type == "cuda" and config.actors.cuda_graphs:  # captured at the first decision
-            autocast = torch.bfloat16 if config.actors.precision == "bfloat16" else None
+        if config.actors.speed.compile_steps:
+            compile_steps(self.policy, "actors.speed.compile_steps")
+        if config.actors.speed.compile_vision:  # a VLA policy (RunConfig.validate)
+            self.policy.compile_vision("actors.speed.compile_vision")
+        if self.device.type == "cuda" and config.actors.speed.cuda_graphs:  # captured at the first decision
+            autocast = torch.bfloat16 if config.actors.speed.precision == "bfloat16" else None
             self.policy.decision_graph = DecisionGraph(self.policy, config.actors.envs_per_actor, autocast)
         self.version = -1  # the checkpoint's own weights; any published version replaces them
         # The suite's module first: it sets up what its simulator needs on import (MuJoCo's headless GL backend), and
@@ -135,9 +135,9 @@ class RolloutActor:
         self.version = weights.version
 
     def precision(self) -> torch.autocast:
-        """actors.precision: bfloat16 runs the policy under torch.autocast. Weights stay float32, as broadcast,
+        """actors.speed.precision: bfloat16 runs the policy under torch.autocast. Weights stay float32, as broadcast,
         except a backbone's (set_backbone_dtype in __init__): autocast recasts frozen weights at every call."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.actors.precision == "bfloat16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.actors.speed.precision == "bfloat16")
 
     def sample(self, weights: WeightsPayload | None, iteration: int) -> RolloutBatch:
         self.load_weights(weights)

@@ -20,15 +20,15 @@ the actor: the recipe's critic warm-up, whose updates take no gradient through t
 version 1 and samples again; the learner scores that rollout (behaviour gap at the new version). Prints JSON, then
 `name: value` lines; a failing stage is reported (`<stage>/error`) and the stages that do not depend on it still run.
 On CPU an update also reports the ATen ops it dispatched (`aten_ops`), so `--update-variants
-"learner.steps_in_one_pass=true"` shows the host work of scoring the denoising steps in one pass beside step by step,
+"learner.speed.steps_in_one_pass=true"` shows the host work of scoring the denoising steps in one pass beside step by step,
 and its floating-point operations (`flops`, `scoring_pass_flops`, `vision_flops`). Each batch size's decision reports
 its FLOPs (`batch<N>_flops`, the encode's and the vision tower's apart) and the TFLOP/s each path reaches: a GPU's
 arithmetic set against its time. FLOPs depend on the shapes only, so a full-size run on CPU counts them for a GPU.
 `--compile-steps` times each decision path again with its denoising steps compiled by torch.compile
-(actors.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
+(actors.speed.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
-`--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.compile_vision), and
-its speedup over `<path>_compiled`. An update variant with "learner.compile_steps=true" or "learner.compile_vision=true"
+`--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.speed.compile_vision), and
+its speedup over `<path>_compiled`. An update variant with "learner.speed.compile_steps=true" or "learner.speed.compile_vision=true"
 first runs an update of its own that compiles (`first_update_seconds`), then times the update as the others
 (`graphs_compiled`: 0, none new).
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import gc
 import json
@@ -53,7 +52,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -61,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import REPO_ROOT, emit  # noqa: E402
 from common.config import RunConfig  # noqa: E402
-from common.config_loading import load_config  # noqa: E402
+from common.config_loading import apply_override, from_dict, load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
 from common.observation import Observation  # noqa: E402
 from common.op_count import OpCounter  # noqa: E402
@@ -259,15 +257,15 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
 
     policy = actor.policy
     size, cameras = policy.config.image_size, len(policy.config.cameras)
-    autocast = torch.bfloat16 if actor.config.actors.precision == "bfloat16" else None
+    autocast = torch.bfloat16 if actor.config.actors.speed.precision == "bfloat16" else None
     paths = ("eager", "graph") if actor.device.type == "cuda" else ("eager",)
     kept, kept_step, kept_vision, figures = policy.decision_graph, policy.compiled_step, policy.compiled_vision, {}
     suffixes = ("", "_compiled", "_compiled_vision")[: 3 if compiled_vision else 2 if compiled else 1]
     paths = tuple(f"{path}{suffix}" for path in paths for suffix in suffixes)
     if compiled or compiled_vision:
-        compile_steps(policy, "actors.compile_steps")
+        compile_steps(policy, "actors.speed.compile_steps")
     if compiled_vision:
-        policy.compile_vision("actors.compile_vision")
+        policy.compile_vision("actors.speed.compile_vision")
     compiled_step, vision = policy.compiled_step, policy.compiled_vision
     rng = np.random.default_rng(0)
     try:
@@ -356,7 +354,7 @@ def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
 
 def compiles(config: RunConfig) -> bool:
     """Whether the learner of `config` runs anything through torch.compile."""
-    return config.learner.compile_steps or config.learner.compile_vision
+    return config.learner.speed.compile_steps or config.learner.speed.compile_vision
 
 
 def rollout_figures(batch, seconds: float) -> dict[str, Any]:
@@ -401,7 +399,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
         def start_actor() -> dict[str, Any]:
             start = clock.now()
             state["actor"] = RolloutActor(config, 0, checkpoint)
-            return {"seconds": clock.now() - start, "device": str(state["actor"].device), "precision": config.actors.precision}
+            return {"seconds": clock.now() - start, "device": str(state["actor"].device), "precision": config.actors.speed.precision}
 
         def latency() -> dict[str, Any]:
             batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -449,7 +447,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def update() -> dict[str, Any]:
             """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps. An
-            update that ran out of GPU memory and was made again in smaller micro-batches (learner.split_on_out_of_memory)
+            update that ran out of GPU memory and was made again in smaller micro-batches (learner.faults.split_on_out_of_memory)
             counts every try in its seconds, and reports the split it kept (faults/grad_accum) and its last scoring pass."""
             batch, learner = version_0_rollouts(), state["learner"]
             scoring: list[float] = []
@@ -499,7 +497,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def update_variant(overrides: str) -> Callable[[], dict[str, Any]]:
             """A fresh learner from the same checkpoint with config fields overridden (e.g.
-            "algorithm.grad_accum=1,learner.precision=bfloat16"), its update on the same version-0 rollouts."""
+            "algorithm.grad_accum=1,learner.speed.precision=bfloat16"), its update on the same version-0 rollouts."""
 
             def fresh_learner(variant: RunConfig) -> Learner:
                 # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
@@ -514,10 +512,10 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                 return state["learner"]
 
             def stage() -> dict[str, Any]:
-                variant = copy.deepcopy(config)
+                changes: dict[str, Any] = {}
                 for item in overrides.split(","):
-                    (section, name), value = item.split("=", 1)[0].split("."), yaml.safe_load(item.split("=", 1)[1])
-                    setattr(getattr(variant, section), name, value)
+                    apply_override(changes, item)
+                variant = from_dict(RunConfig, changes, base=config)
                 variant.validate()
                 first_update = {}
                 if compiles(variant):
@@ -574,10 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print the profiler tables (by CPU and by GPU time) of one eager and one graphed decision")  # fmt: skip
     parser.add_argument("--compile-steps", action="store_true",
-                        help="also time each decision path with its denoising steps compiled (actors.compile_steps)")  # fmt: skip
+                        help="also time each decision path with its denoising steps compiled (actors.speed.compile_steps)")  # fmt: skip
     parser.add_argument("--compile-vision", action="store_true",
                         help="as --compile-steps, and each decision path again with its vision tower compiled too "
-                             "(actors.compile_vision)")  # fmt: skip
+                             "(actors.speed.compile_vision)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)

@@ -186,33 +186,13 @@ class EnvConfig:
 
 
 @dataclass
-class ActorsConfig:
-    """Rollout actors: how many, their envs, and their resources."""
+class ActorSpeedConfig:
+    """How the actors' decisions run: their arithmetic and graphs. None changes what a policy samples beyond float
+    rounding (and, with CUDA graphs, which noise it draws)."""
 
-    num_actors: int = 10
-    envs_per_actor: int = 2
-    decisions_per_rollout: int = 50  # chunk decisions per env per iteration
-    num_cpus: float | None = None  # per actor; None: spread the cluster's CPUs evenly over the actors
-    num_gpus: float = 0.0  # per actor, fractional "GPU slices" (e.g. 0.1); 0 on CPU machines
-    # Custom Ray resources per actor, e.g. {rollout_gpu: 0.1}: pins actors to the node types that declare
-    # them (cluster/*.yaml), so placement is decided by config, not code.
-    resources: dict[str, float] = field(default_factory=dict)
-    max_restarts: int = 3  # per actor: a dead or wedged actor is restarted and its call retried this many times
-    # Seconds one sample/evaluate call may take before its actor counts as wedged: it is killed, restarted and
-    # the call retried. A restarted actor's start-up gets as long again, apart from the retried call (a SmolVLA
-    # actor on CPU needs minutes per rollout: raise it there).
-    call_timeout_s: float = 900.0
-    # Actors whose restarts are exhausted are dropped with a warning; below this many the run stops.
-    min_alive: int = 1
-    # Arithmetic of the actors' sampling: "float32", or "bfloat16" (torch.autocast over float32 weights; the
-    # learner stays float32 and warns when the behaviour log-probs drift: learner.behaviour_gap_warn).
+    # "float32", or "bfloat16" (torch.autocast over float32 weights; the learner stays float32 and warns when the
+    # behaviour log-probs drift: learner.behaviour_gap_warn).
     precision: str = "float32"
-    # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
-    # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
-    # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
-    # kept and clips as algorithm.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
-    # the two lags across seeds.
-    policy_lag: int = 1
     # On a CUDA device, each chunk decision is one CUDA graph replay (common.decision_graph): the same policy, its
     # noise drawn in one call per decision, so a run samples other (equally reproducible) noise than without graphs.
     # No effect on CPU.
@@ -227,15 +207,58 @@ class ActorsConfig:
     # float rounding.
     compile_vision: bool = False
 
+    def validate(self, path: str = "actors.speed") -> None:
+        require_choice(self, path, "precision", ("float32", "bfloat16"))
+
+
+@dataclass
+class ActorFaultsConfig:
+    """What happens when a rollout actor dies or wedges."""
+
+    max_restarts: int = 3  # per actor: a dead or wedged actor is restarted and its call retried this many times
+    # Seconds one sample/evaluate call may take before its actor counts as wedged: it is killed, restarted and
+    # the call retried. A restarted actor's start-up gets as long again, apart from the retried call (a SmolVLA
+    # actor on CPU needs minutes per rollout: raise it there).
+    call_timeout_s: float = 900.0
+    # Actors whose restarts are exhausted are dropped with a warning; below this many the run stops.
+    min_alive: int = 1
+
+    def validate(self, path: str = "actors.faults") -> None:
+        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        require_positive(self, path, "call_timeout_s", "min_alive")
+
+
+@dataclass
+class ActorsConfig:
+    """Rollout actors: how many, their envs, their resources; how their decisions run (speed) and what happens when
+    one fails (faults)."""
+
+    num_actors: int = 10
+    envs_per_actor: int = 2
+    decisions_per_rollout: int = 50  # chunk decisions per env per iteration
+    num_cpus: float | None = None  # per actor; None: spread the cluster's CPUs evenly over the actors
+    num_gpus: float = 0.0  # per actor, fractional "GPU slices" (e.g. 0.1); 0 on CPU machines
+    # Custom Ray resources per actor, e.g. {rollout_gpu: 0.1}: pins actors to the node types that declare
+    # them (cluster/*.yaml), so placement is decided by config, not code.
+    resources: dict[str, float] = field(default_factory=dict)
+    # Weight versions the actors may sample behind the learner. 0: synchronous (sample with v, train, publish
+    # v+1, sample again). 1 (default): the actors sample iteration i+1 with version v while the learner trains on
+    # iteration i, so sampling and update overlap; the learner scores the chains with the behaviour weights it
+    # kept and clips as algorithm.stale_rollouts says. Logged as rollout/weight_version_lag. docs/results.md compares
+    # the two lags across seeds.
+    policy_lag: int = 1
+    speed: ActorSpeedConfig = field(default_factory=ActorSpeedConfig)
+    faults: ActorFaultsConfig = field(default_factory=ActorFaultsConfig)
+
     def validate(self, path: str = "actors") -> None:
         require_positive(self, path, "num_actors", "envs_per_actor", "decisions_per_rollout")
         require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
-        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
-        require_positive(self, path, "call_timeout_s", "min_alive")
-        require(self.min_alive <= self.num_actors, f"{path}.min_alive ({self.min_alive}) must be <= {path}.num_actors ({self.num_actors})")
-        require_choice(self, path, "precision", ("float32", "bfloat16"))
         require(0 <= self.policy_lag <= MAX_POLICY_LAG, f"{path}.policy_lag must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
+        self.speed.validate(f"{path}.speed")
+        self.faults.validate(f"{path}.faults")
+        min_alive = self.faults.min_alive
+        require(min_alive <= self.num_actors, f"{path}.faults.min_alive ({min_alive}) must be <= {path}.num_actors ({self.num_actors})")
 
 
 @dataclass
@@ -325,32 +348,14 @@ class AlgorithmConfig:
 
 
 @dataclass
-class LearnerConfig:
-    """How the learner actor runs the update: its Ray resources, restarts and call deadlines, and what it does when
-    the numbers go wrong (behaviour gap, non-finite updates)."""
+class LearnerSpeedConfig:
+    """How the learner's scoring and update run: arithmetic, passes, compiled graphs, micro-batches. None changes the
+    update beyond float rounding."""
 
-    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
-    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
-    # custom resource such as {learner_slot: 1} that only the intended node type declares.
-    num_cpus: float | None = None
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
-    # Ranks of a data-parallel learner group, each a Ray actor with the resources above (learner.learner_group): each
-    # scores and trains on a share of the iteration's rollouts and the gradients are summed, so the update is the
-    # one-rank update up to float rounding. 1: the learner alone.
-    num_learners: int = 1
-    # How a learner group holds the policy: "none", every rank the whole of it; "fsdp", each rank a 1/num_learners shard
-    # of every parameter, its gradient and its Adam state (torch FSDP2, learner.sharding), gathered whole while scoring
-    # and one module at a time in the update, for a policy whose training state outgrows one device.
-    sharding: str = "none"
-    # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
-    # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
-    # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
-    behaviour_gap_warn: float | None = 1e-3
-    # Arithmetic of the learner's scoring and update: "float32", or "bfloat16" (torch.autocast over float32 weights,
-    # for a GPU). The ratio check compares the learner with itself, so it holds in either. In bfloat16 the learner also
-    # scores a few chains in float32 every iteration: logprob/precision_gap_max, and a PrecisionGapWarning when
-    # rounding alone moves the log-probs by half the clip range or more.
+    # "float32", or "bfloat16" (torch.autocast over float32 weights, for a GPU). The ratio check compares the learner
+    # with itself, so it holds in either. In bfloat16 the learner also scores a few chains in float32 every iteration:
+    # logprob/precision_gap_max, and a PrecisionGapWarning when rounding alone moves the log-probs by half the clip
+    # range or more.
     precision: str = "float32"
     # Keep no activations of the denoising steps for the backward pass: each step's forward runs again there
     # (torch.utils.checkpoint), the same numbers bit for bit. The update's activations shrink to about one step's, at
@@ -371,17 +376,37 @@ class LearnerConfig:
     # scoring pass's over the iteration's observations, and each micro-batch's where the encoder trains. Compiled at the
     # first update; the same features as eager up to float rounding, and old and new log-probs read the same ones.
     compile_vision: bool = False
-    # On a GPU out-of-memory error, roll the update back and run it again from its start with each minibatch split into
-    # twice as many micro-batches (algorithm.grad_accum x 2), down to one decision per micro-batch; the learner keeps
-    # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
-    # gives. false: the error stops the update.
-    split_on_out_of_memory: bool = True
     # Micro-batches sized by memory (a GPU learner), in place of algorithm.grad_accum's fixed split: at its first
     # optimiser step that trains the actor, the learner reads how far its first micro-batch raised the GPU allocator's
     # peak above what was allocated before it, per decision, and from then on splits every minibatch into the fewest
     # micro-batches whose peak that estimate keeps within this many GiB (metric ppo/micro_batch_rows). Fewer,
     # larger micro-batches launch fewer kernels; the update differs from grad_accum's by float rounding only. 0: off.
     micro_batch_memory_gib: float = 0.0
+
+    def validate(self, path: str = "learner.speed") -> None:
+        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        require(
+            not (self.recompute_steps and self.steps_in_one_pass),
+            f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
+        )
+        require(
+            not (self.recompute_steps and self.compile_steps),
+            f"{path}.recompute_steps and {path}.compile_steps: choose one (a compiled step keeps the activations its compiler "
+            "chose; recomputing runs each step's forward again in the backward pass)",
+        )
+        require(self.micro_batch_memory_gib >= 0, f"{path}.micro_batch_memory_gib must be >= 0 (0: off), got {self.micro_batch_memory_gib}")
+
+
+@dataclass
+class LearnerFaultsConfig:
+    """What the learner does when an update goes wrong (out of memory, non-finite numbers) and when the learner actor
+    dies or wedges."""
+
+    # On a GPU out-of-memory error, roll the update back and run it again from its start with each minibatch split into
+    # twice as many micro-batches (algorithm.grad_accum x 2), down to one decision per micro-batch; the learner keeps
+    # the split for the rest of its life (metric faults/grad_accum). The update it then makes is the one that grad_accum
+    # gives. false: the error stops the update.
+    split_on_out_of_memory: bool = True
     # A NaN/Inf in an iteration rolls its update back (weights and optimiser) and skips it; after this many
     # skipped iterations in a row, the learning rates are multiplied by nonfinite_lr_backoff.
     nonfinite_backoff_after: int = 3
@@ -394,6 +419,41 @@ class LearnerConfig:
     call_timeout_s: float = 900.0
     call_timeout_update_factor: float = 10.0
 
+    def validate(self, path: str = "learner.faults") -> None:
+        require_positive(self, path, "nonfinite_backoff_after")
+        require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
+        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
+        require_positive(self, path, "call_timeout_s")
+        factor = self.call_timeout_update_factor
+        require(factor >= 0, f"{path}.call_timeout_update_factor must be >= 0 (0: a fixed call_timeout_s), got {factor}")
+
+
+@dataclass
+class LearnerConfig:
+    """The learner: its Ray resources and ranks, how they hold the policy, the behaviour-gap warning; how its update
+    runs (speed) and what it does when the update or the learner fails (faults)."""
+
+    # Ray resources of the learner actor. num_cpus None: a quarter of the cluster's CPUs, at most 0.5
+    # (on CPU the update is short next to sampling). On a GPU cluster: num_gpus 1 (a whole GPU) and a
+    # custom resource such as {learner_slot: 1} that only the intended node type declares.
+    num_cpus: float | None = None
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    # Ranks of a data-parallel learner group, each a Ray actor with the resources above (learner.learner_group): each
+    # scores and trains on a share of the iteration's rollouts and the gradients are summed, so the update is the
+    # one-rank update up to float rounding. 1: the learner alone.
+    num_learners: int = 1
+    # How a learner group holds the policy: "none", every rank the whole of it; "fsdp", each rank a 1/num_learners shard
+    # of every parameter, its gradient and its Adam state (torch FSDP2, learner.sharding), gathered whole while scoring
+    # and one module at a time in the update, for a policy whose training state outgrows one device.
+    sharding: str = "none"
+    # Warn (BehaviourGapWarning) when the actors' behaviour log-probs differ from the learner's recomputation
+    # by more than this on rollouts of the learner's own weights: the sign of actors and learner running
+    # different precisions or devices (bf16 actors, fp32 learner). Same units as log_probs. None: never warn.
+    behaviour_gap_warn: float | None = 1e-3
+    speed: LearnerSpeedConfig = field(default_factory=LearnerSpeedConfig)
+    faults: LearnerFaultsConfig = field(default_factory=LearnerFaultsConfig)
+
     def validate(self, path: str = "learner") -> None:
         require(self.num_cpus is None or self.num_cpus > 0, f"{path}.num_cpus must be > 0 or null, got {self.num_cpus}")
         _ray_resources(path, self.num_gpus, self.resources)
@@ -405,31 +465,18 @@ class LearnerConfig:
         )
         for knob in ("compile_steps", "compile_vision"):
             require(
-                self.sharding == "none" or not getattr(self, knob),
-                f"{path}.sharding=fsdp and {path}.{knob}: choose one (a compiled graph does not run FSDP's gathers of the shards it reads)",
+                self.sharding == "none" or not getattr(self.speed, knob),
+                f"{path}.sharding=fsdp and {path}.speed.{knob}: choose one (a compiled graph does not run FSDP's gathers of the "
+                "shards it reads)",
             )
         require(self.behaviour_gap_warn is None or self.behaviour_gap_warn > 0, f"{path}.behaviour_gap_warn must be > 0 or null")
-        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        self.speed.validate(f"{path}.speed")
         require(
-            not (self.recompute_steps and self.steps_in_one_pass),
-            f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
+            self.speed.micro_batch_memory_gib == 0 or self.num_gpus > 0,
+            f"{path}.speed.micro_batch_memory_gib reads a GPU's allocator: it needs {path}.num_gpus > 0 (or 0: algorithm.grad_accum's "
+            "split)",
         )
-        require(
-            not (self.recompute_steps and self.compile_steps),
-            f"{path}.recompute_steps and {path}.compile_steps: choose one (a compiled step keeps the activations its compiler "
-            "chose; recomputing runs each step's forward again in the backward pass)",
-        )
-        require(self.micro_batch_memory_gib >= 0, f"{path}.micro_batch_memory_gib must be >= 0 (0: off), got {self.micro_batch_memory_gib}")
-        require(
-            self.micro_batch_memory_gib == 0 or self.num_gpus > 0,
-            f"{path}.micro_batch_memory_gib reads a GPU's allocator: it needs {path}.num_gpus > 0 (or 0: algorithm.grad_accum's split)",
-        )
-        require_positive(self, path, "nonfinite_backoff_after")
-        require(0 < self.nonfinite_lr_backoff <= 1, f"{path}.nonfinite_lr_backoff must be in (0, 1], got {self.nonfinite_lr_backoff}")
-        require(self.max_restarts >= 0, f"{path}.max_restarts must be >= 0, got {self.max_restarts}")
-        require_positive(self, path, "call_timeout_s")
-        factor = self.call_timeout_update_factor
-        require(factor >= 0, f"{path}.call_timeout_update_factor must be >= 0 (0: a fixed call_timeout_s), got {factor}")
+        self.faults.validate(f"{path}.faults")
 
 
 @dataclass
@@ -539,9 +586,9 @@ class RunConfig:
         )
         for section in ("actors", "learner"):
             require(
-                not getattr(self, section).compile_vision or self.policy.vla_section() is not None,
-                f"{section}.compile_vision: policy.type={self.policy.type} has no vision tower to compile (smolvla, pi0 and pi05 "
-                f"have): set {section}.compile_vision: false",
+                not getattr(self, section).speed.compile_vision or self.policy.vla_section() is not None,
+                f"{section}.speed.compile_vision: policy.type={self.policy.type} has no vision tower to compile (smolvla, pi0 and "
+                f"pi05 have): set {section}.speed.compile_vision: false",
             )
         if algorithm.algo == "grpo":
             require(

@@ -22,8 +22,14 @@ import yaml
 
 from common.config import AlgorithmConfig, ConfigError, RunConfig
 
-# Fields that moved to another section: an old YAML or --set gets the new place in one line.
-MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)}
+# Fields that moved: an old YAML or --set gets the new place in one line, and a run's recorded config is read with
+# them in their new places (with_moved_fields). The speed and fault knobs of actors and learner each have a subsection.
+MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)} | {
+    f"{section}.{knob.name}": f"{section}.{sub}.{knob.name}"
+    for section in ("actors", "learner")
+    for sub in ("speed", "faults")
+    for knob in dataclasses.fields(getattr(getattr(RunConfig(), section), sub))
+}
 # Fields the schema no longer has -> (the value that behaves as the schema now does, why the field is gone). A config
 # file, a run's recorded config or a checkpoint that holds one at that value still loads, the field dropped; any other
 # value is refused, naming the reason.
@@ -35,6 +41,25 @@ RETIRED_FIELDS = {
 def is_retired_at_rest(dotted: str, value: Any) -> bool:
     """`dotted` is a retired field at the value that behaves as the schema now does."""
     return dotted in RETIRED_FIELDS and value == RETIRED_FIELDS[dotted][0]
+
+
+def with_moved_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a recorded config (nested, as run_config.json holds it) with every moved field in its new place, so
+    that a run recorded before a move resumes and replays."""
+    data = copy.deepcopy(data)
+    for old, new in MOVED_FIELDS.items():
+        *path, leaf = old.split(".")
+        section = data
+        for part in path:
+            section = section.get(part) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            value = section.pop(leaf)
+            *path, leaf = new.split(".")
+            target = data
+            for part in path:
+                target = target.setdefault(part, {})
+            target[leaf] = value
+    return data
 
 
 def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
@@ -211,14 +236,14 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def closest_field(dotted: str) -> str | None:
     """The run schema's field whose name is closest to `dotted`'s last part, in any section (an old config may name a
-    field in another section), preferring `dotted`'s own section; None when no name is close."""
+    field in another section), preferring `dotted`'s own section, then its subsections; None when no name is close."""
     fields = [name for name in flatten(RunConfig().to_dict()) if name != dotted]
     section, _, leaf = dotted.rpartition(".")
     close = difflib.get_close_matches(leaf, sorted({name.rpartition(".")[2] for name in fields}), n=1, cutoff=0.75)
     if not close:
         return None
     candidates = [name for name in fields if name.rpartition(".")[2] == close[0]]
-    return next((name for name in candidates if name.rpartition(".")[0] == section), candidates[0])
+    return max(candidates, key=lambda name: (name.rpartition(".")[0] == section, name.startswith(f"{section}.")))
 
 
 def fields_of(config: RunConfig) -> set[str]:

@@ -44,7 +44,7 @@ KEPT_UPLOADS: list[tuple[dict[tuple, Tensor], bool, str]] = []
 
 def tensor_with_kept_uploads(data: Any, *args: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> Tensor:
     """torch.tensor while a reused_uploads context is open. The same function for every context: a compiled step
-    (actors.compile_steps) traced through it is guarded on it, so a step compiled in the warm-up is not compiled again
+    (actors.speed.compile_steps) traced through it is guarded on it, so a step compiled in the warm-up is not compiled again
     in the capture; and what a compiled step uploads is a constant of its graph, made at its compile, so its trace
     takes torch.tensor itself."""
     if torch.compiler.is_compiling():
@@ -122,7 +122,7 @@ class DecisionGraph:
         except RuntimeError as exc:
             raise RuntimeError(
                 f"capturing {type(self.policy).__name__}'s decisions as a CUDA graph failed ({exc}); "
-                "actors.cuda_graphs: false samples eagerly"
+                "actors.speed.cuda_graphs: false samples eagerly"
             ) from exc
         self.graph = graph
 

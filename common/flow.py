@@ -81,7 +81,7 @@ KERNEL_COMPILERS = {"cpu": ("CXX", ("g++", "clang++")), "cuda": ("CC", ("gcc", "
 
 
 def require_kernel_compiler(device_type: str, field: str) -> None:
-    """A one-line ConfigError naming `field` (the setting that compiles: actors.compile_steps, actors.compile_vision)
+    """A one-line ConfigError naming `field` (the setting that compiles: actors.speed.compile_steps, actors.speed.compile_vision)
     unless the compiler torch.compile builds `device_type` kernels with is installed (checked by the driver on a local
     run before anything starts, and by each actor)."""
     variable, names = KERNEL_COMPILERS.get(device_type, (None, ()))
@@ -94,7 +94,7 @@ def require_kernel_compiler(device_type: str, field: str) -> None:
 
 def compile_steps(policy: FlowPolicy, field: str) -> None:
     """Run the policy's denoising steps (policy_step) as one torch.compile graph each, as `field` asks
-    (actors.compile_steps: sampling; learner.compile_steps: scoring and its backward pass): a VLA's step is some
+    (actors.speed.compile_steps: sampling; learner.speed.compile_steps: scoring and its backward pass): a VLA's step is some
     2,000 ATen ops, most of them elementwise (casts, products, sums), which the compiler fuses into far fewer kernels.
     A step compiles at its first call with a new shape (a second batch size compiles once more, for every size after
     it), and again for a new grad or autocast mode; its arithmetic differs from the eager step's in float rounding
@@ -199,8 +199,8 @@ def chain_log_prob(
     policy: FlowPolicy, features: Any, chain: Tensor, recompute_steps: bool = False, steps_in_one_pass: bool = False
 ) -> ChainLogProb:
     """Exact log-prob of recorded chains (B, K+1, H, A) under the policy's current weights. recompute_steps: keep no
-    step's activations for a backward pass, which runs each step's forward again (learner.recompute_steps).
-    steps_in_one_pass: all K steps in one pass (all_transitions; learner.steps_in_one_pass)."""
+    step's activations for a backward pass, which runs each step's forward again (learner.speed.recompute_steps).
+    steps_in_one_pass: all K steps in one pass (all_transitions; learner.speed.steps_in_one_pass)."""
     expected = (policy.num_steps + 1, policy.chunk_size, policy.action_dim)
     if tuple(chain.shape[1:]) != expected:
         raise ValueError(f"chain has shape {tuple(chain.shape)}, expected (B, {expected}) for this policy (K+1, H, A)")

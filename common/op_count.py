@@ -16,7 +16,7 @@ class OpCounter(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """A compiled step (actors.compile_steps) runs compiled under the counter, which sees the ATen ops it still
+        """A compiled step (actors.speed.compile_steps) runs compiled under the counter, which sees the ATen ops it still
         dispatches (matmuls, attention); torch.compile would run it eagerly under any other mode, from then on."""
         return True
 

@@ -1,11 +1,11 @@
 """The rollout actors as one pool: every call has a deadline, and a dead or wedged actor is restarted and asked again.
 
-A rollout actor that dies, or wedges (no answer within actors.call_timeout_s; it is killed), is restarted by Ray
-(actors.max_restarts) and its call retried with the same arguments. A restarted actor's start-up has a deadline of its
-own (actors.call_timeout_s again), so the retried call's allowance is the call's alone. A rollout is a pure function of (weights, run
+A rollout actor that dies, or wedges (no answer within actors.faults.call_timeout_s; it is killed), is restarted by Ray
+(actors.faults.max_restarts) and its call retried with the same arguments. A restarted actor's start-up has a deadline of its
+own (actors.faults.call_timeout_s again), so the retried call's allowance is the call's alone. A rollout is a pure function of (weights, run
 seed, iteration, actor index), so the retry yields exactly the samples the dead attempt would have: its partial work
 never reaches the learner, nothing is lost or counted twice. With its restarts spent the actor is dropped with a
-warning and the rest go on; below actors.min_alive the run stops.
+warning and the rest go on; below actors.faults.min_alive the run stops.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ActorPool:
 
     def collect(self, call: PendingCall) -> dict[int, list[ray.ObjectRef]]:
         """Wait for a submitted call; dead actors are asked again after their restart, wedged ones killed first."""
-        timeout = self.cfg.call_timeout_s
+        timeout = self.cfg.faults.call_timeout_s
         pending = {index: refs for index, refs in call.refs.items() if index in self.actors}  # not those dropped since
         # The deadline runs from now: a call submitted ahead (policy_lag) waited behind the actor's previous one.
         since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt (or its actor's restart) started
@@ -102,7 +102,7 @@ class ActorPool:
                     try:
                         receipt = ray.get(ref)
                     except ActorDiedError as exc:  # dead for good: Ray has no restart left for it
-                        self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.max_restarts} restarts spent")
+                        self._drop(index, f"died ({exc.__class__.__name__}) with its {self.cfg.faults.max_restarts} restarts spent")
                         del pending[index]
                         starting.pop(index, None)
                         continue
@@ -119,7 +119,7 @@ class ActorPool:
                         self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
                 elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
                     what = "its restart" if index in starting else call.method
-                    print(f"[fault] rollout actor {index} wedged (no answer to {what} within actors.call_timeout_s="
+                    print(f"[fault] rollout actor {index} wedged (no answer to {what} within actors.faults.call_timeout_s="
                           f"{timeout:g}s): killing it", flush=True)  # fmt: skip
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
@@ -135,16 +135,16 @@ class ActorPool:
             return
         self.faults["faults/actor_restarts"] += restarts - self.restarts[index]
         self.restarts[index] = restarts
-        print(f"[fault] rollout actor {index} restarted ({restarts}/{self.cfg.max_restarts} restarts): its {method} call retried",
+        print(f"[fault] rollout actor {index} restarted ({restarts}/{self.cfg.faults.max_restarts} restarts): its {method} call retried",
               flush=True)  # fmt: skip
 
     def _drop(self, index: int, failure: str) -> None:
-        """Go on without actor `index`; below actors.min_alive actors, stop."""
+        """Go on without actor `index`; below actors.faults.min_alive actors, stop."""
         del self.actors[index]
         self.faults["faults/dropped_actors"] += 1
-        message = f"rollout actor {index} {failure} (actors.max_restarts): dropped"
-        if len(self.actors) < self.cfg.min_alive:
-            raise ActorsExhaustedError(f"{message}; {len(self.actors)} left, below actors.min_alive={self.cfg.min_alive}")
+        message = f"rollout actor {index} {failure} (actors.faults.max_restarts): dropped"
+        if len(self.actors) < self.cfg.faults.min_alive:
+            raise ActorsExhaustedError(f"{message}; {len(self.actors)} left, below actors.faults.min_alive={self.cfg.faults.min_alive}")
         warnings.warn(f"{message}; training goes on with the {len(self.actors)} left", RuntimeWarning, stacklevel=3)
 
     def submit_sample(self, weights_ref: ray.ObjectRef, iteration: int) -> PendingCall:

@@ -11,4 +11,4 @@ class LearnerWedgedError(LearnerDiedError):
 
 
 class ActorsExhaustedError(RuntimeError):
-    """Fewer rollout actors are left than actors.min_alive."""
+    """Fewer rollout actors are left than actors.faults.min_alive."""

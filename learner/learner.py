@@ -310,7 +310,7 @@ def minibatch_loss(
 
 class Learner:
     def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None, ranks: SingleRank | None = None):
-        """`memory`: what learner.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device).
+        """`memory`: what learner.speed.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device).
         `ranks`: this learner's place in a learner group (learner.data_parallel; default: alone)."""
         require_pretrained(policy, config.allow_random_init)
         self.ranks = ranks or SingleRank()
@@ -328,17 +328,17 @@ class Learner:
         self.iteration = 0  # completed updates
         self.version = 0  # weight version; bumps after every update
         self.env_steps = 0  # env steps of every rollout trained on; saved with checkpoints so a resume counts on
-        # Non-finite updates: each one is rolled back and skipped; after learner.nonfinite_backoff_after in a row the
-        # learning rates are multiplied by learner.nonfinite_lr_backoff (lr_backoff, saved with checkpoints).
+        # Non-finite updates: each one is rolled back and skipped; after learner.faults.nonfinite_backoff_after in a row the
+        # learning rates are multiplied by learner.faults.nonfinite_lr_backoff (lr_backoff, saved with checkpoints).
         self.skipped_updates = 0
         self.nonfinite_streak = 0
         self.lr_backoff = 1.0
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
-        if config.learner.compile_steps:  # after the reference's copy, which scores eagerly
-            compile_steps(policy, "learner.compile_steps")
-        if config.learner.compile_vision:  # a VLA (RunConfig.validate)
-            policy.compile_vision("learner.compile_vision")
+        if config.learner.speed.compile_steps:  # after the reference's copy, which scores eagerly
+            compile_steps(policy, "learner.speed.compile_steps")
+        if config.learner.speed.compile_vision:  # a VLA (RunConfig.validate)
+            policy.compile_vision("learner.speed.compile_vision")
         # After the reference's copy, which every rank holds whole, and before the optimiser, which takes the shards.
         self.sharding = hold(policy, self.ranks, config.learner.sharding)
         self.actor_params = [p for n, p in policy.named_parameters() if p.requires_grad and n not in critic]
@@ -353,9 +353,9 @@ class Learner:
         self.num_log_prob_elements = num_log_prob_elements(policy)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
         memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
-        if config.learner.micro_batch_memory_gib and memory is None:
-            raise ValueError(f"learner.micro_batch_memory_gib reads a GPU's allocator; this learner runs on {policy.obs_device}")
-        self.plan = MicroBatchPlan(self.cfg, config.learner.micro_batch_memory_gib, memory)  # the learner's, not the config's
+        if config.learner.speed.micro_batch_memory_gib and memory is None:
+            raise ValueError(f"learner.speed.micro_batch_memory_gib reads a GPU's allocator; this learner runs on {policy.obs_device}")
+        self.plan = MicroBatchPlan(self.cfg, config.learner.speed.micro_batch_memory_gib, memory)  # the learner's, not the config's
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -381,12 +381,12 @@ class Learner:
     # -- one PPO iteration ------------------------------------------------------------------------
 
     def precision(self) -> torch.autocast:
-        """learner.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32).
+        """learner.speed.precision: bfloat16 scores and updates under torch.autocast (weights and optimiser stay float32).
         Without its cast cache: autocast would keep the casts of trainable weights until the context closes, after the
         whole update, so every optimiser step, and a lagged rollout's scoring under swapped-in weights, would see the
         weights as they were when first cast."""
         device = self.policy.obs_device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.learner.precision == "bfloat16", cache_enabled=False)
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.learner.speed.precision == "bfloat16", cache_enabled=False)
 
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
         """Recompute old log-probs with the current weights (eval mode), then the advantages: GAE on the critic's
@@ -404,7 +404,7 @@ class Learner:
             b_obs = batch.obs.flatten_leading().to_torch(policy.obs_device)  # (B, ...)
             b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
             rows = self.plan.rows(len(b_chains))  # the most rows the update's model sees at once
-            one_pass = self.config.learner.steps_in_one_pass  # the update's passes score the same way
+            one_pass = self.config.learner.speed.steps_in_one_pass  # the update's passes score the same way
             features = encode_in_chunks(policy, b_obs, rows)
             old = score_in_chunks(policy, features, b_chains, rows, one_pass)
             # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
@@ -443,7 +443,7 @@ class Learner:
             check_finite_tensors(finite, "learner.prepare")
             warn_on_behaviour_gap(metrics["logprob/behaviour_gap_max"], self.config.learner.behaviour_gap_warn, batch.actor_precision,
                                   policy.precision, batch.weight_version)  # fmt: skip
-            if self.config.learner.precision == "bfloat16":
+            if self.config.learner.speed.precision == "bfloat16":
                 metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
         # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
         self.algorithm.require_decisions(advantages, self.ranks)
@@ -489,7 +489,7 @@ class Learner:
                 return self._skip_update(batch, exc)
             except torch.OutOfMemoryError as exc:
                 self._roll_back(before)
-                if not self.config.learner.split_on_out_of_memory or self.plan.rows(decisions) == 1:
+                if not self.config.learner.faults.split_on_out_of_memory or self.plan.rows(decisions) == 1:
                     raise
                 error = str(exc).splitlines()[0]
             # Out of the except block, so the error's frames, and the tensors they hold, are gone before the retry.
@@ -498,7 +498,7 @@ class Learner:
         metrics.update({"faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff})
         if self.plan.out_of_memory_splits:
             metrics["faults/grad_accum"] = self.plan.grad_accum
-        if self.config.learner.micro_batch_memory_gib:
+        if self.config.learner.speed.micro_batch_memory_gib:
             metrics["ppo/micro_batch_rows"] = self.plan.rows(decisions)
         if self.ranks.size > 1:  # the figures of the rank that holds the most
             held = {**self.state_bytes(), "peak_bytes": peak_bytes(self.policy.obs_device)}
@@ -529,10 +529,10 @@ class Learner:
         self.skipped_updates += 1
         self.nonfinite_streak += 1
         backoff = ""
-        if self.nonfinite_streak >= self.config.learner.nonfinite_backoff_after:
-            self.lr_backoff *= self.config.learner.nonfinite_lr_backoff
+        if self.nonfinite_streak >= self.config.learner.faults.nonfinite_backoff_after:
+            self.lr_backoff *= self.config.learner.faults.nonfinite_lr_backoff
             self.nonfinite_streak = 0
-            backoff = f"; {self.config.learner.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
+            backoff = f"; {self.config.learner.faults.nonfinite_backoff_after} in a row: learning rates now x{self.lr_backoff:g}"
         warnings.warn(
             f"iteration {self.iteration}: update skipped, weights and optimiser rolled back to their state before it ({error}){backoff}",
             NonFiniteUpdateWarning,
@@ -544,7 +544,7 @@ class Learner:
     def _update(self, batch: RolloutBatch, verbose: bool) -> dict[str, float]:
         """PPO (or GRPO) on one rollout, top to bottom: the old log-probs and advantages, the learning rates, then epochs x
         minibatches, each one optimiser step over the plan's micro-batches. The shell around it (update) rolls back."""
-        cfg, policy, plan, learner_cfg = self.cfg, self.policy, self.plan, self.config.learner
+        cfg, policy, plan, speed = self.cfg, self.policy, self.plan, self.config.learner.speed
         policy.eval()
         data = self.prepare(batch)
         if verbose:
@@ -576,8 +576,8 @@ class Learner:
                         measured = not padding and plan.measures(micro_index, train_actor)
                         allocated = plan.memory.allocated() if measured else 0
                         features = policy.encode(data.obs.index(micro)) if data.features is None else index_features(data.features, micro)
-                        new = chain_log_prob(policy, features, data.chains[micro], learner_cfg.recompute_steps,
-                                             learner_cfg.steps_in_one_pass)  # fmt: skip
+                        new = chain_log_prob(policy, features, data.chains[micro], speed.recompute_steps,
+                                             speed.steps_in_one_pass)  # fmt: skip
                         loss, metrics = minibatch_loss(policy, features, new, data, micro, cfg, self.algorithm.critic, train_actor)
                         if padding:
                             (loss * 0.0).backward()

@@ -27,7 +27,7 @@ from learner.ray_runtime import ResourceRequest
 # (learner.startup.plan_resources): nodes joining, other runs' actors leaving.
 PLACEMENT_TIMEOUT_S = 300.0
 # How long a rank waits in a collective for the others before torch.distributed gives up on the group. The run's own
-# deadline on learner calls (learner.call_timeout_s) ends a wedged group first; this only bounds a rank left behind.
+# deadline on learner calls (learner.faults.call_timeout_s) ends a wedged group first; this only bounds a rank left behind.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 

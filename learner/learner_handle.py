@@ -5,9 +5,9 @@ consecutive share of the iteration's rollouts; a publication to every rank (each
 0. A rank that dies or wedges takes the group down: every rank is killed and the group started again.
 
 A learner that dies, or wedges (no answer within its deadline; it is killed), is started again from the run's
-latest checkpoint (learner.max_restarts times, deaths and wedges together). The iterations since that checkpoint are
+latest checkpoint (learner.faults.max_restarts times, deaths and wedges together). The iterations since that checkpoint are
 redone, identically, and weight versions continue from it. The deadline of a call is the larger of
-learner.call_timeout_s and learner.call_timeout_update_factor times the slowest update answered so far: it grows
+learner.faults.call_timeout_s and learner.faults.call_timeout_update_factor times the slowest update answered so far: it grows
 with what the run has shown an update to need, and a learner's start-up (a SmolVLA learner loads for minutes) is no
 part of it: calls wait without one until the learner has answered its first.
 """
@@ -59,7 +59,7 @@ class LearnerHandle:
 
     def deadline(self) -> float:
         """Seconds a call may take before the learner counts as wedged."""
-        cfg = self.config.learner
+        cfg = self.config.learner.faults
         return max(cfg.call_timeout_s, cfg.call_timeout_update_factor * self.slowest_update)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -84,8 +84,8 @@ class LearnerHandle:
             ready, pending = ray.wait(pending, num_returns=1, timeout=None if ends is None else max(0.0, ends - time.monotonic()))
             if not ready:
                 self.ranks.kill()
-                raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.call_timeout_s, "
-                                         "learner.call_timeout_update_factor); killed") from None  # fmt: skip
+                raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.faults.call_timeout_s, "
+                                         "learner.faults.call_timeout_update_factor); killed") from None  # fmt: skip
             try:
                 ray.get(ready[0])
             except RayActorError as exc:
@@ -148,11 +148,13 @@ class LearnerHandle:
 
     def restart(self, failure: LearnerDiedError) -> tuple[int, int]:
         """A new learner in place of the failed one, from the run's latest checkpoint (before the first, from what the
-        run started with); returns its resume_point. Past learner.max_restarts, LearnerDiedError."""
+        run started with); returns its resume_point. Past learner.faults.max_restarts, LearnerDiedError."""
         self.restarts += 1
-        limit = self.config.learner.max_restarts
+        limit = self.config.learner.faults.max_restarts
         if self.restarts > limit:
-            raise LearnerDiedError(f"the learner died {self.restarts} times (learner.max_restarts={limit}); last: {failure}") from failure
+            raise LearnerDiedError(
+                f"the learner died {self.restarts} times (learner.faults.max_restarts={limit}); last: {failure}"
+            ) from failure
         restart_dir = self.directory.latest_checkpoint() if self.last_saved > 0 else self.resume_dir
         self.ranks.kill()  # what is left of it: a group's other ranks wait for the one gone, holding its placement
         what = "wedged" if isinstance(failure, LearnerWedgedError) else "died"

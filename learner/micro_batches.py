@@ -1,8 +1,8 @@
 """The update's plan of micro-batches: how many forward and backward passes each minibatch is split into.
 
 It starts at algorithm.grad_accum and is the learner's own state from then on, never written back into the run's
-config: a GPU that runs out of memory in an update doubles it (learner.split_on_out_of_memory), and
-learner.micro_batch_memory_gib sizes it once, from the allocator's readings around the first micro-batch that trains
+config: a GPU that runs out of memory in an update doubles it (learner.faults.split_on_out_of_memory), and
+learner.speed.micro_batch_memory_gib sizes it once, from the allocator's readings around the first micro-batch that trains
 the actor.
 """
 
@@ -37,7 +37,7 @@ def micro_batches_within(budget: float, allocated: float, per_row: float, rows: 
 
 class AllocatorMemory:
     """The bytes the CUDA allocator holds on a device, now and at its peak: what micro-batch sizing reads
-    (learner.micro_batch_memory_gib). The peak is never reset here, so a reading taken around a whole update stands;
+    (learner.speed.micro_batch_memory_gib). The peak is never reset here, so a reading taken around a whole update stands;
     a peak set earlier and higher makes the sizing's estimate an upper bound."""
 
     def __init__(self, device: torch.device) -> None:
@@ -80,9 +80,9 @@ class MicroBatchPlan:
         self.sized = True
         if allocated + per_row > budget:
             warnings.warn(
-                f"learner.micro_batch_memory_gib={self.memory_gib}: one decision alone needs about {(allocated + per_row) / 2**30:.2f} "
-                f"GiB ({allocated / 2**30:.2f} GiB allocated before the micro-batch); the update goes on with one decision per "
-                "micro-batch",
+                f"learner.speed.micro_batch_memory_gib={self.memory_gib}: one decision alone needs about "
+                f"{(allocated + per_row) / 2**30:.2f} GiB ({allocated / 2**30:.2f} GiB allocated before the micro-batch); the update "
+                "goes on with one decision per micro-batch",
                 MicroBatchSplitWarning,
                 stacklevel=3,
             )

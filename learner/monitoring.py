@@ -10,7 +10,7 @@ panel draws one line per actor from one query:
     actor/<i>/env_steps                 env steps it took this iteration
     actor/<i>/env_steps_per_second      those steps over its own sampling time
     actor/<i>/alive                     1 while Ray reports the actor ALIVE, else 0
-    actor/<i>/restarts                  how often Ray has restarted it (actors.max_restarts)
+    actor/<i>/restarts                  how often Ray has restarted it (actors.faults.max_restarts)
 
 A multi-task run's per-task keys `<section>/task/<task>/<name>` (eval/task/reach-v3/success_rate) set the gauge of
 `<section>/<name>` tagged with that task, beside the run's own series, tagged with env.task (e.g. MT10).

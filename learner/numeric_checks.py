@@ -35,7 +35,7 @@ def precision_gap(policy: FlowPolicy, obs: Observation, chains: Tensor, log_prob
         warnings.warn(
             f"bfloat16 rounding moves the learner's log-probs by up to {gap:.3g} against float32 on the same weights, "
             f"more than half of the clip range log(1 + clip_eps) = {2 * limit:.3g}: PPO clips on rounding, not on the "
-            f"policy's change; set learner.precision: float32",
+            f"policy's change; set learner.speed.precision: float32",
             PrecisionGapWarning,
             stacklevel=3,
         )

@@ -3,7 +3,7 @@
 CHECKPOINT is a policy directory written by save_pretrained (a BC checkpoint, or a run's checkpoints/iter_NNNNNN), or
 a run directory or its checkpoints/ directory (then the run's latest checkpoint). It is loaded as a rollout actor
 loads it (actors.rollout_actor.RolloutActor: FlowPolicy.from_pretrained with the run config's sampling fields and
-actors.precision), for every backend. A run checkpoint's trainer state is not read.
+actors.speed.precision), for every backend. A run checkpoint's trainer state is not read.
 
 The run config gives the env rules (task, episode length, held-out benchmark seeds) and the sampling fields:
   --config FILE             when given;
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import RunConfig
-from common.config_loading import from_dict, load_config
+from common.config_loading import from_dict, load_config, with_moved_fields
 from common.policy import CheckpointError, read_policy_config
 from common.recording import VIDEO_SIZE, EpisodeRecording, layout_id
 from common.suites import Layout, make_suite
@@ -67,7 +67,7 @@ def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> R
     if config_file is not None:
         config = load_config(config_file)
     elif checkpoint.parent.name == "checkpoints" and run_file.is_file():
-        config = from_dict(RunConfig, json.loads(run_file.read_text()))
+        config = from_dict(RunConfig, with_moved_fields(json.loads(run_file.read_text())))
     else:
         report = checkpoint / REPORT_FILE
         env = json.loads(report.read_text())["config"]["env"] if report.is_file() else {}

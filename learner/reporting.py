@@ -295,10 +295,22 @@ class RunSummary:
 # ---------------------------------------------------------------------------------------------- output
 
 
+class _OneLine(dict):
+    """A mapping the banner writes on one line (YAML flow style)."""
+
+
+class _BannerDumper(yaml.SafeDumper):
+    pass
+
+
+_BannerDumper.add_representer(_OneLine, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True))
+
+
 def applicable_config(config: RunConfig) -> dict[str, Any]:
     """The config as the banner shows it: without the subsections of the policy backends the run does not use
-    (policy.smolvla on an MLP run, env.gym on Metaworld) and the fields its algorithm does not read. The recorded
-    config keeps everything."""
+    (policy.smolvla on an MLP run, env.gym on Metaworld) and the fields its algorithm does not read, and with the speed
+    and fault knobs of actors and learner one subsection a line, so that the recipe stands out. The recorded config
+    keeps everything."""
     data = config.to_dict()
     for name in config.policy.unused_sections():
         del data["policy"][name]
@@ -306,12 +318,15 @@ def applicable_config(config: RunConfig) -> dict[str, Any]:
         del data["env"][name]
     for name in config.algorithm.unused_fields():
         del data["algorithm"][name]
+    for section in ("actors", "learner"):
+        for knobs in ("speed", "faults"):
+            data[section][knobs] = _OneLine(data[section][knobs])
     return data
 
 
 def banner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, resources: dict[str, float], cpus_per_actor: float) -> str:
     lines = ["=" * 78, "flowrl: ReinFlow-style PPO fine-tuning of a flow policy", "=" * 78]
-    lines.append(yaml.safe_dump(applicable_config(config), sort_keys=False).rstrip())
+    lines.append(yaml.dump(applicable_config(config), Dumper=_BannerDumper, sort_keys=False, width=120).rstrip())
     lines.append("-" * 78)
     lines.append(f"config fingerprint : {config.fingerprint()}")
     lines.append(f"ray resources      : {resources}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig
-from common.config_loading import flatten, is_retired_at_rest
+from common.config_loading import flatten, is_retired_at_rest, with_moved_fields
 from common.policy import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, verify_checksums
 from common.storage import write_file_atomically
 from learner.checkpoints import TRAINER_STATE_FILE
@@ -35,10 +35,10 @@ CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # and the resources actors and the learner ask for. Nothing here changes what is computed, beyond float rounding (the
 # learner's ranks).
 SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "keep_checkpoints", "wandb_project", "actors.num_cpus",
-                            "actors.num_gpus", "actors.resources", "actors.max_restarts", "actors.call_timeout_s", "actors.min_alive",
-                            "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners", "learner.sharding",
-                            "learner.max_restarts",
-                            "learner.call_timeout_s", "learner.call_timeout_update_factor"})  # fmt: skip
+                            "actors.num_gpus", "actors.resources", "actors.faults.max_restarts", "actors.faults.call_timeout_s",
+                            "actors.faults.min_alive", "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners",
+                            "learner.sharding", "learner.faults.max_restarts", "learner.faults.call_timeout_s",
+                            "learner.faults.call_timeout_update_factor"})  # fmt: skip
 
 
 class RunDirLockedError(FileExistsError):
@@ -125,7 +125,7 @@ class RunDirectory:
         """field -> (stored, now) for every field that differs from the run's recorded config. A retired field recorded
         at the value that behaves as the schema now does differs from nothing, nor does a field added since the run was
         recorded, at its default (which behaves as the code before it did)."""
-        recorded = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text()))
+        recorded = flatten(with_moved_fields(json.loads((self.path / RUN_CONFIG_FILE).read_text())))
         stored = {k: v for k, v in recorded.items() if not is_retired_at_rest(k, v)}
         current, defaults = flatten(config.to_dict()), flatten(RunConfig().to_dict())
         added_at_default = {k for k in set(current) - set(recorded) if k in defaults and current[k] == defaults[k]}

@@ -70,10 +70,10 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                               "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
                               "with --address")  # fmt: skip
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
-        compiles = {"actors.compile_steps": (config.actors.compile_steps, config.actors.num_gpus),
-                    "actors.compile_vision": (config.actors.compile_vision, config.actors.num_gpus),
-                    "learner.compile_steps": (config.learner.compile_steps, config.learner.num_gpus),
-                    "learner.compile_vision": (config.learner.compile_vision, config.learner.num_gpus)}  # fmt: skip
+        compiles = {"actors.speed.compile_steps": (config.actors.speed.compile_steps, config.actors.num_gpus),
+                    "actors.speed.compile_vision": (config.actors.speed.compile_vision, config.actors.num_gpus),
+                    "learner.speed.compile_steps": (config.learner.speed.compile_steps, config.learner.num_gpus),
+                    "learner.speed.compile_vision": (config.learner.speed.compile_vision, config.learner.num_gpus)}  # fmt: skip
         for field, (compiled, gpus) in compiles.items():
             if compiled:
                 require_kernel_compiler("cuda" if gpus > 0 else "cpu", field)
@@ -223,13 +223,13 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
-        return remote_actor.options(**options, max_restarts=config.actors.max_restarts).remote(
+        return remote_actor.options(**options, max_restarts=config.actors.faults.max_restarts).remote(
             config, index, checkpoint_dir, tables_name, niceness=ACTOR_NICENESS, known_digests=digests
         )
 
     pool = ActorPool(config, start, keep_alive=[tables])
     # Wait until every actor is up (timings start clean). Not a pool call: start-up (a SmolVLA actor loads for
-    # minutes) is no part of actors.call_timeout_s, and an actor that fails to start fails the run with its error.
+    # minutes) is no part of actors.faults.call_timeout_s, and an actor that fails to start fails the run with its error.
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])
     make_suite(config.env).adopt_layout_tables(ray.get(tables.merged.remote()))  # for a later run here
     return pool

@@ -53,7 +53,7 @@ def overrides(fields: dict) -> list[str]:
 
 def tiny_config(tmp_path: Path, config_file: str | Path | None = None, **fields) -> RunConfig:
     """A small run's config: `config_file` (or the embedded defaults) with TINY_RUN and then `fields` over it
-    (`section.field` names, as `**{"actors.precision": "bfloat16"}`), its run_dir under tmp_path."""
+    (`section.field` names, as `**{"actors.speed.precision": "bfloat16"}`), its run_dir under tmp_path."""
     return load_config(config_file, overrides({**TINY_RUN, "run_dir": str(tmp_path / "run"), **fields}))
 
 

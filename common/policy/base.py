@@ -61,10 +61,10 @@ class FlowPolicy(nn.Module, ABC):
     # The learner refuses to fine-tune a policy whose loaded_from is None unless told otherwise.
     loaded_from: str | None = None
     # A common.decision_graph.DecisionGraph that replays whole chunk decisions on a GPU (set by the rollout actor with
-    # actors.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
+    # actors.speed.cuda_graphs); None: common.rollout.decide runs the policy eagerly.
     decision_graph: Any = None
     # gaussian_step compiled for this policy, (features, action, t, dt) -> (mean, std) (common.flow.compile_steps, set
-    # by the rollout actor with actors.compile_steps); None: common.flow.transition runs the step eagerly.
+    # by the rollout actor with actors.speed.compile_steps); None: common.flow.transition runs the step eagerly.
     compiled_step: Any = None
 
     @property
@@ -199,7 +199,7 @@ class FlowPolicy(nn.Module, ABC):
         """Names of the critic's parameters (optimised with the critic's learning rate)."""
 
     def set_backbone_dtype(self, dtype: torch.dtype) -> FlowPolicy:
-        """Store a large backbone's weights in `dtype` for a reduced-precision actor (actors.precision);
+        """Store a large backbone's weights in `dtype` for a reduced-precision actor (actors.speed.precision);
         a backend without one (the MLP) keeps its weights as they are."""
         return self
 

@@ -81,7 +81,7 @@ def resize_with_pad(images: Tensor, height: int, width: int, pad_value: float) -
 DICT_CACHE_CLASSES: dict[type[nn.Module], bool] = {}  # keeps_dict_cache's answer per class
 
 
-@torch.compiler.assume_constant_result  # a compiled step (actors.compile_steps) takes the class's answer, never traces it
+@torch.compiler.assume_constant_result  # a compiled step (actors.speed.compile_steps) takes the class's answer, never traces it
 def keeps_dict_cache(model_class: type[nn.Module]) -> bool:
     """Whether a VLM-with-expert class fills a dict cache on request (SmolVLA 0.4.x's `fill_kv_cache`)."""
     if model_class not in DICT_CACHE_CLASSES:
@@ -154,7 +154,7 @@ def whole_frame_positions(vision: nn.Module, frames: Tensor) -> Tensor:
 
 def whole_frame_tower(vlm_with_expert: nn.Module, pixels: Tensor, positions: Tensor) -> Tensor:
     """SigLIP and the connector over whole frames whose patches have the position ids `positions`: embed_whole_frames'
-    work once the ids are known, a function of tensors alone (what actors.compile_vision compiles)."""
+    work once the ids are known, a function of tensors alone (what actors.speed.compile_vision compiles)."""
     vision = vlm_with_expert.get_vlm_model().vision_model
     patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
     hidden = patches + vision.embeddings.position_embedding(positions)

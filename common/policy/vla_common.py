@@ -64,7 +64,7 @@ def bounded_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
 class InputTap:
     """A forward pre-hook that keeps the input of its module's last call (lerobot's denoise_step returns only the
     velocity; the noise head needs the expert hidden state it was computed from). It stays registered for the policy's
-    life: a hook added and removed around each step would split a compiled step (actors.compile_steps) into three
+    life: a hook added and removed around each step would split a compiled step (actors.speed.compile_steps) into three
     graphs."""
 
     def __init__(self) -> None:
@@ -215,7 +215,7 @@ class VLAFlowPolicy(FlowPolicy):
     prefix_groups: tuple[str, ...]  # the parameter groups that feed encode()
     vla: nn.Module
     # The vision tower compiled for this policy, every camera's frames (C x B, 3, S, S) -> their embeddings, as
-    # lerobot's embed_image (compile_vision, called by the rollout actor with actors.compile_vision); None: encode()
+    # lerobot's embed_image (compile_vision, called by the rollout actor with actors.speed.compile_vision); None: encode()
     # runs lerobot's embed_image eagerly.
     compiled_vision: Callable[[Tensor], Tensor] | None = None
 
@@ -243,7 +243,7 @@ class VLAFlowPolicy(FlowPolicy):
 
     def compile_vision(self, field: str) -> None:
         """The vision tower that encode() runs over every camera's frames (one_vision_pass) becomes one torch.compile
-        graph, as `field` asks (actors.compile_vision: the actor's decisions; learner.compile_vision: the learner's
+        graph, as `field` asks (actors.speed.compile_vision: the actor's decisions; learner.speed.compile_vision: the learner's
         scoring pass). Its matmuls and attention stay library kernels; its layer norms, activations, casts and residual
         sums fuse into far fewer. It compiles at its first call, and once more for a second batch size; its embeddings
         differ from eager ones in float rounding only (tests/helpers/vla_checks.py). Weights changed in place

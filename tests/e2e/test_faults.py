@@ -48,11 +48,11 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 # ---------------------------------------------------------------------------------------------- the actor pool
 
 
-def pool_of(tmp_path: Path, modes: list[str], seconds: float = 0.0, **actors: float) -> ActorPool:
+def pool_of(tmp_path: Path, modes: list[str], seconds: float = 0.0, **faults: float) -> ActorPool:
     tmp_path.mkdir(exist_ok=True)
-    config = tiny_config(tmp_path, **{f"actors.{k}": v for k, v in actors.items()}, **{"actors.num_actors": len(modes)})
+    config = tiny_config(tmp_path, **{f"actors.faults.{k}": v for k, v in faults.items()}, **{"actors.num_actors": len(modes)})
     remote = ray.remote(Flaky)
-    pool = ActorPool(config, lambda i: remote.options(num_cpus=0, max_restarts=config.actors.max_restarts).remote(
+    pool = ActorPool(config, lambda i: remote.options(num_cpus=0, max_restarts=config.actors.faults.max_restarts).remote(
         str(tmp_path / f"marker{i}"), modes[i], seconds))  # fmt: skip
     ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])  # start-up is not part of a call's time
     return pool
@@ -83,7 +83,7 @@ def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path) ->
         results = pool.call("work", lambda i: (1,))
     assert list(results) == [1] and list(pool.actors) == [1] and pool.faults["faults/dropped_actors"] == 1
     strict = pool_of(tmp_path / "b", ["die", "ok"], max_restarts=0, min_alive=2)
-    with pytest.raises(ActorsExhaustedError, match="1 left, below actors.min_alive=2"):
+    with pytest.raises(ActorsExhaustedError, match="1 left, below actors.faults.min_alive=2"):
         strict.call("work", lambda i: (1,))
 
 
@@ -109,7 +109,8 @@ ITERATIONS = 24
 # every fault of a schedule, and a call deadline (a restarted actor's start-up has one of its own) that a rollout
 # finishes within on two cores busy with other work too. Only fault knobs differ between the runs, so all of them must give the same bits.
 SETTINGS = {"iterations": ITERATIONS, "actors.decisions_per_rollout": 16, "env.max_episode_steps": 60, "algorithm.minibatch_size": 32,
-            "checkpoint_every": 5, "actors.max_restarts": 30, "actors.call_timeout_s": 30, "learner.max_restarts": 3}  # fmt: skip
+            "checkpoint_every": 5, "actors.faults.max_restarts": 30, "actors.faults.call_timeout_s": 30,
+            "learner.faults.max_restarts": 3}  # fmt: skip
 
 
 def logged_iterations(run_dir: Path) -> int:
@@ -188,7 +189,7 @@ def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed
     fault_injection.arm(fault_plan)
     run_dir = tmp_path / "run"
     # A 20 s learner deadline: far above a tiny update, so only the stopped learner misses it.
-    argv = tiny_run(run_dir, bc_checkpoint, **SETTINGS, **{"learner.call_timeout_s": 20})
+    argv = tiny_run(run_dir, bc_checkpoint, **SETTINGS, **{"learner.faults.call_timeout_s": 20})
     signals = Signals(
         [(2, "kill learner", 0.0), (6, "kill rollout actor", 0.0), (9, "wedge rollout actor", 0.7), (12, "wedge learner", 0.0)]
     )
@@ -213,9 +214,9 @@ def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed
     assert [event["kind"] for event in signals.sent] == [kind for _, kind, _ in signals.planned]
     for fault in (
         r"the learner died",
-        r"rollout actor \d wedged \(no answer to \w+ within actors\.call_timeout_s=30s\): killing it",
+        r"rollout actor \d wedged \(no answer to \w+ within actors\.faults\.call_timeout_s=30s\): killing it",
         r"rollout actor \d restarted",
-        r"the learner wedged \(no answer to \w+ within [\d.]+s \(learner\.call_timeout_s, .*\); killed\)",
+        r"the learner wedged \(no answer to \w+ within [\d.]+s \(learner\.faults\.call_timeout_s, .*\); killed\)",
     ):
         assert re.search(rf"\[fault\] {fault}", out), (fault, out)
     # The completed iterations were saved before the error went up (no periodic checkpoint falls on iteration 17).

@@ -155,7 +155,7 @@ def encoded_chain(policy: FlowPolicy, obs: Observation, seed: int) -> tuple[obje
 
 
 def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, obs: Observation) -> None:
-    """learner.recompute_steps: the same log-probs and gradients, bit for bit, while the backward pass keeps less than
+    """learner.speed.recompute_steps: the same log-probs and gradients, bit for bit, while the backward pass keeps less than
     half the bytes (each step's forward runs again inside it)."""
     features, chain = encoded_chain(policy, obs, seed=3)
     runs = []
@@ -179,7 +179,7 @@ def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, 
 
 
 def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:
-    """learner.steps_in_one_pass: the model's K denoising steps as one pass over K x B rows. The same log-probs and
+    """learner.speed.steps_in_one_pass: the model's K denoising steps as one pass over K x B rows. The same log-probs and
     gradients as step by step, up to float rounding, from fewer than half the ATen ops forward and back (each op a
     kernel launch on a GPU)."""
     features, chain = encoded_chain(policy, obs, seed=4)
@@ -209,14 +209,14 @@ def assert_same_scores_and_gradients(fast: tuple[Tensor, dict[str, Tensor]], pla
 
 
 def check_compiled_scoring_gives_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:
-    """learner.compile_steps with learner.steps_in_one_pass: the K denoising steps scored through the compiled step,
+    """learner.speed.compile_steps with learner.speed.steps_in_one_pass: the K denoising steps scored through the compiled step,
     forward and back, with no graph break. The same log-probs and gradients as the eager pass up to float rounding,
     from fewer ATen ops (the rest run fused); the old log-probs, scored without gradients by another graph, set the
     ratio at 1 within the ratio check's tolerance."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     features, chain = encoded_chain(policy, obs, seed=5)
     steps, grads, ops = scored_with_gradients(policy, features, chain, one_pass=True)
-    compile_steps(policy, "learner.compile_steps")
+    compile_steps(policy, "learner.speed.compile_steps")
     breaks = counters["graph_break"].total()
     try:
         scored_with_gradients(policy, features, chain, one_pass=True)  # compiles
@@ -232,7 +232,7 @@ def check_compiled_scoring_gives_the_same_gradients_in_fewer_ops(policy: FlowPol
 
 
 def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observation) -> None:
-    """actors.compile_steps (common.flow.compile_steps): a denoising step traces as one graph, with no break. On the
+    """actors.speed.compile_steps (common.flow.compile_steps): a denoising step traces as one graph, with no break. On the
     same noise, chains sampled through the compiled steps match the eager ones, and their behaviour log-probs the
     learner's eager rescoring, within 1e-5: the compiled kernels sum in another order, so float32 rounding is all that
     may differ. The compiled step dispatches under a third of the eager step's ATen ops (the rest run fused). Weights
@@ -262,7 +262,7 @@ def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observat
         torch.testing.assert_close(fast.chain, plain.chain, rtol=0, atol=1e-5)
         torch.testing.assert_close(fast.scores.log_prob, plain.scores.log_prob, rtol=0, atol=1e-5)
 
-    compile_steps(policy, "actors.compile_steps")
+    compile_steps(policy, "actors.speed.compile_steps")
     compiled, policy.compiled_step = policy.compiled_step, None
     eager, fast = sampled(obs, None), sampled(obs, compiled)
     assert_close(fast, eager)
@@ -292,7 +292,7 @@ def check_compiled_steps_follow_the_eager_ones(policy: FlowPolicy, obs: Observat
 
 
 def check_compiled_vision_follows_the_eager_one(policy: FlowPolicy, obs: Observation) -> None:
-    """actors.compile_vision (VLAFlowPolicy.compile_vision): the vision tower traces as one graph, with no break, and
+    """actors.speed.compile_vision (VLAFlowPolicy.compile_vision): the vision tower traces as one graph, with no break, and
     encode()'s prefix (keys, values, the critic's input) through it matches the eager one within 1e-5: float32
     rounding is all that may differ. The compiled tower dispatches under a third of the eager tower's ATen ops (the
     rest run fused). Weights changed in place, as an actor loads a new version, reach it; a batch of another size
@@ -301,7 +301,7 @@ def check_compiled_vision_follows_the_eager_one(policy: FlowPolicy, obs: Observa
 
     torch._dynamo.reset()  # compiles of other tests' policies count towards the recompile limit
     counters.clear()
-    policy.compile_vision("actors.compile_vision")
+    policy.compile_vision("actors.speed.compile_vision")
     compiled, policy.compiled_vision = policy.compiled_vision, None
 
     def encoded(observations: Observation, vision: Callable | None) -> list[Tensor]:

@@ -105,21 +105,29 @@ BAD_INPUTS = [
     (["--algo", "grpo", "--set", "actors.envs_per_actor=3"], r"actors\.envs_per_actor \(3\) must be a multiple of", None),
     (["--set", "policy.sigma_min=0.5"], r"policy\.sigma_min/sigma_max must satisfy", None),
     (["--set", "algorithm.kl_estimator=k4"], r"algorithm\.kl_estimator must be one of", None),
-    (["--set", "actors.min_alive=20"], r"actors\.min_alive \(20\) must be <= actors\.num_actors \(10\)", None),
-    (["--set", "actors.call_timeout_s=0"], r"actors\.call_timeout_s must be > 0", None),
+    (["--set", "actors.faults.min_alive=20"], r"actors\.faults\.min_alive \(20\) must be <= actors\.num_actors \(10\)", None),
+    (["--set", "actors.faults.call_timeout_s=0"], r"actors\.faults\.call_timeout_s must be > 0", None),
     (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
-    (["--set", "actors.precision=fp8"], r"actors\.precision must be one of", None),
-    (["--set", "actors.compile_vision=true"], r"actors\.compile_vision: policy\.type=mlp_flow has no vision tower to compile", None),
-    (["--set", "learner.compile_vision=true"], r"learner\.compile_vision: policy\.type=mlp_flow has no vision tower to compile", None),
+    (["--set", "actors.speed.precision=fp8"], r"actors\.speed\.precision must be one of", None),
     (
-        ["--set", "learner.recompute_steps=true", "--set", "learner.steps_in_one_pass=true"],
-        r"learner\.recompute_steps and learner\.steps_in_one_pass: choose one",
+        ["--set", "actors.speed.compile_vision=true"],
+        r"actors\.speed\.compile_vision: policy\.type=mlp_flow has no vision tower to compile",
         None,
     ),
     (
-        ["--set", "learner.recompute_steps=true", "--set", "learner.compile_steps=true"],
-        r"learner\.recompute_steps and learner\.compile_steps: choose one",
+        ["--set", "learner.speed.compile_vision=true"],
+        r"learner\.speed\.compile_vision: policy\.type=mlp_flow has no vision tower to compile",
+        None,
+    ),
+    (
+        ["--set", "learner.speed.recompute_steps=true", "--set", "learner.speed.steps_in_one_pass=true"],
+        r"learner\.speed\.recompute_steps and learner\.speed\.steps_in_one_pass: choose one",
+        None,
+    ),
+    (
+        ["--set", "learner.speed.recompute_steps=true", "--set", "learner.speed.compile_steps=true"],
+        r"learner\.speed\.recompute_steps and learner\.speed\.compile_steps: choose one",
         None,
     ),
     (["--resume"], r"--resume: no checkpoint under", None),
@@ -150,11 +158,12 @@ def test_bad_input_is_refused_with_a_clear_message_and_nothing_written(tmp_path,
     assert files_under(tmp_path) == before, "a refused run wrote files"
 
 
-@pytest.mark.parametrize("field", ["actors.compile_steps", "learner.compile_steps"])
+@pytest.mark.parametrize("field", ["actors.speed.compile_steps", "learner.speed.compile_steps"])
 def test_compiled_steps_without_a_kernel_compiler_are_refused_before_anything_is_written(
     tmp_path, bc_checkpoint, capsys, monkeypatch, field
 ) -> None:
-    """actors.compile_steps or learner.compile_steps on a local run whose machine has no compiler for torch.compile's kernels."""
+    """actors.speed.compile_steps or learner.speed.compile_steps on a local run whose machine has no compiler for
+    torch.compile's kernels."""
     import shutil
 
     monkeypatch.delenv("CXX", raising=False)

@@ -137,7 +137,7 @@ def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_
     rounding."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
     argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--compile-vision", "--set",
-            "actors.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
+            "actors.speed.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     latency = printed(capsys)["decision_latency"]
     assert not [name for name in latency if name.startswith("graph") or name.endswith("_error")]  # no graphs on CPU
@@ -168,8 +168,8 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
             built.append(weakref.ref(self))
 
     monkeypatch.setattr(learner_module, "Learner", Counted)
-    compiled = "learner.steps_in_one_pass=true,learner.compile_steps=true"
-    variants = f"learner.recompute_steps=true;algorithm.grad_accum=1;learner.steps_in_one_pass=true;{compiled}"
+    compiled = "learner.speed.steps_in_one_pass=true,learner.speed.compile_steps=true"
+    variants = f"learner.speed.recompute_steps=true;algorithm.grad_accum=1;learner.speed.steps_in_one_pass=true;{compiled}"
     argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
@@ -177,19 +177,19 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     assert alive_at_build == [0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
     for name in (
         "update",
-        "update[learner.recompute_steps=true]",
+        "update[learner.speed.recompute_steps=true]",
         "update[algorithm.grad_accum=1]",
-        "update[learner.steps_in_one_pass=true]",
+        "update[learner.speed.steps_in_one_pass=true]",
         f"update[{compiled}]",
     ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
-    recomputed = results["update[learner.recompute_steps=true]"]
+    recomputed = results["update[learner.speed.recompute_steps=true]"]
     numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(("aten_ops", "flops"))]  # not the work's cost
     assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
-    assert 0 < results["update[learner.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
+    assert 0 < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
     # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
     assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
-    assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.steps_in_one_pass=true]"]["aten_ops"]
+    assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"]
 
 
 def test_record_bytes_weighs_every_array_of_a_real_rollout_once(capsys):

@@ -90,7 +90,7 @@ def test_decide_without_a_graph_is_the_eager_path(policy) -> None:
 
 
 def test_what_the_warm_up_compiled_is_not_compiled_again_while_capturing() -> None:
-    """actors.compile_steps and actors.compile_vision inside a CUDA graph: the capture replays what the warm-up
+    """actors.speed.compile_steps and actors.speed.compile_vision inside a CUDA graph: the capture replays what the warm-up
     compiled, the vision tower on the capture context's path. A compile while capturing would upload the step's
     constants to the device inside the capture, which it forbids; the constants the step's library builds with
     torch.tensor are baked into its compiled graph, so none is asked for there either."""
@@ -101,8 +101,8 @@ def test_what_the_warm_up_compiled_is_not_compiled_again_while_capturing() -> No
     policy = tiny_smolvla()
     obs = tiny_observations(policy, 2)
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    compile_steps(policy, "actors.compile_steps")
-    policy.compile_vision("actors.compile_vision")
+    compile_steps(policy, "actors.speed.compile_steps")
+    policy.compile_vision("actors.speed.compile_vision")
     uploads: dict = {}
 
     def decision(capturing: bool) -> list[Tensor]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,16 +66,16 @@ def test_update_changes_weights_with_ratio_one_first(setup) -> None:
     assert torch.equal(actor.policy.velocity_net[0].weight, learner.policy.velocity_net[0].weight)
 
 
-def learner_with(config: RunConfig, checkpoint, **learner_fields) -> Learner:
-    """A learner from `checkpoint` with learner.<field> set as given, beside the fixture's."""
+def learner_with(config: RunConfig, checkpoint, **speed: Any) -> Learner:
+    """A learner from `checkpoint` with learner.speed.<field> set as given, beside the fixture's."""
     variant = copy.deepcopy(config)
-    for name, value in learner_fields.items():
-        setattr(variant.learner, name, value)
+    for name, value in speed.items():
+        setattr(variant.learner.speed, name, value)
     return Learner(variant, FlowPolicy.from_pretrained(checkpoint))
 
 
 def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint, monkeypatch) -> None:
-    """learner.recompute_steps runs each step's forward again in the backward pass: the same update, bit for bit."""
+    """learner.speed.recompute_steps runs each step's forward again in the backward pass: the same update, bit for bit."""
     config, actor, plain = setup
     batch = actor.sample(None, iteration=0)
     again = learner_with(config, bc_checkpoint, recompute_steps=True)
@@ -89,7 +90,7 @@ def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint
 
 
 def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setup, bc_checkpoint, monkeypatch) -> None:
-    """learner.steps_in_one_pass scores old and new log-probs alike in one pass of K x B rows: the ratio starts at 1,
+    """learner.speed.steps_in_one_pass scores old and new log-probs alike in one pass of K x B rows: the ratio starts at 1,
     and the update lands where the step-by-step one does, up to float rounding."""
     config, actor, plain = setup
     batch = actor.sample(None, iteration=0)
@@ -114,7 +115,7 @@ def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setu
 
 
 def test_compiled_denoising_steps_update_within_rounding_of_the_eager_ones(setup, bc_checkpoint) -> None:
-    """learner.compile_steps: the scoring pass (no gradients) and every minibatch's forward and backward run the
+    """learner.speed.compile_steps: the scoring pass (no gradients) and every minibatch's forward and backward run the
     policy's compiled step, traced whole; the ratio starts at 1, and the update lands where the eager one does, up to
     float rounding. Step by step here; in one pass on SmolVLA (tests/test_smolvla_loop.py)."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
@@ -171,7 +172,7 @@ def test_a_gpu_learners_fused_adam_updates_as_the_plain_one_does(setup, bc_check
 
 @pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # float32 actor, bfloat16 learner
 def test_a_bfloat16_learner_scores_each_step_with_the_weights_the_step_before_left(setup, bc_checkpoint) -> None:
-    """Under learner.precision bfloat16 the update's second optimiser step sees the ratio of the weights after its first:
+    """Under learner.speed.precision bfloat16 the update's second optimiser step sees the ratio of the weights after its first:
     the same ratios as scoring the chains afresh, after a one-step update, against the log-probs before it. A stale
     autocast cast of the weights would keep every ratio of the update at exactly 1."""
     config, actor, _ = setup
@@ -207,7 +208,9 @@ def test_a_bfloat16_learner_reports_its_rounding_against_float32_and_warns_near_
     assert gap == pytest.approx(expected, rel=1e-6) and gap < 0.5 * np.log1p(config.algorithm.clip_eps)
     narrow = copy.deepcopy(config)
     narrow.algorithm.clip_eps = expected  # half of log(1 + clip_eps) is about half the gap
-    with pytest.warns(PrecisionGapWarning, match=r"bfloat16 rounding moves the learner's log-probs by up to .*learner.precision: float32"):
+    with pytest.warns(
+        PrecisionGapWarning, match=r"bfloat16 rounding moves the learner's log-probs by up to .*learner.speed.precision: float32"
+    ):
         learner_with(narrow, bc_checkpoint, precision="bfloat16").prepare(batch)
 
 
@@ -294,7 +297,7 @@ def scoring_out_of_memory(monkeypatch, fails: Callable[[int], bool]) -> list[int
 
 @pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # the second rollout is of the first weights
 def test_an_update_out_of_gpu_memory_runs_again_in_smaller_micro_batches_and_keeps_them(setup, bc_checkpoint, monkeypatch) -> None:
-    """learner.split_on_out_of_memory: an update whose micro-batches do not fit is rolled back and made again with
+    """learner.faults.split_on_out_of_memory: an update whose micro-batches do not fit is rolled back and made again with
     each minibatch split into twice as many, until they fit; it lands on the bits of the update configured with that
     split, which the learner keeps for the next ones."""
     config, actor, learner = setup
@@ -359,11 +362,11 @@ class MeasuredMemory:
 
 
 def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_trains_the_actor(bc_checkpoint, tmp_path, monkeypatch):
-    """learner.micro_batch_memory_gib: the first micro-batch of the first step sets the split of every later one, the
+    """learner.speed.micro_batch_memory_gib: the first micro-batch of the first step sets the split of every later one, the
     fewest micro-batches within the budget; the update differs from one made with that split throughout by rounding."""
     mib = 2**20
     budget = (2048 + 9 * 100) / 1024  # GiB: 2 GiB allocated, then room for 9 decisions of 100 MiB
-    config = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": budget, "algorithm.grad_accum": 4})
+    config = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.speed.micro_batch_memory_gib": budget, "algorithm.grad_accum": 4})
     batch = RolloutActor(config, 0, bc_checkpoint).sample(None, iteration=0)
     memory = MeasuredMemory(monkeypatch, base=2048 * mib, per_row=100 * mib)
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint), memory=memory)
@@ -382,7 +385,7 @@ def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_
     for name, value in learner.policy.state_dict().items():
         torch.testing.assert_close(value, reference.policy.state_dict()[name], rtol=1e-4, atol=1e-6)
 
-    tight = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.micro_batch_memory_gib": 2.0})
+    tight = tiny_config(tmp_path, **{"learner.num_gpus": 1, "learner.speed.micro_batch_memory_gib": 2.0})
     learner = Learner(tight, FlowPolicy.from_pretrained(bc_checkpoint), memory=MeasuredMemory(monkeypatch, base=2048 * mib, per_row=mib))
     with pytest.warns(MicroBatchSplitWarning, match=r"one decision alone needs about 2\.00 GiB \(2\.00 GiB allocated before"):
         assert learner.update(batch)["ppo/micro_batch_rows"] == 1
@@ -392,14 +395,14 @@ def test_micro_batches_sized_by_memory_fill_the_budget_from_the_first_step_that_
 
 @pytest.mark.parametrize("split", [True, False])
 def test_an_update_that_does_not_fit_even_split_stops_with_the_weights_as_they_were(setup, monkeypatch, split) -> None:
-    """Where one decision per micro-batch does not fit either (or learner.split_on_out_of_memory is off), the error
+    """Where one decision per micro-batch does not fit either (or learner.faults.split_on_out_of_memory is off), the error
     stops the update, and the weights and the optimiser are those before it: here the error comes at the second
     optimiser step, after the first has changed them."""
     config, actor, learner = setup
     learner.update(actor.sample(learner.broadcast(), 0))  # real Adam moments before the failing iteration
     batch = actor.sample(learner.broadcast(), 1)
     before, optimizer, version = params(learner.policy), optimizer_state(learner), learner.version
-    learner.config.learner.split_on_out_of_memory = split
+    learner.config.learner.faults.split_on_out_of_memory = split
     passes_with_gradients = []
 
     def after_the_first_step(chains: int) -> bool:
@@ -466,7 +469,7 @@ def test_nan_gradient_rolls_back_and_repeated_skips_back_the_learning_rate_off(s
         next(learner.policy.velocity_net.parameters()).grad.fill_(float("nan"))
 
     monkeypatch.setattr(torch.Tensor, "backward", poisoned_backward)
-    limit = learner.config.learner.nonfinite_backoff_after
+    limit = learner.config.learner.faults.nonfinite_backoff_after
     for skipped in range(1, limit + 1):
         with pytest.warns(NonFiniteUpdateWarning, match=r"non-finite gradients in \['velocity_net.0.weight'") as caught:
             learner.update(batch)
@@ -583,9 +586,9 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
 
 @pytest.mark.filterwarnings("ignore::common.diagnostics.BehaviourGapWarning")  # float32 actor, bfloat16 learner
 def test_a_bfloat16_learner_scores_a_lagged_rollout_with_the_weights_that_sampled_it(tmp_path, bc_checkpoint) -> None:
-    """actors.policy_lag=1 under learner.precision bfloat16: the behaviour log-probs of a rollout one version behind are
+    """actors.policy_lag=1 under learner.speed.precision bfloat16: the behaviour log-probs of a rollout one version behind are
     what a bfloat16 learner still at that version scores, not the current weights' (autocast's kept casts of them)."""
-    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "learner.precision": "bfloat16"})
+    config = tiny_config(tmp_path, **{"actors.policy_lag": 1, "learner.speed.precision": "bfloat16"})
     actor, learner = RolloutActor(config, 0, bc_checkpoint), Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     v0 = learner.broadcast()
     first, ahead = actor.sample(v0, 0), actor.sample(v0, 1)

@@ -93,7 +93,7 @@ def test_behaviour_gap_warning_names_both_precisions(tmp_path, bc_checkpoint) ->
 
 def test_bfloat16_actors_against_a_float32_learner_warn_and_still_pass_the_ratio_check(tmp_path, bc_checkpoint) -> None:
     """A real precision gap: the actor samples under a bfloat16 autocast, the learner rescores in float32."""
-    config = tiny_config(tmp_path, **{"actors.precision": "bfloat16"})
+    config = tiny_config(tmp_path, **{"actors.speed.precision": "bfloat16"})
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     batch = RolloutActor(config, 0, bc_checkpoint).sample(learner.broadcast(), 0)
     assert batch.actor_precision == "bfloat16 autocast over float32 weights on cpu" and batch.chains.dtype == np.float32

@@ -247,8 +247,8 @@ def test_a_compiled_vision_tower_is_refused_in_one_line_where_no_kernel_compiler
     policy = tiny_smolvla()
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(ConfigError, match=r"^actors\.compile_vision: .* cpu kernels .*set actors\.compile_vision: false$"):
-        policy.compile_vision("actors.compile_vision")
+    with pytest.raises(ConfigError, match=r"^actors\.speed\.compile_vision: .* cpu kernels .*set actors\.speed\.compile_vision: false$"):
+        policy.compile_vision("actors.speed.compile_vision")
     assert policy.compiled_vision is None
 
 

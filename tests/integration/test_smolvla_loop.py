@@ -72,11 +72,11 @@ def test_rollout_record_carries_frames_and_instruction_and_the_learner_reuses_th
 
 
 def test_an_actor_with_compiled_steps_and_vision_samples_chains_the_learner_scores_as_its_own(smolvla_bc, tmp_path) -> None:
-    """actors.compile_steps and actors.compile_vision: the actor's denoising steps and vision tower run compiled, and
+    """actors.speed.compile_steps and actors.speed.compile_vision: the actor's denoising steps and vision tower run compiled, and
     the learner's eager rescoring of its chains matches their behaviour log-probs within float rounding, with the
     first minibatch's ratio at 1."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    config = tiny_run_config(tmp_path / "run", "actors.compile_steps=true", "actors.compile_vision=true")
+    config = tiny_run_config(tmp_path / "run", "actors.speed.compile_steps=true", "actors.speed.compile_vision=true")
     actor = RolloutActor(config, 0, smolvla_bc)
     compiled_vision, embedded = actor.policy.compiled_vision, []
     actor.policy.compiled_vision = lambda frames: embedded.append(frames.shape[0]) or compiled_vision(frames)
@@ -91,15 +91,15 @@ def test_an_actor_with_compiled_steps_and_vision_samples_chains_the_learner_scor
 
 
 def test_a_learner_with_compiled_steps_in_one_pass_and_vision_updates_within_rounding_of_the_eager_one(smolvla_bc, tmp_path) -> None:
-    """learner.compile_steps with learner.steps_in_one_pass, and learner.compile_vision: the scoring pass encodes every
+    """learner.speed.compile_steps with learner.speed.steps_in_one_pass, and learner.speed.compile_vision: the scoring pass encodes every
     observation through the compiled vision tower, and the K denoising steps over the cached prefix are scored and
     trained through one compiled graph per grad mode, no graph break; the ratio starts at 1 and the trained weights
     land where the eager learner's do, up to float rounding."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    config = tiny_run_config(tmp_path / "run", "learner.steps_in_one_pass=true")
+    config = tiny_run_config(tmp_path / "run", "learner.speed.steps_in_one_pass=true")
     batch = RolloutActor(config, 0, smolvla_bc).sample(None, 0)
     eager = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
-    compiled_sets = ("learner.steps_in_one_pass=true", "learner.compile_steps=true", "learner.compile_vision=true")
+    compiled_sets = ("learner.speed.steps_in_one_pass=true", "learner.speed.compile_steps=true", "learner.speed.compile_vision=true")
     compiled = Learner(tiny_run_config(tmp_path / "run", *compiled_sets), FlowPolicy.from_pretrained(smolvla_bc))
     step, grad_modes = compiled.policy.compiled_step, []
     compiled.policy.compiled_step = lambda *args: grad_modes.append(torch.is_grad_enabled()) or step(*args)
@@ -123,7 +123,7 @@ def test_a_learner_with_compiled_steps_in_one_pass_and_vision_updates_within_rou
 
 
 def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:
-    config = tiny_run_config(tmp_path / "run", "actors.precision=bfloat16")
+    config = tiny_run_config(tmp_path / "run", "actors.speed.precision=bfloat16")
     actor = RolloutActor(config, 0, smolvla_bc)
     backbone = actor.policy.vla.model.vlm_with_expert
     assert {p.dtype for p in backbone.parameters()} == {torch.bfloat16}

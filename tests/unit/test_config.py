@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from operator import attrgetter
 
 import pytest
 import torch
 import yaml
 
-from common.config import AlgorithmConfig, ConfigError, RunConfig
-from common.config_loading import closest_field, load_config
+from common.config import ConfigError, RunConfig
+from common.config_loading import MOVED_FIELDS, closest_field, load_config
 from tests.conftest import REPO
 
 
@@ -43,10 +44,13 @@ def test_yaml_file_and_overrides(tmp_path) -> None:
         ("algorithm.grad_accum=501", r"algorithm\.grad_accum \(501\) exceeds the decisions of the smallest minibatch \(500 of 1000"),
         ("algorithm.num_minibatches=0", r"algorithm\.num_minibatches must be > 0"),
         ("algorithm.minibatch_size=0", r"algorithm\.minibatch_size must be > 0 or null"),
-        ("learner.call_timeout_s=0", r"learner\.call_timeout_s must be > 0"),
-        ("learner.call_timeout_update_factor=-1", r"learner\.call_timeout_update_factor must be >= 0"),
-        ("learner.micro_batch_memory_gib=-1", r"learner\.micro_batch_memory_gib must be >= 0"),
-        ("learner.micro_batch_memory_gib=20", r"learner\.micro_batch_memory_gib reads a GPU's allocator: it needs learner\.num_gpus > 0"),
+        ("learner.faults.call_timeout_s=0", r"learner\.faults\.call_timeout_s must be > 0"),
+        ("learner.faults.call_timeout_update_factor=-1", r"learner\.faults\.call_timeout_update_factor must be >= 0"),
+        ("learner.speed.micro_batch_memory_gib=-1", r"learner\.speed\.micro_batch_memory_gib must be >= 0"),
+        (
+            "learner.speed.micro_batch_memory_gib=20",
+            r"learner\.speed\.micro_batch_memory_gib reads a GPU's allocator: it needs learner\.num_gpus > 0",
+        ),
         ("learner.sharding=zero3", r"learner\.sharding must be one of"),
         ("learner.sharding=fsdp", r"learner\.sharding=fsdp splits the policy over a learner group: it needs learner\.num_learners >= 2"),
         ("nonsense", r"must look like section\.field=value"),
@@ -61,25 +65,29 @@ def test_bad_values_name_the_field(override: str, message: str) -> None:
 
 @pytest.mark.parametrize("knob", ["compile_steps", "compile_vision"])
 def test_a_sharded_learner_refuses_a_compiled_graph_naming_both_fields(knob: str) -> None:
-    with pytest.raises(ConfigError, match=rf"learner\.sharding=fsdp and learner\.{knob}: choose one"):
-        load_config(None, ["learner.num_learners=2", "learner.sharding=fsdp", f"learner.{knob}=true"])
+    with pytest.raises(ConfigError, match=rf"learner\.sharding=fsdp and learner\.speed\.{knob}: choose one"):
+        load_config(None, ["learner.num_learners=2", "learner.sharding=fsdp", f"learner.speed.{knob}=true"])
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(AlgorithmConfig)])
-def test_an_algorithm_field_under_learner_names_its_new_section_in_one_line(tmp_path, field: str) -> None:
-    value = getattr(AlgorithmConfig(), field)
+@pytest.mark.parametrize("old, new", sorted(MOVED_FIELDS.items()))
+def test_a_moved_field_in_its_old_place_names_its_new_one_in_one_line(tmp_path, old: str, new: str) -> None:
+    """An algorithm field under learner, a speed or fault knob directly under actors or learner: a YAML file or a --set
+    that puts it there is told where it lives now, and there it is accepted."""
+    section, _, leaf = new.rpartition(".")
+    value = getattr(attrgetter(section)(RunConfig()), leaf)
     path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump({"learner": {field: value, "num_gpus": 0.0}}))
-    for source, overrides in ((path, []), (None, [f"learner.{field}={json.dumps(value)}"])):
+    old_section, _, old_leaf = old.rpartition(".")
+    path.write_text(yaml.safe_dump({old_section: {old_leaf: value, "num_gpus": 0.0}}))
+    for source, overrides in ((path, []), (None, [f"{old}={json.dumps(value)}"])):
         with pytest.raises(ConfigError) as error:
             load_config(source, overrides)
-        assert str(error.value) == f"learner.{field} is now algorithm.{field}"
-    assert getattr(load_config(None, [f"algorithm.{field}={json.dumps(value)}"]).algorithm, field) == value
+        assert str(error.value) == f"{old} is now {new}"
+    assert getattr(attrgetter(section)(load_config(None, [f"{new}={json.dumps(value)}"])), leaf) == value
 
 
 def test_an_unknown_field_is_pointed_to_the_closest_one_its_own_section_first() -> None:
     assert closest_field("learner.clip_epsilon") == "algorithm.clip_eps"  # the section an old config misplaced it in
-    assert closest_field("learner.precison") == "learner.precision" and closest_field("actors.precison") == "actors.precision"
+    assert closest_field("learner.precison") == "learner.speed.precision" and closest_field("actors.precison") == "actors.speed.precision"
     assert closest_field("policy.colour") is None
 
 
@@ -116,7 +124,6 @@ def test_the_gpu_node_config_keeps_the_default_budget_and_minibatches() -> None:
 
 def _leaves(config, prefix: str = ""):
     """(dotted path, (value, type hint)) of every non-dataclass field, depth first."""
-    import dataclasses
     import typing
 
     hints = typing.get_type_hints(type(config))

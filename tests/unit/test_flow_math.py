@@ -252,18 +252,18 @@ def test_ratio_sensitivity_prediction_matches_a_measured_shift() -> None:
 
 
 def test_compiled_steps_are_refused_in_one_line_where_no_kernel_compiler_is_installed(monkeypatch) -> None:
-    """actors.compile_steps on a machine without the compiler torch.compile builds its kernels with: refused by the
+    """actors.speed.compile_steps on a machine without the compiler torch.compile builds its kernels with: refused by the
     actor when it starts, naming the option, not at its first decision in a long trace."""
     import shutil
 
     policy = make_policy()
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    refusal = r"^actors\.compile_steps: .* cpu kernels .*\(\$CXX or g\+\+ / clang\+\+\).*actors\.compile_steps: false$"
+    refusal = r"^actors\.speed\.compile_steps: .* cpu kernels .*\(\$CXX or g\+\+ / clang\+\+\).*actors\.speed\.compile_steps: false$"
     with pytest.raises(ConfigError, match=refusal):
-        compile_steps(policy, "actors.compile_steps")
+        compile_steps(policy, "actors.speed.compile_steps")
     assert policy.compiled_step is None
     monkeypatch.setenv("CXX", "/opt/toolchain/bin/g++")
     monkeypatch.setattr(shutil, "which", lambda name: name if name == "/opt/toolchain/bin/g++" else None)
-    compile_steps(policy, "actors.compile_steps")  # the compiler $CXX names
+    compile_steps(policy, "actors.speed.compile_steps")  # the compiler $CXX names
     assert policy.compiled_step is not None

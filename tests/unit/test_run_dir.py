@@ -30,6 +30,7 @@ from common.policy import (
     write_directory_atomically,
 )
 from learner.learner import Learner
+from learner.replay import run_config as replay_config
 from learner.run_dir import LOCK_FILE, RUN_CONFIG_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
 from tests.conftest import tiny_config
 from tests.helpers.errors import one_line_error
@@ -118,6 +119,27 @@ def test_a_retired_field_at_rest_loads_from_checkpoints_recorded_configs_and_fil
         else:
             one_line_error(ConfigError, lambda: load_config(yaml_file), outcome)
     one_line_error(ConfigError, lambda: load_config(None, ["policy.dropout=0.5"]), "policy.dropout=0.5 is no longer a setting")
+
+
+def test_a_run_recorded_with_the_speed_and_fault_knobs_in_their_old_places_resumes_and_replays(tmp_path, mlp_checkpoint) -> None:
+    """A run_config.json written before actors' and learner's speed and fault knobs had their subsections names them as
+    `actors.precision`, `learner.max_restarts`, ...: --resume reads them in their new places, and so does replay."""
+    config = tiny_config(tmp_path, **{"learner.speed.precision": "bfloat16", "actors.faults.min_alive": 2})
+    directory = RunDirectory(config.run_dir)
+    with directory.locked():
+        directory.start_new(config)
+        Learner(config, FlowPolicy.from_pretrained(mlp_checkpoint)).save_checkpoint(directory.checkpoints / "iter_000001")
+        directory.write_latest("iter_000001")
+    recorded = json.loads((directory.path / RUN_CONFIG_FILE).read_text())
+    for section in ("actors", "learner"):
+        recorded[section] |= recorded[section].pop("speed") | recorded[section].pop("faults")
+    (directory.path / RUN_CONFIG_FILE).write_text(json.dumps(recorded))
+    assert recorded["learner"]["precision"] == "bfloat16" and "speed" not in recorded["actors"]
+    assert directory.config_changes(config) == {}
+    changed = tiny_config(tmp_path, **{"learner.speed.precision": "float32", "actors.faults.min_alive": 2})
+    assert directory.config_changes(changed) == {"learner.speed.precision": ("bfloat16", "float32")}
+    assert directory.resume(tiny_config(tmp_path, iterations=5, **{"learner.speed.precision": "bfloat16", "actors.faults.min_alive": 2}))
+    assert replay_config(directory.checkpoints / "iter_000001", None, None) == config
 
 
 @pytest.fixture()

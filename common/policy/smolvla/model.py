@@ -151,7 +151,7 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         }
 
     def set_backbone_dtype(self, dtype: torch.dtype) -> SmolVLAFlowPolicy:
-        """Cast the VLM and the action expert (actors with actors.precision bfloat16, which also sample under
+        """Cast the VLM and the action expert (actors with actors.speed.precision bfloat16, which also sample under
         torch.autocast); the projections, noise head and critic stay float32, as lerobot expects (it casts
         the expert output to float32 before action_out_proj). Why autocast alone is not enough: its cast
         cache keeps only weights that require grad, so over float32 weights the frozen VLM is recast at
