@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import env_step, libero_step, overhead, policy_load, recompute, record_bytes, rllib_ppo, smolvla_gpu, videos
+from bench import compile_cache, env_step, libero_step, overhead, policy_load, recompute, record_bytes, rllib_ppo, smolvla_gpu, videos
 from bench.report import flatten
 from common.config import RunConfig
 from tests.helpers.bench_output import TINY_MAIN_ARGS, assert_positive, printed
@@ -150,6 +150,19 @@ def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_
         for name in ("chain", "log_prob_per_element"):
             assert latency[f"{path}_vs_eager_batch2_max_abs_{name}"] <= 1e-5
     assert latency["eager_compiled_speedup_batch2"] > 0 and latency["eager_compiled_vision_speedup_batch2"] > 0
+
+
+def test_an_actor_started_over_a_filled_compile_cache_compiles_nothing_again(capsys):
+    """bench/compile_cache.py: a second actor process over the compile cache the first one filled loads every compiled
+    graph of the project's compiled denoising step (FX graph cache hits, no miss) instead of compiling it again, and
+    its first rollout is the shorter for it."""
+    assert compile_cache.main(["--set", "actors.speed.compile_vision=false"]) == 0
+    results = printed(capsys)
+    cold, warm = results["cold"], results["warm"]
+    assert cold["fxgraph_cache_miss"] > 0 and cold["fxgraph_cache_hit"] == 0
+    assert warm["fxgraph_cache_miss"] == 0 and warm["fxgraph_cache_hit"] == cold["fxgraph_cache_miss"]
+    assert_positive(cold["compile_seconds"], warm["first_rollout_seconds"], warm["second_rollout_seconds"])
+    assert results["warm_over_cold_compile"] == warm["compile_seconds"] / cold["compile_seconds"]
 
 
 def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):
