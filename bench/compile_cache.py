@@ -23,6 +23,7 @@ compile a warm start still pays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -87,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", action="store_true", help=argparse.SUPPRESS)  # one start, in this process
     args = parser.parse_args(argv)
     if args.start:
-        import contextlib
-
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the figures only
             figures = start(args.recipe, args.size, args.set)
         print(json.dumps(figures), flush=True)
