@@ -13,11 +13,13 @@ uninterrupted run exactly.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +34,9 @@ from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_
 from common.suites import ImageConfig, Layout, make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
 from common.vector_env import ChunkedVectorEnv
+
+if TYPE_CHECKING:
+    from learner.run_files import RunFiles
 
 
 def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
@@ -51,14 +56,15 @@ def close_and_free(envs: list | dict) -> None:
 class RolloutActor:
     def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
                  benchmark_tables: dict | str | None = None, niceness: int | None = None,
-                 known_digests: dict | None = None):  # fmt: skip
+                 known_digests: dict | None = None, files: RunFiles | None = None):  # fmt: skip
         """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a dict, or the name
         of the run's learner.startup.LayoutTables actor, whose tables the driver's start-up tasks may still be building,
         read only once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed
         it needs itself (50 simulated resets each). niceness: the process's scheduling niceness from now on, if higher than it is
         (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
         known_digests: the driver's file digests (common.file_digests.known_digests), so that the checkpoint's
-        checksums, verified by the driver, are not hashed again where its files are unchanged."""
+        checksums, verified by the driver, are not hashed again where its files are unchanged. files: where the run's
+        files are (learner.run_files): an actor on another node reads `checkpoint_dir` from there; None: here."""
         if niceness is not None:
             os.setpriority(os.PRIO_PROCESS, 0, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
         trust_digests(known_digests)
@@ -67,7 +73,8 @@ class RolloutActor:
         self.actor_index = actor_index
         # A GPU slice (num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; otherwise CPU.
         self.device = torch.device("cuda" if config.actors.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.policy = FlowPolicy.from_pretrained(checkpoint_dir, **config.policy.sampling_overrides()).to(self.device).eval()
+        with files.local_copy(checkpoint_dir) if files else contextlib.nullcontext(checkpoint_dir) as directory:
+            self.policy = FlowPolicy.from_pretrained(directory, **config.policy.sampling_overrides()).to(self.device).eval()
         if config.actors.speed.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
         if config.actors.speed.compile_steps:

@@ -37,7 +37,6 @@ from learner.actor_pool import ActorPool, PendingCall
 from learner.failures import LearnerDiedError
 from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
-from learner.node_files import check_every_node_holds
 from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
 from learner.run_dir import RunDirectory, completed_iterations
 from learner.startup import StartupClock, plan_resources, resolve_init_checkpoint, start_actors, warn_if_ratio_insensitive
@@ -53,8 +52,6 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     checkpoint = None if resume_dir else resolve_init_checkpoint(config)
     if resume_dir is None:
         clock.reached("initial_policy")
-        if checkpoint and not config.init_checkpoint:  # found or built by the run (learner.main checked a named one)
-            check_every_node_holds({"the starting checkpoint": str(checkpoint)})
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # shown at every run's start, like the ratio warning
         directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))
@@ -66,6 +63,10 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     pool = start_actors(config, learner.initial_weights(), actor_resources)
     clock.reached("actors_ready")
     iteration, env_steps = learner.resume_point()
+    if learner.call("files_elsewhere"):  # learner.run_files
+        print(f"[start] the learner runs on another node than this driver, which keeps the run directory {directory.path}: "
+              "the learner reads its starting checkpoint from here and writes its checkpoints here through Ray's object store",
+              flush=True)  # fmt: skip
     rollouts = RolloutQueue(pool, config, learner.publish_in_flight())
     clock.reached("learner_ready", "weights_published")  # a learner whose callback has not run yet was up by now
     print(f"[start] {len(pool.actors)} rollout actors and the learner up in {clock.stages['weights_published']:.1f}s ({clock})", flush=True)

@@ -8,6 +8,7 @@ learner's process spent at every start, on cores the rollout actors were startin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -23,6 +24,7 @@ from common.trajectory import RolloutBatch
 from learner.learner import Learner
 from learner.learner_group import join_learner_group
 from learner.monitoring import GaugeExporter, per_actor_metrics
+from learner.run_files import RunFiles
 
 
 class LearnerActor:
@@ -30,13 +32,15 @@ class LearnerActor:
 
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
                  state_bounds: list[list[float]] | None = None, known_digests: dict | None = None,
-                 group: tuple[str, int, int] | None = None):  # fmt: skip
+                 group: tuple[str, int, int] | None = None, files: RunFiles | None = None):  # fmt: skip
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
         privileged process comes back: there the learner stays at 15, still above the actors' (learner.startup.ACTOR_NICENESS).
         state_bounds: (low, high) of the suite's state, for a random init to normalise to (learner.startup.start_learner).
         known_digests: the driver's file digests, as for actors.rollout_actor.RolloutActor.
-        group: (rendezvous address, rank, ranks) of a learner group (learner.learner_group); None: the learner alone."""
+        group: (rendezvous address, rank, ranks) of a learner group (learner.learner_group); None: the learner alone.
+        files: where the run's files are (learner.run_files): a learner on another node reads its starting checkpoint
+        from there and writes its checkpoints there; None: here."""
         trust_digests(known_digests)
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
@@ -44,17 +48,20 @@ class LearnerActor:
             except PermissionError:
                 pass
         torch.manual_seed(config.seed)
-        if resume_dir or checkpoint_dir:
-            policy = FlowPolicy.from_pretrained(resume_dir or checkpoint_dir, **config.policy.sampling_overrides())
-        else:
-            policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
-            if state_bounds is not None:  # the suite's (low, high): no demonstration has set the state's statistics
-                policy.set_state_bounds(*(torch.tensor(bound, dtype=torch.float32) for bound in state_bounds))
-        # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
-        policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        self.learner = Learner(config, policy, ranks=None if group is None else join_learner_group(*group, policy.obs_device))
-        if resume_dir is not None:
-            self.learner.load_trainer_state(resume_dir)
+        self.files = files or RunFiles()
+        start = resume_dir or checkpoint_dir
+        with self.files.local_copy(start) if start else contextlib.nullcontext() as directory:
+            if directory:
+                policy = FlowPolicy.from_pretrained(directory, **config.policy.sampling_overrides())
+            else:
+                policy = build_policy(config.policy)  # Learner refuses it unless allow_random_init
+                if state_bounds is not None:  # the suite's (low, high): no demonstration has set the state's statistics
+                    policy.set_state_bounds(*(torch.tensor(bound, dtype=torch.float32) for bound in state_bounds))
+            # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
+            policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+            self.learner = Learner(config, policy, ranks=None if group is None else join_learner_group(*group, policy.obs_device))
+            if resume_dir is not None:
+                self.learner.load_trainer_state(directory)
         self.gauges = GaugeExporter(config.env.task)
 
     def progress(self) -> tuple[int, int]:
@@ -109,8 +116,15 @@ class LearnerActor:
         return [refs[version] for version in versions]
 
     def save(self, directory: str) -> str:
-        """The learner's checkpoint (Learner.save_checkpoint); in a group every rank is called and rank 0 writes it."""
-        return str(self.learner.save_checkpoint(directory))
+        """The learner's checkpoint (Learner.save_checkpoint) at `directory` on the node of the run's files; in a group
+        every rank is called (a sharded one gathers its shards) and rank 0 writes it."""
+        if self.learner.ranks.rank > 0:
+            return str(self.learner.save_checkpoint(directory))
+        return str(self.files.write(directory, self.learner.save_checkpoint))
+
+    def files_elsewhere(self) -> bool:
+        """Whether the run's files are on another node than this learner's (they travel through the object store)."""
+        return not self.files.here()
 
     def export_gauges(self, metrics: dict[str, float]) -> None:
         """Publish every numeric metric as a tagged ray.util.metrics Gauge (Ray dashboard / Prometheus)."""

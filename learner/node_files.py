@@ -22,16 +22,14 @@ LOCAL_DIRECTORY_FIELDS = ("lerobot_checkpoint", "vlm_path", "tokenizer_path")
 
 
 def paths_every_node_reads(config: RunConfig) -> dict[str, str]:
-    """field -> path for each directory the config names that the learner or an actor reads: the starting checkpoint,
-    the run directory where it exists already (a resumed run's checkpoints), and a VLA's lerobot checkpoint, backbone
-    and tokenizer directories."""
-    paths = {"init_checkpoint": config.init_checkpoint} if config.init_checkpoint else {}
-    paths |= {"run_dir": config.run_dir} if Path(config.run_dir).expanduser().is_dir() else {}
+    """field -> path for each directory the config names that the learner or an actor reads on its own node: a VLA's
+    lerobot checkpoint, backbone and tokenizer directories. (The starting checkpoint and the run directory stay on the
+    driver's node, and reach the others through learner.run_files.)"""
     section = config.policy.vla_section()
-    if section is not None:
-        settings = getattr(config.policy, section)
-        paths |= {f"policy.{section}.{name}": getattr(settings, name) for name in LOCAL_DIRECTORY_FIELDS if getattr(settings, name, "")}
-    return paths
+    if section is None:
+        return {}
+    settings = getattr(config.policy, section)
+    return {f"policy.{section}.{name}": getattr(settings, name) for name in LOCAL_DIRECTORY_FIELDS if getattr(settings, name, "")}
 
 
 def missing_here(paths: dict[str, str]) -> dict[str, str]:

@@ -33,6 +33,7 @@ from learner.ray_runtime import (
     learner_request,
     node_cluster_address,
 )
+from learner.run_files import RunFiles
 
 MIN_CPUS_PER_ACTOR = 0.05  # below this, actors time-share a core so thinly that the run crawls: a config mistake
 # The rollout actors' scheduling niceness. At policy_lag 1 the learner's update (one thread) runs while the actors
@@ -174,7 +175,7 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
     the suite's state bounds to normalise to, when it knows them. learner.num_learners > 1: a learner group."""
     bounds = make_suite(config.env).state_bounds() if checkpoint is None and resume_dir is None else None
     args = (config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
-    kwargs = {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "known_digests": known_digests(),
+    kwargs = {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "known_digests": known_digests(), "files": RunFiles.of_this_node(),
               "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds]}  # fmt: skip
     if config.learner.num_learners > 1:
         return start_learner_group(config, request, LearnerActor, *args, **kwargs)
@@ -220,11 +221,12 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
     tables_name = f"layout-tables-{uuid.uuid4().hex}"  # one per run: several runs may share a cluster
     tables = ray.remote(LayoutTables).options(name=tables_name, num_cpus=0).remote(build_benchmark_tables(config))
     digests = known_digests()  # the checkpoint's, verified by resolve_init_checkpoint or RunDirectory.resume
+    files = RunFiles.of_this_node()  # the driver's: an actor on another node fetches the checkpoint from it
 
     def start(index: int) -> Any:
         options = request.options(bundle_index=FIRST_ACTOR_BUNDLE + index)
         return remote_actor.options(**options, max_restarts=config.actors.faults.max_restarts).remote(
-            config, index, checkpoint_dir, tables_name, niceness=ACTOR_NICENESS, known_digests=digests
+            config, index, checkpoint_dir, tables_name, niceness=ACTOR_NICENESS, known_digests=digests, files=files
         )
 
     pool = ActorPool(config, start, keep_alive=[tables])

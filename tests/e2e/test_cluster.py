@@ -19,18 +19,20 @@ from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN
 pytestmark = pytest.mark.usefixtures("no_ray")
 
 
-def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_resources(tmp_path: Path) -> None:
-    """Three Ray nodes on this machine declaring configs/cluster_smolvla.yaml's custom resources (learner_slot on the
-    head, rollout_gpu on two workers; here without GPUs): the tiny SmolVLA's learner lands on the head and one rollout
-    actor on each worker, frames and instruction tokens reach the learner, which updates with the ratio check, and the
-    frozen VLM stays bit-identical."""
+def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_resources(tmp_path: Path, capsys) -> None:
+    """Three Ray nodes on this machine shaped as cluster/h200.yaml's (a head that hosts no work, where the driver runs;
+    workers declaring configs/cluster_smolvla.yaml's custom resources, learner_slot on the first, rollout_gpu on both;
+    here without GPUs): the tiny SmolVLA's learner lands on the first worker and one rollout actor on each, frames and
+    instruction tokens reach the learner, which updates with the ratio check, and the frozen VLM stays bit-identical.
+    The learner's checkpoints reach the run directory on the driver's node through it (learner.run_files), and the
+    actors read the starting weights from there."""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
     site = load_config([SMOLVLA_TINY_CONFIG, REPO / "configs" / "cluster_smolvla.yaml"])
     (learner_slot,), (rollout_gpu,) = site.learner.resources, site.actors.resources
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {learner_slot: 1}, "include_dashboard": True})
-    workers = [cluster.add_node(num_cpus=1, resources={rollout_gpu: 1}) for _ in range(2)]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
+    workers = [cluster.add_node(num_cpus=1, resources={rollout_gpu: 1, **({learner_slot: 1} if i == 0 else {})}) for i in range(2)]
     run_dir = tmp_path / "run"
     config = tiny_config(tmp_path, SMOLVLA_TINY_CONFIG, **{**TINY_VLA_RUN, "iterations": 2, "allow_random_init": True,
                          "learner.num_cpus": 0.5, "learner.resources": f"{{{learner_slot}: 1}}", "actors.num_cpus": 0.5,
@@ -40,11 +42,12 @@ def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_re
         run(config, address=cluster.address)
         ours = ("LearnerActor", "RolloutActor")
         placed = {(a.class_name, a.node_id) for a in list_actors(detail=True, limit=1000) if a.class_name in ours}
-        intended = {("LearnerActor", cluster.head_node.node_id)} | {("RolloutActor", w.node_id) for w in workers}
+        intended = {("LearnerActor", workers[0].node_id)} | {("RolloutActor", w.node_id) for w in workers}
     finally:
         ray.shutdown()
         cluster.shutdown()
     assert placed == intended
+    assert "[start] the learner runs on another node than this driver" in capsys.readouterr().out
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [1, 2]
@@ -140,3 +143,41 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
     assert "\n" not in message and message.startswith(
         f"node {worker.address.split(':')[0]} (Ray node {worker.node_id[:8]}) has no '~/models/backbone' (policy.smolvla.vlm_path): "
     ), message
+
+
+def test_a_node_without_the_run_files_reads_and_writes_them_through_the_drivers_node(tmp_path: Path) -> None:
+    """learner.run_files on two Ray nodes: the driver on a head that hosts no work, a task on the worker. There the
+    run's files are elsewhere: a checkpoint is read through a fetched temporary copy (the same files, removed after),
+    and a directory written there arrives in the driver's run directory whole, checksums listed. On the head they are
+    read in place."""
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from common.storage import directory_contents, write_directory_atomically
+    from learner.run_files import RunFiles
+
+    start, written = tmp_path / "start", tmp_path / "run" / "checkpoints" / "iter_000001"
+    write_directory_atomically(start, lambda directory: (directory / "model.safetensors").write_bytes(b"weights"))
+
+    def use(files: RunFiles) -> tuple[bool, str, dict[str, bytes], bool]:
+        with files.local_copy(start) as copy:
+            read = directory_contents(copy)
+        files.write(written, lambda path: write_directory_atomically(path, lambda tmp: (tmp / "a.txt").write_text("new")))
+        return files.here(), str(copy), read, copy.exists()
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    head, worker = cluster.head_node.node_id, cluster.add_node(num_cpus=1).node_id
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        files = RunFiles.of_this_node()
+        on_worker = ray.get(ray.remote(use).options(num_cpus=1).remote(files))
+        pinned_to_head = NodeAffinitySchedulingStrategy(head, soft=False)
+        on_head = ray.get(ray.remote(use).options(num_cpus=0, scheduling_strategy=pinned_to_head).remote(files))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert files.node_id == head != worker
+    here, copy, read, copy_left = on_worker
+    assert not here and copy != str(start) and not copy_left and read == directory_contents(start)
+    assert on_head == (True, str(start), read, True)
+    assert (written / "a.txt").read_text() == "new" and json.loads((written / "checksums.json").read_text()).keys() == {"a.txt"}

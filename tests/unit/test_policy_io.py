@@ -118,3 +118,27 @@ def test_out_of_distribution_states_saturate_instead_of_exploding() -> None:
     features = policy.encode(Observation(tipped))
     assert features.abs().max() <= OBS_CLIP
     assert features[0, 10] == -OBS_CLIP
+
+
+def test_a_checkpoint_copied_through_its_contents_is_the_same_and_a_corrupt_copy_writes_nothing(tmp_path) -> None:
+    """directory_contents / write_directory_contents carry a checkpoint between nodes (learner.run_files): the copy is
+    the same files byte for byte, checksum listing included, and loads to the same weights; a file whose bytes no
+    longer match the listing, or a name outside the directory, is refused and leaves nothing behind."""
+    from common.storage import directory_contents, write_directory_atomically, write_directory_contents
+
+    policy = small_policy()
+    write_directory_atomically(tmp_path / "ckpt", policy.save_pretrained)  # as a learner checkpoint is written
+    contents = directory_contents(tmp_path / "ckpt")
+    assert {"model.safetensors", "config.json", "checksums.json"} <= set(contents)
+    copy = write_directory_contents(tmp_path / "copy", contents)
+    assert directory_contents(copy) == contents
+    for (name, a), (_, b) in zip(policy.state_dict().items(), FlowPolicy.from_pretrained(copy).state_dict().items()):
+        assert torch.equal(a, b), name
+
+    weights = bytearray(contents["model.safetensors"])
+    weights[-1] ^= 1
+    with pytest.raises(CheckpointError, match=r"model\.safetensors of .*bad does not match its sha256 in checksums\.json"):
+        write_directory_contents(tmp_path / "bad", {**contents, "model.safetensors": bytes(weights)})
+    with pytest.raises(CheckpointError, match=r"'\.\./outside' is not a path inside the checkpoint"):
+        write_directory_contents(tmp_path / "bad", {**contents, "../outside": b"x"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "copy"]  # no copy, no temporary directory
