@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -113,31 +114,33 @@ def verify_checksums(directory: str | Path) -> None:
             raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
 
 
-def directory_contents(directory: str | Path) -> dict[str, bytes]:
-    """Every file of a checkpoint directory (its CHECKSUMS_FILE included), by its path inside it, read whole once its
-    checksums are verified: what another node writes as a copy of it (write_directory_contents)."""
+def directory_contents(directory: str | Path) -> dict[str, np.ndarray]:
+    """Every file of a checkpoint directory (its CHECKSUMS_FILE included), by its path inside it, read whole as bytes
+    (uint8 arrays: Ray's object store hands them to another process without a copy) once its checksums are verified:
+    what another node writes as a copy of it (write_directory_contents)."""
     directory = Path(directory)
     verify_checksums(directory)
-    return {path.relative_to(directory).as_posix(): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    return {path.relative_to(directory).as_posix(): np.fromfile(path, dtype=np.uint8) for path in files}
 
 
-def write_directory_contents(directory: str | Path, contents: dict[str, bytes]) -> Path:
+def write_directory_contents(directory: str | Path, contents: dict[str, np.ndarray]) -> Path:
     """`contents` (directory_contents of a directory read elsewhere) written as `directory`, atomically and with its
     checksums (write_directory_atomically). A file whose bytes do not match the sha256 its listing gives, or a name
     that leaves the directory, is a CheckpointError, and nothing is written."""
-    listed = json.loads(contents[CHECKSUMS_FILE]) if CHECKSUMS_FILE in contents else {}
+    listed = json.loads(contents[CHECKSUMS_FILE].tobytes()) if CHECKSUMS_FILE in contents else {}
 
     def write(tmp: Path) -> None:
         for name, data in contents.items():
             if name == CHECKSUMS_FILE:
-                continue  # written anew from the files, and compared with the sender's listing below
-            path = tmp / name
+                continue  # written anew from the files, after each file is compared with the sender's listing
             if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise CheckpointError(f"{name!r} is not a path inside the checkpoint {directory}")
-            if name in listed and hashlib.sha256(data).hexdigest() != listed[name]:
+            if name in listed and hashlib.sha256(memoryview(data)).hexdigest() != listed[name]:
                 raise CheckpointError(f"{name} of {directory} does not match its sha256 in {CHECKSUMS_FILE}: the copy is corrupt")
+            path = tmp / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            path.write_bytes(memoryview(data))
 
     return write_directory_atomically(directory, write)
 

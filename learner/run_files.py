@@ -5,14 +5,17 @@ The nodes of a cluster share no file system unless one is mounted. cluster/h200.
 the driver runs and keeps the run directory (metrics, `latest`, the exports' source), hosts no learner or actor: a
 learner writing its checkpoints on its own node would leave `latest` pointing at nothing on the head, and an actor
 there could not read the BC checkpoint the driver built. Here a process on another node fetches a directory whole from
-the driver's node (a task pinned there reads it, checksums verified) into a temporary copy of its own, and sends what
-it writes to a task there that writes it atomically. On the driver's node every path is read and written in place,
-as on one machine.
+the driver's node (a task pinned there reads it, checksums verified) into that node's temporary directory, where it
+is kept by its content: the actors of a node, and their restarts, fetch it once between them. What the learner writes
+goes to a task there that writes it atomically. On the driver's node every path is read and written in place, as on
+one machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +25,15 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from common.storage import directory_contents, write_directory_contents
+from common.storage import CHECKSUMS_FILE, directory_contents, write_directory_contents
+
+FETCHED_DIR = "flowrl-fetched"  # in a node's temporary directory: the directories fetched from the files' node
+
+
+def checksum_listing(directory: str) -> str | None:
+    """The text of the directory's CHECKSUMS_FILE (the sha256 of each of its files), None without one."""
+    listing = Path(directory) / CHECKSUMS_FILE
+    return listing.read_text() if listing.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -42,13 +53,29 @@ class RunFiles:
 
     @contextlib.contextmanager
     def local_copy(self, directory: str | Path) -> Iterator[Path]:
-        """`directory` itself on the files' node; elsewhere a copy fetched from there, removed when the block ends."""
+        """`directory` itself on the files' node. Elsewhere a copy fetched from there into this node's FETCHED_DIR, under
+        the sha256 of its checksum listing; a directory without one (written by hand) into a temporary copy, removed
+        when the block ends."""
         if self.here():
             yield Path(directory)
             return
-        contents = ray.get(self._on_files_node(directory_contents).remote(str(directory)))
-        with tempfile.TemporaryDirectory(prefix="flowrl-fetched-") as tmp:
-            yield write_directory_contents(Path(tmp) / Path(directory).name, contents)
+        listing = ray.get(self._on_files_node(checksum_listing).remote(str(directory)))
+        if listing is None:
+            with tempfile.TemporaryDirectory(prefix="flowrl-fetched-") as tmp:
+                yield write_directory_contents(Path(tmp) / Path(directory).name, self._fetch(directory))
+            return
+        root = Path(tempfile.gettempdir()) / FETCHED_DIR
+        root.mkdir(exist_ok=True)
+        key = hashlib.sha256(listing.encode()).hexdigest()[:16]
+        copy = root / key / Path(directory).name
+        with open(root / f"{key}.lock", "w") as lock:  # the node's other actors wait for the first one's copy
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not copy.is_dir():
+                write_directory_contents(copy, self._fetch(directory))
+        yield copy
+
+    def _fetch(self, directory: str | Path) -> dict:
+        return ray.get(self._on_files_node(directory_contents).remote(str(directory)))
 
     def write(self, directory: str | Path, write: Callable[[Path], Path]) -> Path:
         """`write(path)` writes a directory atomically at `path` (LearnerCheckpoint.save): at `directory` on the files'

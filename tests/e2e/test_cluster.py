@@ -29,10 +29,17 @@ def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_re
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
+    from learner.run_files import FETCHED_DIR
+
     site = load_config([SMOLVLA_TINY_CONFIG, REPO / "configs" / "cluster_smolvla.yaml"])
     (learner_slot,), (rollout_gpu,) = site.learner.resources, site.actors.resources
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
-    workers = [cluster.add_node(num_cpus=1, resources={rollout_gpu: 1, **({learner_slot: 1} if i == 0 else {})}) for i in range(2)]
+    temp_dirs = [tmp_path / f"worker{i}_tmp" for i in range(2)]  # each worker's own: where it keeps what it fetched
+    workers = []
+    for i, temp_dir in enumerate(temp_dirs):
+        temp_dir.mkdir()
+        resources = {rollout_gpu: 1, **({learner_slot: 1} if i == 0 else {})}
+        workers.append(cluster.add_node(num_cpus=1, resources=resources, env_vars={"TMPDIR": str(temp_dir)}))
     run_dir = tmp_path / "run"
     config = tiny_config(tmp_path, SMOLVLA_TINY_CONFIG, **{**TINY_VLA_RUN, "iterations": 2, "allow_random_init": True,
                          "learner.num_cpus": 0.5, "learner.resources": f"{{{learner_slot}: 1}}", "actors.num_cpus": 0.5,
@@ -48,6 +55,8 @@ def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_re
         cluster.shutdown()
     assert placed == intended
     assert "[start] the learner runs on another node than this driver" in capsys.readouterr().out
+    # The actor on the second worker read the starting weights, which the learner sent to the driver's node, from there.
+    assert [path.name for path in (temp_dirs[1] / FETCHED_DIR).glob("*/*")] == ["random_init"]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [1, 2]
@@ -147,26 +156,31 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
 
 def test_a_node_without_the_run_files_reads_and_writes_them_through_the_drivers_node(tmp_path: Path) -> None:
     """learner.run_files on two Ray nodes: the driver on a head that hosts no work, a task on the worker. There the
-    run's files are elsewhere: a checkpoint is read through a fetched temporary copy (the same files, removed after),
-    and a directory written there arrives in the driver's run directory whole, checksums listed. On the head they are
-    read in place."""
+    run's files are elsewhere: a checkpoint is read through a copy fetched into the worker's temporary directory (the
+    same files, kept by content: a second read takes the same copy), and a directory written there arrives in the
+    driver's run directory whole, checksums listed. On the head they are read in place."""
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from common.storage import directory_contents, write_directory_atomically
-    from learner.run_files import RunFiles
+    from learner.run_files import FETCHED_DIR, RunFiles
 
     start, written = tmp_path / "start", tmp_path / "run" / "checkpoints" / "iter_000001"
     write_directory_atomically(start, lambda directory: (directory / "model.safetensors").write_bytes(b"weights"))
 
-    def use(files: RunFiles) -> tuple[bool, str, dict[str, bytes], bool]:
-        with files.local_copy(start) as copy:
-            read = directory_contents(copy)
+    def use(files: RunFiles) -> tuple[bool, list[str], dict[str, bytes]]:
+        copies = []
+        for _ in range(2):
+            with files.local_copy(start) as copy:
+                copies.append(str(copy))
+                read = {name: data.tobytes() for name, data in directory_contents(copy).items()}
         files.write(written, lambda path: write_directory_atomically(path, lambda tmp: (tmp / "a.txt").write_text("new")))
-        return files.here(), str(copy), read, copy.exists()
+        return files.here(), copies, read
 
+    worker_tmp = tmp_path / "worker_tmp"
+    worker_tmp.mkdir()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    head, worker = cluster.head_node.node_id, cluster.add_node(num_cpus=1).node_id
+    head, worker = cluster.head_node.node_id, cluster.add_node(num_cpus=1, env_vars={"TMPDIR": str(worker_tmp)}).node_id
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         files = RunFiles.of_this_node()
@@ -177,7 +191,8 @@ def test_a_node_without_the_run_files_reads_and_writes_them_through_the_drivers_
         ray.shutdown()
         cluster.shutdown()
     assert files.node_id == head != worker
-    here, copy, read, copy_left = on_worker
-    assert not here and copy != str(start) and not copy_left and read == directory_contents(start)
-    assert on_head == (True, str(start), read, True)
+    here, copies, read = on_worker
+    assert not here and copies[0] == copies[1] and Path(copies[0]).is_relative_to(worker_tmp / FETCHED_DIR)
+    assert read == {name: data.tobytes() for name, data in directory_contents(start).items()}
+    assert on_head == (True, [str(start)] * 2, read)
     assert (written / "a.txt").read_text() == "new" and json.loads((written / "checksums.json").read_text()).keys() == {"a.txt"}
