@@ -16,6 +16,7 @@ which holds no collective of its own work: on leaving it, every rank learns whet
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,6 +48,9 @@ class SingleRank:
 
     def normalize(self, x: Tensor) -> Tensor:
         return normalize(x)
+
+    def std(self, x: Tensor) -> float:
+        return x.std().item()
 
     def any(self, flag: Tensor | bool) -> bool:
         return bool(flag)
@@ -126,14 +130,22 @@ class RankGroup(SingleRank):
         dist.all_reduce(tensor, op=op)
         return tensor.tolist()
 
-    def normalize(self, x: Tensor) -> Tensor:
-        """Zero mean and unit std over every rank's elements (the unbiased std, as torch.std)."""
+    def _mean_std(self, x: Tensor) -> tuple[float, float | None]:
+        """Mean and unbiased std (as torch.std) over every rank's elements; std None under two elements."""
         count, total = self._all_reduce([x.numel(), float(x.double().sum())], dist.ReduceOp.SUM)
         mean = total / max(count, 1)
         (squares,) = self._all_reduce([float(((x.double() - mean) ** 2).sum())], dist.ReduceOp.SUM)
-        if count < 2:
-            return x - mean
-        return (x - mean) / ((squares / (count - 1)) ** 0.5 + 1e-8)
+        return mean, (squares / (count - 1)) ** 0.5 if count >= 2 else None
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """Zero mean and unit std over every rank's elements (the unbiased std, as torch.std)."""
+        mean, std = self._mean_std(x)
+        return x - mean if std is None else (x - mean) / (std + 1e-8)
+
+    def std(self, x: Tensor) -> float:
+        """The unbiased std over every rank's elements (NaN under two, as torch.std)."""
+        std = self._mean_std(x)[1]
+        return math.nan if std is None else std
 
     def any(self, flag: Tensor | bool) -> bool:
         return self._all_reduce([float(bool(flag))], dist.ReduceOp.MAX)[0] > 0

@@ -194,7 +194,8 @@ class PPO:
     def trains_actor(self, iteration: int) -> bool:
         return iteration >= self.cfg.critic_warmup_iters
 
-    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
+    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int,
+                   ranks: SingleRank) -> Advantages:  # fmt: skip
         cfg = self.cfg
         num_decisions, num_envs = batch.num_decisions, batch.num_envs
         b_values = policy.value(features)
@@ -206,7 +207,7 @@ class PPO:
         normalize_over = t["valid"].flatten().to(b_advantages.device) if cfg.normalize_advantages else None
         metrics = {
             "values/mean": b_values.mean().item(),
-            "values/advantage_raw_std": advantages.std().item(),
+            "values/advantage_raw_std": ranks.std(advantages),  # over every rank's decisions
             "values/returns_mean": returns.mean().item(),
         }
         return Advantages(b_advantages, b_values, b_returns, None, metrics, normalize_over)
@@ -228,7 +229,8 @@ class GRPO:
     def trains_actor(self, iteration: int) -> bool:
         return True
 
-    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int) -> Advantages:
+    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int,
+                   ranks: SingleRank) -> Advantages:  # fmt: skip
         cfg = self.cfg
         ends = t["terminated"] | t["truncated"]
         check_groups_share_initial_states(torch.from_numpy(np.array(batch.obs.state)).to(ends.device), ends, cfg.group_size)
@@ -423,7 +425,7 @@ class Learner:
                 "policy/sigma_mean": old.std.mean().item(),
                 "policy/entropy": old.entropy.mean().item(),
             }
-            advantages = self.algorithm.advantages(policy, batch, t, features, rows)
+            advantages = self.algorithm.advantages(policy, batch, t, features, rows, self.ranks)
             b_values, b_advantages, b_returns = advantages.values, advantages.advantages, advantages.returns
             metrics.update(advantages.metrics)
             reference = None

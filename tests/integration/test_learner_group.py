@@ -127,6 +127,8 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         for key in ("losses/approx_kl", "losses/pg_loss", "losses/clipfrac", "logprob/old_mean", "rollout/success_rate",
                     "rollout/reward_per_decision"):  # fmt: skip
             assert group[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7, nan_ok=True), key
+        if "values/advantage_raw_std" in one:  # PPO's: over every rank's decisions, not the mean of the ranks' stds
+            assert group["values/advantage_raw_std"] == pytest.approx(one["values/advantage_raw_std"], rel=1e-5)
     if "algorithm.target_kl" in fields:  # stopped early, at the same step
         assert metrics[0]["ppo/kl_early_stop"] == 1.0 and metrics[0]["ppo/optimizer_steps"] < 4 * 2
     if fields.get("algorithm.algo") == "grpo":  # each rank holds whole groups; their counts add up
