@@ -1,6 +1,7 @@
 """SmolVLA at smolvla_base's size through the loop's own pieces on one GPU, without Ray: the recipe of
-configs/smolvla_pick.yaml (3 cameras at 256 px, 50-action chunks, 10 denoising steps, a bfloat16 actor and a
-float32 learner), timed stage by stage, with the numerics the learner checks.
+configs/smolvla_pick.yaml (3 cameras at 256 px, 50-action chunks, 10 denoising steps, a bfloat16 actor and the
+learner's fast path; pi0's and pi0.5's recipes keep a float32 learner), timed stage by stage, with the numerics the
+learner checks.
 
     python bench/smolvla_gpu.py                 # full size; needs a GPU (a chunk takes tens of seconds on CPU)
     python bench/smolvla_gpu.py --size tiny     # the same path with the tiny VLM, on CPU (tests/integration/test_bench.py)
@@ -383,8 +384,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
         def build() -> dict[str, Any]:
             start = time.perf_counter()
             config, checkpoint, counts = write_inputs(work, args.size, args.set, args.recipe)
-            if not cuda:  # the recipe asks for GPUs; the tiny path runs where it is
+            if not cuda:  # the recipe asks for GPUs, and sizes micro-batches by a GPU's allocator; the tiny path runs where it is
                 config.actors.num_gpus = config.learner.num_gpus = 0.0
+                config.learner.speed.micro_batch_memory_gib = 0.0
             # The update measured is one that trains the actor, as every update after the recipe's first few does: a
             # critic warm-up update scores the chains but takes no gradient through them.
             config.algorithm.critic_warmup_iters = 0

@@ -183,7 +183,9 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     monkeypatch.setattr(learner_module, "Learner", Counted)
     compiled = "learner.speed.steps_in_one_pass=true,learner.speed.compile_steps=true"
     variants = f"learner.speed.recompute_steps=true;algorithm.grad_accum=1;learner.speed.steps_in_one_pass=true;{compiled}"
-    argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", "--update-variants", variants]
+    step_by_step = ["--set", "learner.speed.precision=float32", "--set", "learner.speed.steps_in_one_pass=false"]  # the variants' base
+    argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", *step_by_step,
+            "--update-variants", variants]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
