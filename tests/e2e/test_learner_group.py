@@ -6,6 +6,7 @@ with two."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,21 +24,33 @@ SETTINGS = {"iterations": ITERATIONS, "checkpoint_every": 2, "learner.num_learne
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory, bc_checkpoint, fault_plan) -> Path:
-    return undisturbed_run(tmp_path_factory.mktemp("group") / "run", bc_checkpoint, fault_plan, SETTINGS)
+def undisturbed(tmp_path_factory, bc_checkpoint, fault_plan) -> Callable[[str], Path]:
+    """The undisturbed group run with `learner.sharding` = the argument, run once per module."""
+    runs: dict[str, Path] = {}
+
+    def run(sharding: str = "none") -> Path:
+        if sharding not in runs:
+            settings = {**SETTINGS, "learner.sharding": sharding}
+            runs[sharding] = undisturbed_run(tmp_path_factory.mktemp("group") / "run", bc_checkpoint, fault_plan, settings)
+        return runs[sharding]
+
+    return run
 
 
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
 def test_a_rank_killed_mid_update_restarts_the_group_and_the_run_ends_as_the_undisturbed_one(
-    tmp_path, bc_checkpoint, undisturbed, fault_plan, capsys
+    tmp_path, bc_checkpoint, undisturbed, fault_plan, capsys, sharding
 ) -> None:
+    """A rank SIGKILLed in iteration 3's update: the group goes down (a sharded rank left waiting in a gather with it)
+    and comes back from iter_2, and the run ends as the undisturbed group run with the same sharding, bit for bit."""
     fault_injection.arm(fault_plan, kill_learner_at_optimizer_step=4 * 2 + 2)  # in iteration 3's update, past iter_2
     run_dir = tmp_path / "run"
     capsys.readouterr()
-    assert main(tiny_run(run_dir, bc_checkpoint, **SETTINGS)) == 0
+    assert main(tiny_run(run_dir, bc_checkpoint, **{**SETTINGS, "learner.sharding": sharding})) == 0
     out = capsys.readouterr().out
     assert re.search(r"\[fault\] the learner died .*: restarting it \(1/\d\) from .*iter_000002", out), out
     assert out.count("[start] learner group: rank 0 on 127.0.0.1, rank 1 on 127.0.0.1") == 2  # started, then again
-    assert_same_run(run_dir, undisturbed, ITERATIONS)
+    assert_same_run(run_dir, undisturbed(sharding), ITERATIONS)
     assert rows_by_iteration(run_dir)[ITERATIONS]["faults/learner_restarts"] == 1.0
 
 
@@ -69,7 +82,7 @@ def test_a_run_goes_on_with_another_number_of_learner_ranks(tmp_path, bc_checkpo
     got = rows_by_iteration(run_dir)
     assert sorted(got) == list(range(1, ITERATIONS + 1)) and (run_dir / f"checkpoints/iter_{ITERATIONS:06d}").is_dir()
     if first == 2:  # the undisturbed run's first two iterations, then iteration 3's rollouts and its update
-        want = rows_by_iteration(undisturbed)
+        want = rows_by_iteration(undisturbed())
         for iteration in (1, 2):
             assert {k: got[iteration][k] for k in COMPARED} == pytest.approx({k: want[iteration][k] for k in COMPARED}, rel=1e-3, abs=1e-6)
         assert got[3]["rollout/env_steps"] == want[3]["rollout/env_steps"]
