@@ -114,12 +114,14 @@ def verify_checksums(directory: str | Path) -> None:
             raise CheckpointError(f"{path} does not match its sha256 in {listing}: the file is corrupt")
 
 
-def directory_contents(directory: str | Path) -> dict[str, np.ndarray]:
+def directory_contents(directory: str | Path, verify: bool = True) -> dict[str, np.ndarray]:
     """Every file of a checkpoint directory (its CHECKSUMS_FILE included), by its path inside it, read whole as bytes
-    (uint8 arrays: Ray's object store hands them to another process without a copy) once its checksums are verified:
+    (uint8 arrays: Ray's object store hands them to another process without a copy) once its checksums are verified
+    (verify=False: a directory this process has just written, whose checksums it computed from those very files):
     what another node writes as a copy of it (write_directory_contents)."""
     directory = Path(directory)
-    verify_checksums(directory)
+    if verify:
+        verify_checksums(directory)
     files = sorted(path for path in directory.rglob("*") if path.is_file())
     return {path.relative_to(directory).as_posix(): np.fromfile(path, dtype=np.uint8) for path in files}
 

@@ -83,7 +83,7 @@ class RunFiles:
         if self.here():
             return write(Path(directory))
         with tempfile.TemporaryDirectory(prefix="flowrl-written-") as tmp:
-            contents = directory_contents(write(Path(tmp) / Path(directory).name))
+            contents = directory_contents(write(Path(tmp) / Path(directory).name), verify=False)  # hashed as it was written
             ray.get(self._on_files_node(write_directory_contents).remote(str(directory), contents))
         return Path(directory)
 
