@@ -30,7 +30,16 @@ from common.file_digests import trust_digests
 from common.flow import compile_steps
 from common.policy import FlowPolicy
 from common.recording import VIDEO_SIZE, EpisodeRecording, filmed_slots, record_layouts
-from common.rollout import GroupVectorEnv, camera_configs, collect_rollout, env_tasks, evaluate_layouts, make_envs, task_positions
+from common.rollout import (
+    GroupVectorEnv,
+    camera_configs,
+    collect_rollout,
+    env_tasks,
+    evaluate_layouts,
+    group_tasks,
+    make_envs,
+    task_positions,
+)
 from common.suites import ImageConfig, Layout, make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
 from common.vector_env import ChunkedVectorEnv
@@ -95,7 +104,9 @@ class RolloutActor:
         if benchmark_tables:
             self.suite.adopt_layout_tables(benchmark_tables)
         grpo = config.algorithm.algo == "grpo"
-        tasks = env_tasks(self.suite.tasks(), actor_index, config.actors.envs_per_actor, config.algorithm.group_size if grpo else 1)
+        group = config.algorithm.group_size if grpo else 1
+        groups = group_tasks(self.suite.tasks(), config.actors.num_actors * config.actors.envs_per_actor // group, config.env.task_weights)
+        tasks = env_tasks(groups, actor_index, config.actors.envs_per_actor, group)
         train_layouts = [layout for task in dict.fromkeys(tasks) for layout in self.suite.layouts(task, config.env.train_benchmark_seeds)]
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
         self.cameras = camera_configs(self.policy.config)
@@ -163,14 +174,17 @@ class RolloutActor:
         batch = self.sample(weights, iteration)
         return {"env_steps": batch.env_steps, "pid": os.getpid()}, batch
 
-    def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout]) -> tuple[int, np.ndarray]:
+    def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout],
+                 noise_seed: int | None = None) -> tuple[int, np.ndarray]:  # fmt: skip
         """Deterministic episodes on the given layouts, task by task (common.rollout.evaluate_layouts); returns (weight
-        version used, successes)."""
+        version used, successes). With noise_seed, episodes of the noisy policy the rollouts sample, its noise drawn
+        from a generator with that seed."""
         self.load_weights(weights)
         successes = np.zeros(len(eval_layouts), dtype=bool)
+        noise = None if noise_seed is None else torch.Generator(device=self.device).manual_seed(noise_seed)
         with self.precision():
             for task, positions in task_positions(eval_layouts).items():
-                successes[positions] = evaluate_layouts(self.policy, self.eval_envs(task), [eval_layouts[i] for i in positions])
+                successes[positions] = evaluate_layouts(self.policy, self.eval_envs(task), [eval_layouts[i] for i in positions], noise)
         return self.version, successes
 
     def record_episodes(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], size: int = VIDEO_SIZE,

@@ -61,7 +61,8 @@ def synthetic_rollout(policy: FlowPolicy, decisions: int, envs: int, seed: int) 
         log_probs=per_decision(decision.log_prob), log_probs_per_element=per_decision(decision.log_prob_per_element),
         bootstrap_at=np.stack([np.full(envs, decisions - 1), np.arange(envs)], axis=1).astype(np.int64),
         bootstrap_obs=Observation(last.state, last.images), episode_returns=np.zeros(0, np.float32),
-        episode_successes=np.zeros(0, bool), episode_lengths=np.zeros(0, np.int64), weight_version=0, actor_index=0,
+        episode_successes=np.zeros(0, bool), episode_lengths=np.zeros(0, np.int64), episode_first=np.zeros(0, bool),
+        weight_version=0, actor_index=0,
         sample_seconds=0.0, env_steps=0, actor_precision=policy.precision,
     )  # fmt: skip
 

@@ -66,13 +66,13 @@ from learner.main import parse_args, resolve_config  # noqa: E402
 def step_bare_envs(config: RunConfig, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:
     """One process of the env limit: build the envs as a rollout actor of `config` does, wait for the others, step
     random chunks."""
-    from common.rollout import env_tasks, make_envs
+    from common.rollout import env_tasks, group_tasks, make_envs
     from common.suites import make_suite
     from common.vector_env import ChunkedVectorEnv
 
     num_envs = config.actors.envs_per_actor
     suite = make_suite(config.env)
-    tasks = env_tasks(suite.tasks(), 0, num_envs)
+    tasks = env_tasks(group_tasks(suite.tasks(), num_envs), 0, num_envs)
     layouts = [layout for task in dict.fromkeys(tasks) for layout in suite.layouts(task, config.env.train_benchmark_seeds)]
     vec_env = ChunkedVectorEnv(make_envs(suite, tasks), layouts, config.algorithm.gamma)
     rng = np.random.default_rng(seed)

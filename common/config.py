@@ -160,6 +160,12 @@ class EnvConfig:
     # Ten seeds (500 layouts) for training: with few layouts the policy can fit them and stop generalising to held-out ones.
     train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
     eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
+    # A multi-task run's rollout envs per task: each task's weight against a task not named here (1.0); the run's envs
+    # (GRPO groups) are dealt out in proportion, at least one each, the tasks interleaved (common.rollout.group_tasks).
+    task_weights: dict[str, float] = field(default_factory=dict)
+    # The weight of a task the starting policy already solves: its BC held-out success (the checkpoint's pretrain.json)
+    # above pretrain.target_success_max, where RL has little left to gain; task_weights overrides it. 1.0: an even share.
+    solved_task_weight: float = 1.0
     gym: GymSuiteConfig = field(default_factory=GymSuiteConfig)
 
     def validate(self, path: str = "env") -> None:
@@ -171,6 +177,9 @@ class EnvConfig:
             seeds = getattr(self, name)
             require(len(seeds) > 0, f"{path}.{name} must not be empty")
             require(min(seeds) >= 0 and len(set(seeds)) == len(seeds), f"{path}.{name} must be distinct seeds >= 0, got {seeds}")
+        bad_weights = {task: weight for task, weight in self.task_weights.items() if not weight > 0}
+        require(not bad_weights, f"{path}.task_weights must be > 0, got {bad_weights}")
+        require(self.solved_task_weight > 0, f"{path}.solved_task_weight must be > 0, got {self.solved_task_weight}")
         overlap = (set(self.train_benchmark_seeds) | {self.demo_benchmark_seed}) & set(self.eval_benchmark_seeds)
         require(
             not overlap,
@@ -293,6 +302,9 @@ class AlgorithmConfig:
     lr_final_frac: float = 0.1
     critic_warmup_iters: int = 3  # iterations that train only the critic (the actor's lr is 0)
     normalize_advantages: bool = True  # over the whole batch, once per iteration
+    # A multi-task run's advantages normalised task by task: each task's decisions weigh alike in the update, whatever
+    # the scale of its rewards and its critic's errors (with normalize_advantages).
+    normalize_advantages_per_task: bool = False
     ratio_tolerance: float = 1e-5  # |ratio - 1| allowed on the first minibatch before any update
     # "ppo": advantages from GAE and a critic. "grpo": critic-free; each initial state is rolled out
     # group_size times (envs_per_actor a multiple of it) and every episode's return is compared with its
@@ -312,7 +324,8 @@ class AlgorithmConfig:
     stale_rollouts: str = "behaviour"
 
     # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
-    CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages")
+    CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages",
+                     "normalize_advantages_per_task")  # fmt: skip
     GRPO_FIELDS = ("group_size", "grpo_std_normalization")
 
     def unused_fields(self) -> tuple[str, ...]:
@@ -345,6 +358,8 @@ class AlgorithmConfig:
         require_choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         require_choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
         require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
+        require(not self.normalize_advantages_per_task or self.normalize_advantages,
+                f"{path}.normalize_advantages_per_task needs normalize_advantages: true")  # fmt: skip
 
 
 @dataclass

@@ -18,14 +18,18 @@ from common.trajectory import RolloutBatch
 
 def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, float]:
     """Statistics of one iteration's rollouts (several actors' batches concatenated); in a multi-task run also each
-    task's episodes and success rate (rollout/task/<task>/...)."""
+    task's episodes and success rates (rollout/task/<task>/...). rollout/first_episode_success_rate is the sampling
+    policy's success on the training layouts (each env's first episode of the rollout, RolloutBatch.episode_first);
+    rollout/success_rate, over every episode that ended, favours the quick successes an env repeats in one rollout."""
     finished = len(batch.episode_successes)
+    firsts = batch.episode_successes[batch.episode_first]
     metrics = {
         "rollout/env_steps": float(batch.env_steps),
         "rollout/decisions": float(batch.num_decisions * batch.num_envs),
         "faults/dropped_decisions": float((~batch.valid).sum()),  # of episodes an env ended with NaN/Inf output
         "rollout/episodes": float(finished),
         "rollout/success_rate": float(batch.episode_successes.mean()) if finished else math.nan,
+        "rollout/first_episode_success_rate": float(firsts.mean()) if len(firsts) else math.nan,
         "rollout/episode_return": float(batch.episode_returns.mean()) if finished else math.nan,
         "rollout/episode_length": float(batch.episode_lengths.mean()) if finished else math.nan,
         "rollout/reward_per_decision": float(batch.rewards.mean()),
@@ -41,13 +45,15 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
     for task in names if len(names) > 1 else ():
         metrics[task_key(task, "episodes", "rollout")] = float((tasks == task).sum())
         metrics[task_key(task, "success_rate", "rollout")] = float(batch.episode_successes[tasks == task].mean())
+        first_of_task = batch.episode_successes[(tasks == task) & batch.episode_first]
+        metrics[task_key(task, "first_episode_success_rate", "rollout")] = float(first_of_task.mean()) if len(first_of_task) else math.nan
     return metrics
 
 
 CONSOLE_FIELDS = (
     ("it", "iteration", "{:.0f}"),
     ("steps", "rollout/total_env_steps", "{:.0f}"),
-    ("succ", "rollout/success_rate", "{:.2f}"),
+    ("succ", "rollout/first_episode_success_rate", "{:.2f}"),
     ("ret", "rollout/episode_return", "{:.2f}"),
     ("eval", "eval/success_rate", "{:.2f}"),
     ("kl", "losses/approx_kl", "{:.2e}"),
@@ -131,8 +137,9 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
 
     steps = np.array([r.get("rollout/total_env_steps", 0) for r in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(7, 4))
-    train = np.array([np.nan if r.get("rollout/success_rate") is None else r["rollout/success_rate"] for r in rows], dtype=float)
-    ax.plot(steps, train, alpha=0.4, label="rollout success, finished episodes (stochastic, train layouts)")
+    key = "rollout/first_episode_success_rate"
+    train = np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+    ax.plot(steps, train, alpha=0.4, label="rollout success, each env's first episode (stochastic, train layouts)")
     points = ([(0.0, initial_eval)] if initial_eval else []) + list(zip(steps, rows))
     evals = [
         (s, r["eval/success_rate"], r["eval/success_low"], r["eval/success_high"])
@@ -155,6 +162,20 @@ def task_key(task: str, name: str, section: str = "eval") -> str:
 def evaluated_tasks(rows: list[dict]) -> list[str]:
     """The tasks that the rows' per-task evaluation keys (task_key) name, in order of first appearance."""
     return list(dict.fromkeys(key.split("/")[2] for row in rows for key in row if key.startswith("eval/task/")))
+
+
+def tasks_against_start(initial: dict, final: dict) -> dict[str, list[str]]:
+    """A multi-task run's tasks by where their final held-out success ends against their initial one's Wilson
+    interval: {"above": [...], "inside": [...], "below": [...]}. A task's gain counts only outside the interval the
+    initial evaluation left it."""
+    placed: dict[str, list[str]] = {"above": [], "inside": [], "below": []}
+    for task in evaluated_tasks([final]):
+        if task_key(task, "success_low") not in initial:
+            continue
+        rate = final[task_key(task, "success_rate")]
+        low, high = (initial[task_key(task, name)] for name in ("success_low", "success_high"))
+        placed["above" if rate > high else "below" if rate < low else "inside"].append(task)
+    return placed
 
 
 def plot_task_curves(rows: list[dict], path: str | Path, title: str, initial_eval: dict | None = None) -> Path | None:

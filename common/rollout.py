@@ -113,12 +113,32 @@ def make_envs(suite: Suite, tasks: Sequence[str], cameras: Sequence[ImageConfig]
     return [suite.make_env(task, cameras) for task in tasks]
 
 
-def env_tasks(tasks: Sequence[str], actor_index: int, envs_per_actor: int, group_size: int = 1) -> list[str]:
-    """The task of each env of one rollout actor: the run's envs (all actors', in order) take the tasks in turn, a
-    GRPO group of `group_size` envs at a time, so that every iteration samples every task equally when the run's
-    groups are a multiple of its tasks (learner.startup checks)."""
+def group_tasks(tasks: Sequence[str], num_groups: int, weights: dict[str, float] | None = None) -> list[str]:
+    """The task of each of a run's `num_groups` env groups (an env, or a GRPO group), all actors' in order. Each task
+    gets one group, and the rest in proportion to its weight (`weights`, 1.0 where not named; by largest remainder,
+    ties to the earlier task); the tasks are interleaved (smooth weighted round robin), so every actor's envs mix them.
+    Equal weights deal the tasks in turn: every task samples equally when the groups are a multiple of the tasks."""
+    if num_groups < len(tasks):
+        raise ValueError(f"{num_groups} env groups cannot sample {len(tasks)} tasks: at least one each")
+    weight = np.array([(weights or {}).get(task, 1.0) for task in tasks], dtype=float)
+    quotas = (num_groups - len(tasks)) * weight / weight.sum()
+    counts = 1 + np.floor(quotas).astype(np.int64)
+    counts[np.argsort(-(quotas - np.floor(quotas)), kind="stable")[: num_groups - counts.sum()]] += 1
+    credit, order = np.zeros(len(tasks), dtype=np.int64), []
+    for _ in range(num_groups):
+        credit += counts
+        chosen = int(np.argmax(credit))  # the first of the largest
+        credit[chosen] -= num_groups
+        order.append(tasks[chosen])
+    return order
+
+
+def env_tasks(groups: Sequence[str], actor_index: int, envs_per_actor: int, group_size: int = 1) -> list[str]:
+    """The task of each env of one rollout actor, from the run's group_tasks: the run's envs (all actors', in order)
+    take the groups' tasks, `group_size` envs (a GRPO group) at a time; an actor past the run's count (a tool's own)
+    starts over from the first group."""
     first = actor_index * envs_per_actor
-    return [tasks[((first + env) // group_size) % len(tasks)] for env in range(envs_per_actor)]
+    return [groups[((first + env) // group_size) % len(groups)] for env in range(envs_per_actor)]
 
 
 def task_positions(layouts: Sequence[Layout]) -> dict[str, list[int]]:
@@ -156,7 +176,7 @@ def collect_rollout(
     observations: list[Observation] = []
     bootstrap_at: list[np.ndarray] = []
     bootstrap_obs: list[Observation] = []
-    returns, successes, lengths, tasks = [], [], [], []
+    returns, successes, lengths, tasks, firsts = [], [], [], [], []
     env_steps = 0
     valid = np.ones((num_decisions, vec_env.num_envs), dtype=bool)
     episode_start = np.zeros(vec_env.num_envs, dtype=np.int64)  # first decision of each env's current episode
@@ -180,6 +200,8 @@ def collect_rollout(
         bootstrap_obs.append(step.next_obs.index(ended))
         for n in np.flatnonzero(step.nonfinite):  # the env broke: drop every decision of that episode
             valid[episode_start[n] : t + 1, n] = False
+        counted = np.flatnonzero((step.terminated | step.truncated) & ~step.nonfinite)  # step.episode_*'s envs, in order
+        firsts += list(episode_start[counted] == 0)
         episode_start[step.terminated | step.truncated] = t + 1
         returns += step.episode_returns
         successes += step.episode_successes
@@ -196,7 +218,9 @@ def collect_rollout(
         episode_returns=np.asarray(returns, dtype=np.float32),
         episode_successes=np.asarray(successes, dtype=bool),
         episode_lengths=np.asarray(lengths, dtype=np.int64),
+        episode_first=np.asarray(firsts, dtype=bool),
         episode_tasks=tuple(tasks),
+        env_tasks=tuple(env.task for env in vec_env.envs),
         weight_version=weight_version,
         actor_index=actor_index,
         sample_seconds=time.perf_counter() - start,
@@ -208,8 +232,11 @@ def collect_rollout(
     return batch, obs
 
 
-def evaluate_layouts(policy: FlowPolicy, envs: list[SuiteEnv], layouts: Sequence[Layout]) -> np.ndarray:
-    """One deterministic episode per layout (a_0 = 0, no injected noise); returns success (L,) bool.
+def evaluate_layouts(
+    policy: FlowPolicy, envs: list[SuiteEnv], layouts: Sequence[Layout], noise: torch.Generator | None = None
+) -> np.ndarray:
+    """One episode per layout; returns success (L,) bool. Deterministic (a_0 = 0, no injected noise) unless `noise` is
+    given: then each chunk is sampled as the rollouts sample it, the noise drawn from that generator.
 
     Layouts are run in groups of len(envs), the envs of a group stepped in lock-step, one chunk each.
     Frames (when the envs have cameras) are rendered once per chunk, the instruction tokenized once per env.
@@ -225,7 +252,7 @@ def evaluate_layouts(policy: FlowPolicy, envs: list[SuiteEnv], layouts: Sequence
         active = np.ones(len(group), dtype=bool)
         while active.any():
             index = np.flatnonzero(active)
-            actions = decide(policy, obs.index(index), deterministic=True).env_actions
+            actions = decide(policy, obs.index(index), deterministic=noise is None, generator=noise).env_actions
             for i, chunk in zip(index, actions):
                 outcome = execute_chunk(envs[i], chunk, gamma=1.0)
                 obs.state[i] = outcome.final_obs

@@ -42,6 +42,10 @@ class RolloutBatch:
     episode_returns: np.ndarray  # (E,) float32      episodes that ended during this rollout
     episode_successes: np.ndarray  # (E,) bool
     episode_lengths: np.ndarray  # (E,) int64
+    # (E,) bool: the episode is the first its env ran in this rollout (started at the rollout's reset). Success over
+    # these alone is the sampling policy's success rate on the training layouts; over every episode that ended, quick
+    # successes count several times per env and failures, which run to the episode limit, once.
+    episode_first: np.ndarray
     weight_version: int
     actor_index: int
     sample_seconds: float
@@ -54,6 +58,8 @@ class RolloutBatch:
     # (E,) the task of each episode in episode_returns/successes/lengths: per-task rollout statistics of a multi-task
     # run. Names, not an array: a record of what ran, not a quantity the update reads.
     episode_tasks: tuple[str, ...] = ()
+    # (N,) the task of each env: what a multi-task update groups decisions by (algorithm.normalize_advantages_per_task).
+    env_tasks: tuple[str, ...] = ()
 
     PER_DECISION = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "log_probs_per_element", "valid")
 
@@ -103,6 +109,11 @@ class RolloutBatch:
         if self.bootstrap_obs.batch_shape != (len(at),) or fields != want:
             raise ValueError(f"{where}: RolloutBatch.bootstrap_obs must hold {want} of the {len(at)} bootstrap rows, got "
                              f"{self.bootstrap_obs.batch_shape} rows of {fields}")  # fmt: skip
+        if self.env_tasks and len(self.env_tasks) != self.num_envs:
+            raise ValueError(f"{where}: RolloutBatch.env_tasks names {len(self.env_tasks)} envs, expected {self.num_envs}")
+        if len(self.episode_first) != len(self.episode_successes):
+            raise ValueError(f"{where}: RolloutBatch.episode_first flags {len(self.episode_first)} episodes, "
+                             f"expected {len(self.episode_successes)}")  # fmt: skip
         if self.episode_tasks and len(self.episode_tasks) != len(self.episode_successes):
             raise ValueError(f"{where}: RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, "
                              f"expected {len(self.episode_successes)}")  # fmt: skip
@@ -119,7 +130,8 @@ class RolloutBatch:
             raise ValueError(f"rollouts carry different observation fields {sorted(fields)}: actors built with different policy configs?")
         per_decision = {n: np.concatenate([getattr(b, n) for b in batches], axis=1) for n in RolloutBatch.PER_DECISION}
         per_episode = {
-            n: np.concatenate([getattr(b, n) for b in batches]) for n in ("episode_returns", "episode_successes", "episode_lengths")
+            n: np.concatenate([getattr(b, n) for b in batches])
+            for n in ("episode_returns", "episode_successes", "episode_lengths", "episode_first")
         }
         offsets = np.cumsum([0] + [b.num_envs for b in batches[:-1]])
         at = np.concatenate([b.bootstrap_at + [0, offset] for b, offset in zip(batches, offsets, strict=True)])
@@ -138,6 +150,7 @@ class RolloutBatch:
             policy_cpu_seconds=sum(b.policy_cpu_seconds for b in batches),
             env_cpu_seconds=sum(b.env_cpu_seconds for b in batches),
             episode_tasks=sum((b.episode_tasks for b in batches), ()),
+            env_tasks=sum((b.env_tasks for b in batches), ()),
         )
 
     def statistics_only(self) -> RolloutBatch:

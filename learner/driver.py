@@ -39,7 +39,15 @@ from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
 from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
 from learner.run_dir import RunDirectory, completed_iterations
-from learner.startup import StartupClock, plan_resources, resolve_init_checkpoint, start_actors, warn_if_ratio_insensitive
+from learner.startup import (
+    StartupClock,
+    describe_task_weights,
+    plan_resources,
+    resolve_init_checkpoint,
+    start_actors,
+    warn_if_ratio_insensitive,
+    with_solved_task_weights,
+)
 
 
 def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, eval_layouts: list, *, single_batch: bool = False,
@@ -60,7 +68,13 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     warn_if_ratio_insensitive(config)
     learner = LearnerHandle(config, directory, checkpoint, resume_dir, learner_resources)
     learner.when_ready(lambda: clock.reached("learner_ready"))  # noted as it happens: the actors start meanwhile
-    pool = start_actors(config, learner.initial_weights(), actor_resources)
+    summary = RunSummary(directory, resume=resume_dir is not None)
+    # The rollout envs per task: chosen at a run's start (from its starting checkpoint) and kept when it resumes.
+    actor_config = with_solved_task_weights(config, checkpoint, summary.data.get("task_weights") if resume_dir else None)
+    summary.data["task_weights"] = actor_config.env.task_weights
+    if weights_line := describe_task_weights(actor_config):
+        print(weights_line, flush=True)
+    pool = start_actors(actor_config, learner.initial_weights(), actor_resources)
     clock.reached("actors_ready")
     iteration, env_steps = learner.resume_point()
     if learner.call("files_elsewhere"):  # learner.run_files
@@ -71,7 +85,6 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     clock.reached("learner_ready", "weights_published")  # a learner whose callback has not run yet was up by now
     print(f"[start] {len(pool.actors)} rollout actors and the learner up in {clock.stages['weights_published']:.1f}s ({clock})", flush=True)
 
-    summary = RunSummary(directory, resume=resume_dir is not None)
     cost = CostMeter(clock.began, learner_resources.times(config.learner.num_learners), actor_resources, summary.data.get("cost", {}))
     wandb_run = None if single_batch else init_wandb(config, directory.path, resume_dir is not None)
     films = EvaluationFilms(config, pool, eval_layouts, directory.path, wandb_run) if config.eval_videos else None

@@ -50,6 +50,7 @@ from common.flow import ChainLogProb, chain_log_prob, compile_steps, num_log_pro
 from common.observation import Observation
 from common.policy import FlowPolicy, concat_features, index_features
 from common.rl import gae, grpo_advantages, kl_to_reference, ppo_policy_loss, value_loss
+from common.suites import make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
 from learner.checkpoints import LearnerCheckpoint, TrainerState
 from learner.data_parallel import SingleRank
@@ -214,6 +215,15 @@ class PPO:
 
     def require_decisions(self, advantages: Advantages, ranks: SingleRank) -> None:
         pass
+
+
+def task_groups(batch: RolloutBatch, over: Tensor, tasks: list[str]) -> dict[str, Tensor]:
+    """The decisions of `over` (B,) of each of `tasks`, by the env each was sampled in (RolloutBatch.env_tasks): every
+    task in the run's order, one this rank has none of included, so the ranks' statistics meet task by task."""
+    if not batch.env_tasks:
+        raise ValueError("algorithm.normalize_advantages_per_task needs the rollout's env_tasks (common.rollout.collect_rollout)")
+    env_task = np.array(batch.env_tasks)
+    return {task: over & torch.from_numpy(np.tile(env_task == task, batch.num_decisions)).to(over.device) for task in tasks}
 
 
 class GRPO:
@@ -397,6 +407,12 @@ class Learner:
         with torch.no_grad(), self.precision(), self.sharding.whole():
             return self._prepare(batch)
 
+    def normalization_groups(self, batch: RolloutBatch, over: Tensor) -> dict[str | None, Tensor]:
+        """The decisions whose advantages are normalised together: all of `over` (key None), or each task's."""
+        if not self.cfg.normalize_advantages_per_task:
+            return {None: over}
+        return task_groups(batch, over, make_suite(self.config.env).tasks())
+
     def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
         policy, cfg = self.policy, self.cfg
         with self.ranks.together("learner.prepare"):  # this rank's rollouts, scored
@@ -450,9 +466,11 @@ class Learner:
         # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
         self.algorithm.require_decisions(advantages, self.ranks)
         if advantages.normalize_over is not None:
-            over = advantages.normalize_over
             b_advantages = b_advantages.clone()
-            b_advantages[over] = self.ranks.normalize(b_advantages[over])
+            for task, over in self.normalization_groups(batch, advantages.normalize_over).items():
+                if task is not None:  # the scale each task's advantages had, over every rank's decisions of it
+                    metrics[f"values/task/{task}/advantage_raw_std"] = self.ranks.std(b_advantages[over])
+                b_advantages[over] = self.ranks.normalize(b_advantages[over])
         cached = None if policy.encoder_is_trainable else features
         if lag:
             weight = (old.log_prob - behaviour.log_prob).exp()

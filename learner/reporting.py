@@ -18,7 +18,16 @@ import yaml
 
 from common.config import RunConfig
 from common.file_digests import file_sha256
-from common.metrics import MetricsLog, console_line, eval_metrics, evaluated_tasks, plot_learning_curve, plot_task_curves, task_key
+from common.metrics import (
+    MetricsLog,
+    console_line,
+    eval_metrics,
+    evaluated_tasks,
+    plot_learning_curve,
+    plot_task_curves,
+    task_key,
+    tasks_against_start,
+)
 from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
 from common.storage import RunFileWriteError, write_file_atomically
@@ -280,6 +289,8 @@ class RunSummary:
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
         if "initial_eval" in self.data and final_eval:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
+            if evaluated_tasks([final_eval]):
+                self.data["tasks_against_initial"] = tasks_against_start(self.data["initial_eval"], final_eval)
         self.write()
 
     def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
@@ -387,6 +398,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         rate, low, high = (final[task_key(task, name)] for name in ("success_rate", "success_low", "success_high"))
         before = f"{initial[task_key(task, 'success_rate')]:.2f} -> " if initial and task_key(task, "success_rate") in initial else ""
         print(f"  {task:<26}: {before}{rate:.2f} [{low:.2f}, {high:.2f}]")
+    if placed := summary.get("tasks_against_initial"):
+        print(f"tasks          : {len(placed['above'])} of {sum(map(len, placed.values()))} above their initial interval, "
+              f"{len(placed['below'])} below{' (' + ', '.join(placed['below']) + ')' if placed['below'] else ''}")  # fmt: skip
     print(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         print(f"per-task curves: {summary['task_curves']}")

@@ -3,6 +3,7 @@ actors started, and the clock of the stages the start-up passes (summary.json "s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,11 +21,12 @@ from common.diagnostics import check_ratio_sensitivity
 from common.file_digests import known_digests
 from common.flow import num_log_prob_elements, require_kernel_compiler
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify_checksums
+from common.rollout import group_tasks
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
 from learner.learner_group import LearnerRanks, start_learner_group
-from learner.pretrain import check_task_demos, ensure_bc_checkpoint
+from learner.pretrain import REPORT_FILE, check_task_demos, ensure_bc_checkpoint
 from learner.ray_runtime import (
     FIRST_ACTOR_BUNDLE,
     LEARNER_BUNDLE,
@@ -59,7 +61,14 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
                           f"{len(eval_layouts) // len(tasks)} layouts per task")  # fmt: skip
     group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
     groups = config.actors.num_actors * config.actors.envs_per_actor // group
-    if groups % len(tasks):
+    strangers = sorted(set(config.env.task_weights) - set(tasks))
+    if strangers:
+        raise ConfigError(f"env.task_weights names {strangers}, not tasks of env.task={config.env.task} ({tasks})")
+    weighted = config.env.task_weights or config.env.solved_task_weight != 1.0
+    if weighted and groups < len(tasks):
+        raise ConfigError(f"actors.num_actors x actors.envs_per_actor make {groups} env groups for the {len(tasks)} tasks of "
+                          f"env.task={config.env.task}: weighted tasks need at least one each")  # fmt: skip
+    if not weighted and groups % len(tasks):
         unit = "envs" if group == 1 else f"GRPO groups of {group} envs"
         raise ConfigError(f"actors.num_actors x actors.envs_per_actor make {groups} {unit} for the {len(tasks)} tasks of "
                           f"env.task={config.env.task}: every iteration samples every task equally only with a multiple of "
@@ -144,6 +153,32 @@ def resolve_init_checkpoint(config: RunConfig) -> Path | None:
     checkpoint = Path(config.init_checkpoint)
     check_checkpoint_matches(config, checkpoint)
     return checkpoint
+
+
+def with_solved_task_weights(config: RunConfig, checkpoint: Path | None, recorded: dict[str, float] | None) -> RunConfig:
+    """The config the rollout actors run: env.task_weights, and env.solved_task_weight for each task that the starting
+    checkpoint's BC evaluation (its pretrain.json, per task) puts above pretrain.target_success_max, unless task_weights
+    names it. `recorded`: the weights a resumed run's start chose (summary.json), kept as they were."""
+    weights = dict(config.env.task_weights)
+    if recorded is not None:
+        weights = recorded
+    elif config.env.solved_task_weight != 1.0 and checkpoint is not None and (checkpoint / REPORT_FILE).is_file():
+        per_task = json.loads((checkpoint / REPORT_FILE).read_text()).get("per_task", {})
+        for task in make_suite(config.env).tasks():
+            if task in per_task and task not in weights and per_task[task][0] > config.pretrain.target_success_max:
+                weights[task] = config.env.solved_task_weight
+    return dataclasses.replace(config, env=dataclasses.replace(config.env, task_weights=weights))
+
+
+def describe_task_weights(config: RunConfig) -> str | None:
+    """The rollout envs each task gets, when the tasks are weighted (None otherwise)."""
+    if not config.env.task_weights:
+        return None
+    group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
+    tasks = make_suite(config.env).tasks()
+    dealt = group_tasks(tasks, config.actors.num_actors * config.actors.envs_per_actor // group, config.env.task_weights)
+    counts = ", ".join(f"{task} {dealt.count(task) * group}" for task in tasks)
+    return f"[start] rollout envs per task (env.task_weights {config.env.task_weights}): {counts}"
 
 
 def warn_if_ratio_insensitive(config: RunConfig) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import load_config
-from common.metrics import MetricsLog, evaluated_tasks, plot_seed_curves, task_key
+from common.metrics import MetricsLog, evaluated_tasks, plot_seed_curves, task_key, tasks_against_start
 from learner.main import run
 from learner.ray_runtime import actor_request, learner_request, start_local_ray
 from learner.startup import resolve_init_checkpoint
@@ -143,7 +143,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
 def task_table(rows: list[dict[str, Any]]) -> str:
     """Markdown for a multi-task sweep ("" otherwise): one row per task, its held-out success before and after RL for
-    each seed that finished (with the Wilson interval), and the mean gain over those seeds."""
+    each seed that finished (with the Wilson intervals), and the mean gain over those seeds; then, per seed, the tasks
+    that ended above and below their BC interval."""
     done = [row for row in rows if row["status"] == "ok"]
     tasks = evaluated_tasks([row["final"] for row in done])
     if not tasks:
@@ -153,18 +154,26 @@ def task_table(rows: list[dict[str, Any]]) -> str:
     for task in tasks:
         cells, gains = [], []
         for row in done:
-            before, after = (row[when][task_key(task, "success_rate")] for when in ("initial", "final"))
-            low, high = (row["final"][task_key(task, name)] for name in ("success_low", "success_high"))
-            cells.append(f"{before:.2f} -> {after:.2f} ({low:.2f}-{high:.2f})")
-            gains.append(after - before)
+            before, after = (_task_interval(row[when], task) for when in ("initial", "final"))
+            cells.append(f"{before} -> {after}")
+            gains.append(row["final"][task_key(task, "success_rate")] - row["initial"][task_key(task, "success_rate")])
         lines.append(f"| {task} | " + " | ".join(cells) + f" | {100 * np.mean(gains):+.1f} points |")
+    placed = [tasks_against_start(row["initial"], row["final"]) for row in done]
+    for where in ("above", "below"):
+        counts = " | ".join(f"{len(tasks[where])} of {len(tasks_of)}" for tasks, tasks_of in ((p, sum(p.values(), [])) for p in placed))
+        lines.append(f"| tasks {where} their BC interval | {counts} | |")
     return "\n".join(lines)
+
+
+def _task_interval(result: dict[str, float], task: str) -> str:
+    rate, low, high = (result[task_key(task, name)] for name in ("success_rate", "success_low", "success_high"))
+    return f"{rate:.2f} ({low:.2f}-{high:.2f})"
 
 
 def write_report(rows: list[dict[str, Any]], sweep_dir: Path, title: str) -> str:
     table = results_table(rows)
     if per_task := task_table(rows):
-        table += "\n\nPer task (held-out success, 95% interval after RL):\n\n" + per_task
+        table += "\n\nPer task (held-out success, 95% intervals):\n\n" + per_task
     (sweep_dir / "results.json").write_text(json.dumps(rows, indent=2))
     (sweep_dir / "results.md").write_text(f"# {title}\n\n{table}\n")
     curves = {}

@@ -1,4 +1,5 @@
-"""A two-task run end to end on the tests' local Ray: per-task evaluation, plots, videos and manifest."""
+"""A two-task run end to end on the tests' local Ray: per-task evaluation, plots, videos and manifest, and the run's
+diagnosis (learner.diagnose)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import json
 
 import pytest
 
+from learner.diagnose import main as diagnose
 from learner.main import main
-from tests.conftest import tiny_run
+from tests.conftest import tiny_config, tiny_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -26,8 +28,57 @@ def test_a_two_task_run_reports_every_task(tmp_path, capsys) -> None:
         assert row[f"eval/task/{task}/success_low"] <= row[f"eval/task/{task}/success_rate"] <= row[f"eval/task/{task}/success_high"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["manifest"]["held_out_layouts"]["tasks"] == ["reach-v3", "pick-place-v3"]
+    placed = summary["tasks_against_initial"]  # each task once, where its final success ends against its initial interval
+    assert sorted(sum(placed.values(), [])) == ["pick-place-v3", "reach-v3"] and set(placed) == {"above", "inside", "below"}
     assert (run_dir / "task_curves.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "reach-v3" in printed and "pick-place-v3" in printed
+    assert f"{len(placed['above'])} of 2 above their initial interval, {len(placed['below'])} below" in printed
     videos = sorted(path.name for path in (run_dir / "videos" / "iter_000001").glob("*.mp4"))
     assert {name.split("_")[0] for name in videos} == {"reach-v3", "pick-place-v3"}  # eval_videos per task
+
+
+def test_a_runs_diagnosis_scores_its_own_evaluations_and_is_the_same_in_each_process(tmp_path, capsys) -> None:
+    """learner.diagnose on a two-task run from a BC policy (its envs weighted by task, as its start says and its
+    summary records): the deterministic held-out cells of the run's start (the manifest's BC checkpoint) and end are
+    the run's initial and final evaluations, task by task; diagnosing the BC policy as both start and end scores the
+    same in the two processes, noisy cells included (the noise is seeded); a run that names no starting checkpoint is
+    refused in one line, before anything is written."""
+    from learner.pretrain import pretrain
+
+    fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "env.max_episode_steps": 100, "eval_episodes": 6,
+              "pretrain.num_demos": 5, "pretrain.train_steps": 400}  # fmt: skip
+    bc = tmp_path / "bc"
+    pretrain(tiny_config(tmp_path, **fields), bc, progress=False)
+    run_dir = tmp_path / "run"
+    weights = {"pick-place-v3": 10.0}  # the run's 4 envs: 1 of reach, 3 of pick-place
+    assert main(tiny_run(run_dir, bc, **fields, iterations=1, eval_every=1, **{"env.task_weights": weights})) == 0
+    assert "rollout envs per task (env.task_weights {'pick-place-v3': 10.0}): reach-v3 1, pick-place-v3 3" in capsys.readouterr().out
+
+    assert diagnose([str(run_dir), "--seed", "5"]) == 0
+    report = json.loads((run_dir / "diagnosis.json").read_text())
+    assert report["start"]["checkpoint"] == str(bc) and report["episodes_per_task"] == 6
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["task_weights"] == weights
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for task in ("reach-v3", "pick-place-v3"):
+        for end, evaluation in (("start", summary["initial_eval"]), ("end", row)):
+            cells = report[end]["cells"][task]
+            assert set(cells) == {"training/deterministic", "training/noisy", "held-out/deterministic", "held-out/noisy"}
+            assert all(cell["episodes"] == 6 and cell["low"] <= cell["success"] <= cell["high"] for cell in cells.values())
+            assert cells["held-out/deterministic"]["success"] == evaluation[f"eval/task/{task}/success_rate"]
+    assert report["start"]["cells"]["reach-v3"]["held-out/deterministic"]["success"] > 0  # the check above is not 0 == 0
+    table = capsys.readouterr().out
+    assert table.count("| reach-v3 |") == 1 and "| **mean** |" in table and "held-out, noisy" in table
+
+    assert diagnose([str(run_dir), "--checkpoint", str(bc), "--seed", "5"]) == 0
+    again = json.loads((run_dir / "diagnosis.json").read_text())
+    assert again["start"]["cells"] == again["end"]["cells"] == report["start"]["cells"]
+
+    unnamed = tmp_path / "random_init_run"
+    unnamed.mkdir()
+    (unnamed / "run_config.json").write_text((run_dir / "run_config.json").read_text())
+    (unnamed / "summary.json").write_text(json.dumps({"manifest": {"init_checkpoint": None}}))
+    capsys.readouterr()
+    assert diagnose([str(unnamed)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (unnamed / "diagnosis.json").exists()

@@ -139,6 +139,43 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         assert metrics[-1][f"memory/rank_{name}"] == pytest.approx(share * held, rel=0.05), name
 
 
+def test_each_tasks_advantages_are_normalised_on_their_own_and_two_ranks_do_the_same(tmp_path) -> None:
+    """algorithm.normalize_advantages_per_task on a two-task run: the learner alone gives each task's decisions zero mean
+    and unit std (checked against the raw advantages normalised here, task by task), reports each task's raw std, and
+    a two-rank group, each rank holding one actor's envs, makes the same update and the same per-task stds."""
+    fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "learner.num_learners": 2, "allow_random_init": True,
+              "algorithm.normalize_advantages_per_task": True, "actors.envs_per_actor": 4, "env.reward": "shaped"}  # fmt: skip
+    config = tiny_config(tmp_path, **fields)
+    torch.manual_seed(0)
+    policy = build_policy(config.policy)
+    policy.set_normalization(torch.zeros(41), torch.ones(41), torch.zeros(4), torch.ones(4))
+    checkpoint = write_directory_atomically(tmp_path / "checkpoint", policy.save_pretrained)
+
+    def learner(run: RunConfig) -> Learner:
+        torch.manual_seed(1)  # the same critic for both
+        return Learner(run, FlowPolicy.from_pretrained(checkpoint))
+
+    alone = learner(config)
+    batches = rollouts(config, checkpoint, alone)
+    batch = RolloutBatch.concat(batches)
+    raw = learner(dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, normalize_advantages=False)))
+    raw_advantages = raw.prepare(batch).advantages.numpy()
+    normalised = alone.prepare(batch).advantages.numpy()
+    env_task = np.tile(np.array(batch.env_tasks), batch.num_decisions)[batch.valid.flatten()]
+    assert sorted(set(env_task)) == ["pick-place-v3", "reach-v3"]
+    for task in ("reach-v3", "pick-place-v3"):
+        mine = raw_advantages[env_task == task]
+        np.testing.assert_allclose(normalised[env_task == task], (mine - mine.mean()) / (mine.std(ddof=1) + 1e-8), rtol=1e-4, atol=1e-5)
+    expected = alone.update(batch)
+    metrics, weights = group_update(config, checkpoint, [batches])
+    for task in ("reach-v3", "pick-place-v3"):
+        key = f"values/task/{task}/advantage_raw_std"
+        assert expected[key] == pytest.approx(raw_advantages[env_task == task].std(ddof=1), rel=1e-5)
+        assert metrics[0][key] == pytest.approx(expected[key], rel=1e-5)
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+
+
 def test_a_sharded_group_checkpoints_as_the_learner_alone_and_resumes_from_its_checkpoint(tmp_path, bc_checkpoint) -> None:
     """Rank 0 writes the policy and the Adam state gathered from the shards: what the learner alone writes after the same
     update. A sharded group that resumes from the learner alone's checkpoint takes its shard of that state and makes the

@@ -95,6 +95,13 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
     per_task = {task: (rollout[f"rollout/task/{task}/episodes"], rollout[f"rollout/task/{task}/success_rate"]) for task in env_task}
     assert [count for count, _ in per_task.values()] == list(ended)
     assert sum(count * rate for count, rate in per_task.values()) / sum(ended) == pytest.approx(rollout["rollout/success_rate"])
+    # Each env's first episode of the rollout is flagged, and only it: both envs end one within the 32 steps.
+    first_of_env = [batch.episode_tasks.index(task) for task in env_task]
+    assert np.flatnonzero(batch.episode_first).tolist() == sorted(first_of_env)
+    for task in env_task:
+        first_success = batch.episode_successes[batch.episode_tasks.index(task)]
+        assert rollout[f"rollout/task/{task}/first_episode_success_rate"] == float(first_success)
+    assert rollout["rollout/first_episode_success_rate"] == np.mean(batch.episode_successes[sorted(first_of_env)])
     metrics = learner.update(batch)
     assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
 
@@ -112,6 +119,14 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
     recordings = actor.record_episodes(None, held_out, 32, positions=[1, 4])
     assert [(r.task, r.layout) for r in recordings] == [(held_out[1].task, held_out[1]), (held_out[4].task, held_out[4])]
     assert [r.success for r in recordings] == [successes[1], successes[4]]
+    actor.close()
+
+
+def test_an_actor_builds_the_envs_the_task_weights_deal_it(tmp_path, two_task_checkpoint) -> None:
+    checkpoint, _ = two_task_checkpoint
+    config = two_task_config(tmp_path, **{"actors.num_actors": 1, "actors.envs_per_actor": 4, "env.task_weights": {"reach-v3": 0.25}})
+    actor = RolloutActor(config, 0, checkpoint)
+    assert [env.task for env in actor.vec_env.envs] == ["pick-place-v3", "reach-v3", "pick-place-v3", "pick-place-v3"]
     actor.close()
 
 

@@ -3,11 +3,14 @@ checks before a run, and gauges tagged per task."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
-from common.rollout import env_tasks
+from common.rollout import env_tasks, group_tasks
 from common.suites import make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
 from learner.monitoring import GaugeExporter
@@ -33,10 +36,32 @@ def test_task_names_and_sets_resolve_and_bad_ones_are_named() -> None:
 
 def test_envs_take_the_tasks_in_turn_and_every_iteration_samples_each_equally() -> None:
     tasks = ["a", "b", "c"]
-    everyone = [task for actor in range(3) for task in env_tasks(tasks, actor, 2)]
+    everyone = [task for actor in range(3) for task in env_tasks(group_tasks(tasks, 6), actor, 2)]
     assert everyone == ["a", "b", "c", "a", "b", "c"]
-    grouped = [task for actor in range(3) for task in env_tasks(tasks, actor, 4, group_size=2)]
+    grouped = [task for actor in range(3) for task in env_tasks(group_tasks(tasks, 6), actor, 4, group_size=2)]
     assert grouped == ["a", "a", "b", "b", "c", "c", "a", "a", "b", "b", "c", "c"]  # a GRPO group shares its task
+
+
+@pytest.mark.parametrize("num_groups", [5, 8, 24, 120, 121])
+def test_weighted_tasks_get_envs_in_proportion_at_least_one_each_and_interleaved(num_groups) -> None:
+    """group_tasks against the shares computed here: one group for each task, and of the rest each task's fraction
+    by weight, rounded down or up, the counts summing to num_groups; and no task's groups bunched together (between
+    two of a task's groups at most one more than an even spread leaves)."""
+    tasks = ["solved-a", "hard-b", "hard-c", "solved-d", "hard-e"]
+    weights = {"solved-a": 0.25, "solved-d": 0.25}
+    dealt = group_tasks(tasks, num_groups, weights)
+    assert len(dealt) == num_groups
+    total = sum(weights.get(task, 1.0) for task in tasks)
+    for task in tasks:
+        share = (num_groups - len(tasks)) * weights.get(task, 1.0) / total
+        count = dealt.count(task)
+        assert 1 + math.floor(share) <= count <= 1 + math.ceil(share)
+        where = [i for i, name in enumerate(dealt) if name == task]
+        assert all(later - earlier <= math.ceil(num_groups / count) + 1 for earlier, later in zip(where, where[1:]))
+    if num_groups >= 24:
+        assert dealt.count("hard-b") > 3 * dealt.count("solved-a") - 3
+    with pytest.raises(ValueError, match="4 env groups cannot sample 5 tasks"):
+        group_tasks(tasks, 4)
 
 
 def test_a_run_whose_envs_do_not_divide_among_the_tasks_is_refused(tmp_path) -> None:
@@ -85,3 +110,28 @@ def test_the_mt10_recipe_runs_on_five_other_tasks_with_no_other_change() -> None
     # Set by hand, a width is kept, and checked against the suite's.
     with pytest.raises(ConfigError, match=r"policy\.obs_dim=49 but the state of the 5 tasks of .* has 44 elements: set policy\.obs_dim=44"):
         preflight(load_config(REPO / "configs" / "mt10.yaml", [f"env.task={others}", "policy.obs_dim=49"]), address=None, resume=False)
+
+
+def test_a_task_the_starting_policy_solves_gets_the_solved_weight_and_a_resumed_run_keeps_its_weights(tmp_path) -> None:
+    """learner.startup.with_solved_task_weights: a task whose BC held-out success (pretrain.json, per task) is above
+    pretrain.target_success_max takes env.solved_task_weight, unless env.task_weights names it; a resumed run keeps the
+    weights its start chose; the start line counts each task's envs; a weight for a task outside the run is refused."""
+    from learner.startup import describe_task_weights, with_solved_task_weights
+
+    checkpoint = tmp_path / "bc"
+    checkpoint.mkdir()
+    (checkpoint / "pretrain.json").write_text(json.dumps({"per_task": {"reach-v3": [0.95, 0.89, 0.98], "pick-place-v3": [0.7, 0.6, 0.78]}}))
+    fields = {"env.task": TWO_TASKS, "policy.obs_dim": 41, "actors.num_actors": 3, "actors.envs_per_actor": 4}
+    config = tiny_config(tmp_path, **fields, **{"env.solved_task_weight": 0.25})
+    chosen = with_solved_task_weights(config, checkpoint, None)
+    assert chosen.env.task_weights == {"reach-v3": 0.25}  # pick-place at 0.70 is not above the window's 0.7
+    assert describe_task_weights(chosen).endswith("reach-v3 3, pick-place-v3 9")
+    assert with_solved_task_weights(tiny_config(tmp_path, **fields), checkpoint, None).env.task_weights == {}  # weight 1.0: off
+    named = tiny_config(tmp_path, **fields, **{"env.solved_task_weight": 0.25, "env.task_weights": {"reach-v3": 0.5}})
+    assert with_solved_task_weights(named, checkpoint, None).env.task_weights == {"reach-v3": 0.5}
+    assert with_solved_task_weights(config, None, {"pick-place-v3": 2.0}).env.task_weights == {"pick-place-v3": 2.0}
+    assert describe_task_weights(tiny_config(tmp_path, **fields)) is None
+    with pytest.raises(ConfigError, match=r"env.task_weights names \['push-v3'\], not tasks of env.task=reach-v3,pick-place-v3"):
+        preflight(tiny_config(tmp_path, **fields, **{"env.task_weights": {"push-v3": 2.0}}), address=None, resume=False)
+    with pytest.raises(ConfigError, match=r"env.solved_task_weight must be > 0, got 0"):
+        tiny_config(tmp_path, **fields, **{"env.solved_task_weight": 0})

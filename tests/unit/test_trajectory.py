@@ -32,6 +32,7 @@ def rollout_with_frames(num_envs: int = 2, ended: tuple[tuple[int, int], ...] = 
         obs=obs, chains=np.zeros((t, num_envs, k + 1, h, a), np.float32), terminated=terminated, truncated=np.zeros((t, num_envs), bool),
         valid=np.ones((t, num_envs), bool), **floats, bootstrap_at=bootstrap_at.astype(np.int64), bootstrap_obs=bootstrap_obs,
         episode_returns=np.zeros(0, np.float32), episode_successes=np.zeros(0, bool), episode_lengths=np.zeros(0, np.int64),
+        episode_first=np.zeros(0, bool),
         weight_version=0, actor_index=0, sample_seconds=0.0, env_steps=0, actor_precision="bfloat16 on cuda:0",
     )  # fmt: skip
 
