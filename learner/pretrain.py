@@ -203,7 +203,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
 def bc_cache_key(config: RunConfig) -> str:
     """The checkpoint depends on the policy's architecture, the task's episode rules and the pre-training
     recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load, nor on the
-    success window that only chooses among demonstration counts."""
+    success window that only chooses among demonstration counts, nor on how the RL run deals its envs to the tasks."""
     if config.pretrain.num_demos is None:
         raise ValueError("bc_cache_key needs a resolved pretrain.num_demos (see ensure_bc_checkpoint)")
     relevant = {name: dataclasses.asdict(getattr(config, name)) for name in ("policy", "env", "pretrain")}
@@ -211,6 +211,8 @@ def bc_cache_key(config: RunConfig) -> str:
         del relevant["policy"][name]
     for name in ("target_success_min", "target_success_max"):
         del relevant["pretrain"][name]
+    for name in ("task_weights", "solved_task_weight"):
+        del relevant["env"][name]
     if not relevant["pretrain"]["task_demos"]:  # the same key as before the field existed: cached checkpoints stay valid
         del relevant["pretrain"]["task_demos"]
     relevant["recipe_version"] = RECIPE_VERSION

@@ -46,7 +46,8 @@ def test_bc_cache_is_created_once_and_keyed_by_config(tmp_path, monkeypatch) -> 
     assert ensure_bc_checkpoint(config) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
     other = tiny_config(tmp_path, **{"pretrain.train_steps": 6})
     assert bc_cache_key(other) != bc_cache_key(config)
-    for unrelated in ({"algorithm.clip_eps": 0.1}, {"policy.sigma_max": 0.3}, {"policy.init_noise_std": 1.0}):
+    for unrelated in ({"algorithm.clip_eps": 0.1}, {"policy.sigma_max": 0.3}, {"policy.init_noise_std": 1.0},
+                      {"env.solved_task_weight": 0.25}, {"env.task_weights": {"pick-place-v3": 2.0}}):  # fmt: skip
         assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5}, **unrelated)) == bc_cache_key(config)
     assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.train_steps": 5, "policy.hidden_dim": 48})) != bc_cache_key(config)
 
