@@ -95,7 +95,7 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
     per_task = {task: (rollout[f"rollout/task/{task}/episodes"], rollout[f"rollout/task/{task}/success_rate"]) for task in env_task}
     assert [count for count, _ in per_task.values()] == list(ended)
     assert sum(count * rate for count, rate in per_task.values()) / sum(ended) == pytest.approx(rollout["rollout/success_rate"])
-    # Each env's first episode of the rollout is flagged, and only it: both envs end one within the 32 steps.
+    # Each env's first episode of the rollout is flagged, and only it: with 16-step episodes both envs end one.
     first_of_env = [batch.episode_tasks.index(task) for task in env_task]
     assert np.flatnonzero(batch.episode_first).tolist() == sorted(first_of_env)
     for task in env_task:
