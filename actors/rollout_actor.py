@@ -36,8 +36,8 @@ from common.rollout import (
     collect_rollout,
     env_tasks,
     evaluate_layouts,
-    group_tasks,
     make_envs,
+    run_group_tasks,
     task_positions,
 )
 from common.suites import ImageConfig, Layout, make_suite
@@ -103,15 +103,13 @@ class RolloutActor:
             benchmark_tables = ray.get(ray.get_actor(benchmark_tables).merged.remote())
         if benchmark_tables:
             self.suite.adopt_layout_tables(benchmark_tables)
-        grpo = config.algorithm.algo == "grpo"
-        group = config.algorithm.group_size if grpo else 1
-        groups = group_tasks(self.suite.tasks(), config.actors.num_actors * config.actors.envs_per_actor // group, config.env.task_weights)
+        groups, group = run_group_tasks(config, self.suite.tasks())
         tasks = env_tasks(groups, actor_index, config.actors.envs_per_actor, group)
         train_layouts = [layout for task in dict.fromkeys(tasks) for layout in self.suite.layouts(task, config.env.train_benchmark_seeds)]
         # The cameras come from the loaded policy's own config: the checkpoint says what it was trained to see.
         self.cameras = camera_configs(self.policy.config)
         envs = make_envs(self.suite, tasks, self.cameras)
-        if grpo:  # groups of envs share their layouts: G rollouts of each initial state
+        if config.algorithm.algo == "grpo":  # groups of envs share their layouts: G rollouts of each initial state
             self.vec_env = GroupVectorEnv(envs, train_layouts, config.algorithm.gamma, config.algorithm.group_size)
         else:
             self.vec_env = ChunkedVectorEnv(envs, train_layouts, config.algorithm.gamma)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.config import PolicyConfig
+from common.config import PolicyConfig, RunConfig
 from common.diagnostics import check_finite_arrays
 from common.flow import sample_chain
 from common.observation import Observation
@@ -131,6 +131,13 @@ def group_tasks(tasks: Sequence[str], num_groups: int, weights: dict[str, float]
         credit[chosen] -= num_groups
         order.append(tasks[chosen])
     return order
+
+
+def run_group_tasks(config: RunConfig, tasks: Sequence[str]) -> tuple[list[str], int]:
+    """group_tasks for a run: its env groups' tasks under env.task_weights, and the envs of a group (a GRPO group's
+    size, else 1)."""
+    group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
+    return group_tasks(tasks, config.actors.num_actors * config.actors.envs_per_actor // group, config.env.task_weights), group
 
 
 def env_tasks(groups: Sequence[str], actor_index: int, envs_per_actor: int, group_size: int = 1) -> list[str]:

@@ -21,7 +21,7 @@ from common.diagnostics import check_ratio_sensitivity
 from common.file_digests import known_digests
 from common.flow import num_log_prob_elements, require_kernel_compiler
 from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify_checksums
-from common.rollout import group_tasks
+from common.rollout import run_group_tasks
 from common.suites import Suite, build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
@@ -174,9 +174,8 @@ def describe_task_weights(config: RunConfig) -> str | None:
     """The rollout envs each task gets, when the tasks are weighted (None otherwise)."""
     if not config.env.task_weights:
         return None
-    group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
     tasks = make_suite(config.env).tasks()
-    dealt = group_tasks(tasks, config.actors.num_actors * config.actors.envs_per_actor // group, config.env.task_weights)
+    dealt, group = run_group_tasks(config, tasks)
     counts = ", ".join(f"{task} {dealt.count(task) * group}" for task in tasks)
     return f"[start] rollout envs per task (env.task_weights {config.env.task_weights}): {counts}"
 
