@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import re
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,43 @@ def test_the_learner_group_cluster_file_places_one_rank_on_each_gpu_node(tmp_pat
         assert f"learner rank {rank}    -> gpu_worker#{rank}  asks {{CPU: 8, GPU: 1, learner_slot: 1}}" in out
     assert main([*argv, "--set", "learner.num_learners=3"]) == 2
     assert "learner rank 2 (of 3) does not fit" in capsys.readouterr().err
+
+
+UBUNTU_SETUP_TRIAL = REPO / "cluster" / "try_setup_on_ubuntu.sh"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["{existing}"], r"^error: .*/existing exists: name a new directory"),
+        (["--bogus"], r"^error: unknown option --bogus"),
+        (["--ca-file", "{missing}"], r"^error: --ca-file .*/missing\.crt: no such readable file$"),
+        (["--keyring"], r"^error: --keyring needs a value"),
+        (["{missing}", "{missing}"], r"^error: one ROOT directory only"),
+    ],
+    ids=["existing-root", "unknown-option", "missing-ca-file", "keyring-without-value", "two-roots"],
+)
+def test_the_ubuntu_setup_trial_refuses_bad_arguments_in_one_line_and_writes_nothing(tmp_path: Path, arguments, message) -> None:
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "kept.txt").write_text("kept")
+    paths = {"existing": str(existing), "missing": str(tmp_path / "missing.crt")}
+    completed = subprocess.run(
+        ["bash", str(UBUNTU_SETUP_TRIAL), *(a.format(**paths) for a in arguments)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    assert len(completed.stderr.splitlines()) == 1 and re.search(message, completed.stderr), completed.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["existing", "kept.txt"]
+    assert (existing / "kept.txt").read_text() == "kept"
+
+
+def test_the_ubuntu_setup_trial_reads_the_setup_commands_ray_up_runs() -> None:
+    """The trial and CI's Python 3.12 stage read the YAML's setup commands with awk: the same list YAML itself gives."""
+    setup = yaml.safe_load((REPO / "cluster" / "h200.yaml").read_text())["setup_commands"]
+    awk = next(line for line in UBUNTU_SETUP_TRIAL.read_text().splitlines() if line.startswith("mapfile -t setup"))
+    program = re.search(r"awk '([^']*)'", awk).group(1)
+    assert program in (REPO / ".ci" / "python312").read_text()
+    listed = subprocess.run(["awk", program, str(REPO / "cluster" / "h200.yaml")], capture_output=True, text=True, check=True)
+    assert listed.stdout.splitlines() == setup
+    assert any(command.startswith("sudo apt-get ") for command in setup)
