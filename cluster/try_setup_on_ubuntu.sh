@@ -47,6 +47,7 @@ if [ -z "$root" ]; then
     rmdir "$root"
 fi
 cd "$(dirname "$0")/.."
+source cluster/setup_helpers.sh
 
 mounted=()
 cleanup() {
@@ -89,22 +90,22 @@ prepare_log="$root.prepare.log"
 {
     in_root apt-get -q update
     in_root apt-get -q install -y --no-install-recommends sudo ca-certificates
-} > "$prepare_log" 2>&1 || { tail -n 20 "$prepare_log" >&2; echo "error: could not install sudo in the Ubuntu root" >&2; exit 1; }
-if [ "${#ca_files[@]}" -gt 0 ]; then
-    for ca_file in "${ca_files[@]}"; do cp "$ca_file" "$root/usr/local/share/ca-certificates/$(basename "${ca_file%.*}").crt"; done
-    in_root update-ca-certificates >> "$prepare_log" 2>&1
-    printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$root/etc/pip.conf"
-fi
+    if [ "${#ca_files[@]}" -gt 0 ]; then
+        for ca_file in "${ca_files[@]}"; do cp "$ca_file" "$root/usr/local/share/ca-certificates/$(basename "${ca_file%.*}").crt"; done
+        in_root update-ca-certificates
+        printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$root/etc/pip.conf"
+    fi
+} > "$prepare_log" 2>&1 || { tail -n 20 "$prepare_log" >&2; echo "error: could not install sudo or the certificates in the Ubuntu root" >&2; exit 1; }
 in_root useradd --create-home --shell /bin/bash ubuntu
 echo "ubuntu ALL=(ALL) NOPASSWD:ALL" > "$root/etc/sudoers.d/90-ubuntu"
 mkdir "$root/home/ubuntu/flowrl"
-git ls-files -z --cached --others --exclude-standard | tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C "$root/home/ubuntu/flowrl"
+copy_checkout "$root/home/ubuntu/flowrl"
 in_root chown -R ubuntu:ubuntu /home/ubuntu/flowrl
 rm -f "$prepare_log"
 echo "a minimal Ubuntu with the SSH user in $((SECONDS - start)) s"
 
 as_ubuntu() { in_root sudo -u ubuntu -H bash --login -i -c "$1" 2> >(grep -v -e "cannot set terminal process group" -e "no job control in this shell" >&2); }
-mapfile -t setup < <(awk '/^setup_commands:/ {inside = 1; next} /^[^ #]/ {inside = 0} inside && /^  - / {sub(/^  - /, ""); print}' cluster/h200.yaml)
+mapfile -t setup < <(h200_setup_commands)
 [ "${#setup[@]}" -gt 0 ] || { echo "error: cluster/h200.yaml has no setup_commands" >&2; exit 1; }
 for command in "${setup[@]}"; do
     step=$SECONDS

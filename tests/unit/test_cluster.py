@@ -328,11 +328,13 @@ def test_the_ubuntu_setup_trial_refuses_bad_arguments_in_one_line_and_writes_not
 
 
 def test_the_ubuntu_setup_trial_reads_the_setup_commands_ray_up_runs() -> None:
-    """The trial and CI's Python 3.12 stage read the YAML's setup commands with awk: the same list YAML itself gives."""
+    """The trial and CI's Python 3.12 stage read the YAML's setup commands with one shell function, which gives the list
+    YAML itself gives."""
     setup = yaml.safe_load((REPO / "cluster" / "h200.yaml").read_text())["setup_commands"]
-    awk = next(line for line in UBUNTU_SETUP_TRIAL.read_text().splitlines() if line.startswith("mapfile -t setup"))
-    program = re.search(r"awk '([^']*)'", awk).group(1)
-    assert program in (REPO / ".ci" / "python312").read_text()
-    listed = subprocess.run(["awk", program, str(REPO / "cluster" / "h200.yaml")], capture_output=True, text=True, check=True)
+    for script in (UBUNTU_SETUP_TRIAL, REPO / ".ci" / "python312"):
+        assert "source cluster/setup_helpers.sh" in script.read_text() and "mapfile -t setup < <(h200_setup_commands)" in script.read_text()
+    listed = subprocess.run(
+        ["bash", "-c", "source cluster/setup_helpers.sh && h200_setup_commands"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert listed.stdout.splitlines() == setup
     assert any(command.startswith("sudo apt-get ") for command in setup)
