@@ -31,7 +31,12 @@ kernels the compiler generated for a step, and the outputs against the eager pat
 `--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.speed.compile_vision), and
 its speedup over `<path>_compiled`. An update variant with "learner.speed.compile_steps=true" or "learner.speed.compile_vision=true"
 first runs an update of its own that compiles (`first_update_seconds`), then times the update as the others
-(`graphs_compiled`: 0, none new).
+(`graphs_compiled`: 0, none new). Every update reports the bytes its learner holds (`parameter_bytes`,
+`gradient_bytes`, `optimizer_bytes`: Learner.state_bytes). `--group-of-one N` times the recipe's update N times by a
+learner alone and N times by the learner group's code path with one rank (learner.data_parallel.RankGroup, its
+collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on CPU), fresh learners taking turns on the
+same rollouts: `group_of_one/over_alone` is the ratio of their median seconds, `max_abs_weight_difference` how far the
+last two updates' trainable weights lie apart.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import socket
 import statistics
 import sys
 import tempfile
@@ -53,12 +59,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import Tensor
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import REPO_ROOT, emit  # noqa: E402
+from bench.report import REPO_ROOT, emit, ratio  # noqa: E402
 from common.config import RunConfig  # noqa: E402
 from common.config_loading import apply_override, from_dict, load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
@@ -67,6 +75,7 @@ from common.op_count import OpCounter  # noqa: E402
 from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
 from common.policy.smolvla.stand_ins import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
+from learner.data_parallel import RankGroup, join_learner_group  # noqa: E402
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short GPU run can leave out
@@ -478,7 +487,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     "losses/approx_kl", "ppo/optimizer_steps", "ppo/kl_early_stop", "logprob/per_element", "policy/sigma_mean",
                     "ppo/actor_lr", "faults/grad_accum", "ppo/micro_batch_rows")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[-1], "decisions": batch.num_decisions * batch.num_envs,
-                    **{k: metrics[k] for k in keep if k in metrics}, **({} if ops is None else ops.counts()),
+                    **{k: metrics[k] for k in keep if k in metrics}, **learner.state_bytes(), **({} if ops is None else ops.counts()),
                     **({} if flops is None else {"flops": flops.get_total_flops(), "scoring_pass_flops": scoring_flops.get_total_flops(),
                                                  "vision_flops": vision_flops(flops)}),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
@@ -497,21 +506,22 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     "behaviour_gap_max": prepared.metrics["logprob/behaviour_gap_max"],
                     **{f"rollout_{k}": v for k, v in rollout_figures(batch, sampled - start_sample).items()}}  # fmt: skip
 
+        def fresh_learner(variant: RunConfig, ranks: RankGroup | None = None) -> Learner:
+            """A learner of `variant` from the checkpoint (alone, or as `ranks`), version 0 published, in state."""
+            # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
+            state.pop("learner", None)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
+            state["learner"] = Learner(variant, policy.to(device), ranks=ranks)
+            state["learner"].broadcast()
+            return state["learner"]
+
         def update_variant(overrides: str) -> Callable[[], dict[str, Any]]:
             """A fresh learner from the same checkpoint with config fields overridden (e.g.
             "algorithm.grad_accum=1,learner.speed.precision=bfloat16"), its update on the same version-0 rollouts."""
-
-            def fresh_learner(variant: RunConfig) -> Learner:
-                # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
-                state.pop("learner", None)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats(device)
-                policy = FlowPolicy.from_pretrained(checkpoint, **config.policy.sampling_overrides())
-                state["learner"] = Learner(variant, policy.to(device))
-                state["learner"].broadcast()
-                return state["learner"]
 
             def stage() -> dict[str, Any]:
                 changes: dict[str, Any] = {}
@@ -533,6 +543,30 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
             return stage
 
+        def group_of_one() -> dict[str, Any]:
+            """The recipe's update by a learner alone and by the group's code path with one rank, taking turns."""
+            with socket.socket() as probe:  # a port free now for the one rank's TCP store
+                probe.bind(("127.0.0.1", 0))
+                address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+            ranks = join_learner_group(address, 0, 1, device)
+            try:
+                seconds: dict[str, list[float]] = {"alone": [], "group": []}
+                trained: dict[str, list[Tensor]] = {}
+                for _ in range(args.group_of_one):
+                    for name in ("alone", "group"):
+                        learner = fresh_learner(config, ranks if name == "group" else None)
+                        figures = update()
+                        seconds[name].append(figures["seconds"])
+                        trained[name] = [p.detach().cpu() for p in learner.actor_params + learner.critic_params]
+                        del learner
+            finally:
+                dist.destroy_process_group()
+            alone, group = statistics.median(seconds["alone"]), statistics.median(seconds["group"])
+            difference = max((a - b).abs().max().item() for a, b in zip(trained["alone"], trained["group"], strict=True))
+            return {"alone_seconds": alone, "group_seconds": group, "over_alone": ratio(group, alone), "turns": args.group_of_one,
+                    "max_abs_weight_difference": difference, "ppo/first_minibatch_ratio_dev": figures.get("ppo/first_minibatch_ratio_dev"),
+                    **{k: figures[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")}}  # fmt: skip
+
         skipped = args.skip
         if run_stage(results, "actor_start", start_actor, device):
             if "decision_latency" not in skipped:
@@ -547,6 +581,8 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     run_stage(results, "publish_load_sample_v1", publish_and_load, device)
                 for overrides in filter(None, args.update_variants.split(";")):
                     run_stage(results, f"update[{overrides}]", update_variant(overrides), device)
+                if args.group_of_one:
+                    run_stage(results, "group_of_one", group_of_one, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--update-variants", default="", metavar="FIELD=VALUE[,...][;...]",
                         help="then the update again, by a fresh learner per ;-separated set of learner overrides")  # fmt: skip
+    parser.add_argument("--group-of-one", type=int, default=0, metavar="N",
+                        help="then the recipe's update N times alone and N times on the learner group's path with one rank")  # fmt: skip
     parser.add_argument(
         "--skip",
         default="",

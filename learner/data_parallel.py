@@ -7,7 +7,8 @@ the minibatch's mean), the metrics, and every error (one rank's NaN rolls every 
 
 `SingleRank` is the learner alone: each of its collectives is the identity, so a one-rank learner runs the same
 operations, bit for bit, as a learner that knows nothing of ranks. `RankGroup` runs them over a torch.distributed
-process group (gloo on CPUs, NCCL on GPUs) that learner.learner_group sets up under Ray.
+process group (gloo on CPUs, NCCL on GPUs) that each rank joins with `join_learner_group`, under Ray in a run
+(learner.learner_group); nothing here needs Ray.
 
 A collective must be reached by every rank in the same order. Local work that can fail runs inside `together`,
 which holds no collective of its own work: on leaving it, every rank learns whether any rank failed, and all raise.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,9 @@ from torch import Tensor
 from common.diagnostics import NonFiniteError
 from common.rl import normalize
 
+# How long a rank waits in a collective for the others before torch.distributed gives up on the group. The run's own
+# deadline on learner calls (learner.faults.call_timeout_s) ends a wedged group first; this only bounds a rank left behind.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 # Per-micro-batch metrics a minibatch reports as their extreme, not their mean.
 EXTREMES = {"ratio_min": min, "ratio_max": max}
 # The outcome of a rank's local work in `together`, in order of precedence when ranks differ.
@@ -82,6 +87,13 @@ class SingleRank:
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         pass
+
+
+def join_learner_group(address: str, rank: int, size: int, device: torch.device) -> RankGroup:
+    """This process as rank `rank` of `size` in the default process group, rendezvousing at `address` (tcp://IP:PORT)."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return RankGroup(rank, size)
 
 
 class RankGroup(SingleRank):

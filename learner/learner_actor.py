@@ -21,8 +21,8 @@ from common.file_digests import trust_digests
 from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.trajectory import RolloutBatch
+from learner.data_parallel import join_learner_group
 from learner.learner import Learner
-from learner.learner_group import join_learner_group
 from learner.monitoring import GaugeExporter, per_actor_metrics
 from learner.run_files import RunFiles
 

@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import ray
-import torch
-import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.config import ConfigError, RunConfig
-from learner.data_parallel import RankGroup
 from learner.ray_runtime import ResourceRequest
 
 # How long a learner group's placement may wait for its resources, the cluster having shown it holds them in sum
 # (learner.startup.plan_resources): nodes joining, other runs' actors leaving.
 PLACEMENT_TIMEOUT_S = 300.0
-# How long a rank waits in a collective for the others before torch.distributed gives up on the group. The run's own
-# deadline on learner calls (learner.faults.call_timeout_s) ends a wedged group first; this only bounds a rank left behind.
-COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def rendezvous_address() -> str:
@@ -37,13 +30,6 @@ def rendezvous_address() -> str:
     with socket.socket() as probe:
         probe.bind((ip, 0))
         return f"tcp://{ip}:{probe.getsockname()[1]}"
-
-
-def join_learner_group(address: str, rank: int, size: int, device: torch.device) -> RankGroup:
-    """This process as rank `rank` of `size` in the default process group, rendezvousing at `address`."""
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return RankGroup(rank, size)
 
 
 @dataclass

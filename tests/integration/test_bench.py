@@ -11,7 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from bench import compile_cache, env_step, libero_step, overhead, policy_load, recompute, record_bytes, rllib_ppo, smolvla_gpu, videos
+from bench import (
+    actors_per_gpu,
+    compile_cache,
+    env_step,
+    libero_step,
+    overhead,
+    policy_load,
+    recompute,
+    record_bytes,
+    rllib_ppo,
+    smolvla_gpu,
+    videos,
+)
 from bench.report import flatten
 from common.config import RunConfig
 from tests.helpers.bench_output import TINY_MAIN_ARGS, assert_positive, printed
@@ -163,6 +175,46 @@ def test_an_actor_started_over_a_filled_compile_cache_compiles_nothing_again(cap
     assert warm["fxgraph_cache_miss"] == 0 and warm["fxgraph_cache_hit"] == cold["fxgraph_cache_miss"]
     assert_positive(cold["compile_seconds"], warm["first_rollout_seconds"], warm["second_rollout_seconds"])
     assert results["warm_over_cold_compile"] == warm["compile_seconds"] / cold["compile_seconds"]
+
+
+def test_smolvla_gpu_bench_sets_the_group_path_with_one_rank_against_the_learner_alone(capsys):
+    """--group-of-one: the same update by the learner alone and by the group's code path with one rank (a one-process
+    gloo group, no Ray), on the same rollouts: the same weights within the learner group tests' tolerance, the same
+    bytes held, and the ratio of their median times; the process group is gone afterwards."""
+    argv = ["--size", "tiny", "--rollouts", "1", "--group-of-one", "1", "--skip", "decision_latency,prepare,publish_load_sample_v1"]
+    assert smolvla_gpu.main(argv) == 0
+    results = printed(capsys)
+    group, update = results["group_of_one"], results["update"]
+    assert group["max_abs_weight_difference"] <= 1e-5 and group["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert group["over_alone"] == group["group_seconds"] / group["alone_seconds"] and group["turns"] == 1
+    for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        assert group[name] == update[name] > 0
+    assert update["parameter_bytes"] > update["gradient_bytes"]  # only the trainable weights have gradients
+    assert not torch.distributed.is_initialized()
+
+
+def test_actors_sharing_a_device_each_sample_every_timed_rollout_and_the_rates_are_set_against_one_actor(capsys):
+    """bench/actors_per_gpu.py: each count's actors run as processes of their own, released together; every actor's
+    timed rollouts are counted (envs x decisions x rollouts each), and the ratios are the counts' rates over one actor's."""
+    assert actors_per_gpu.main(["--actors", "2,1", "--rollouts", "2", "--warmup", "1"]) == 0
+    results = printed(capsys)
+    per_actor = results["envs_per_actor"] * results["decisions_per_rollout"] * 2
+    for count in (1, 2):
+        figures = results[f"actors_{count}"]
+        assert figures["decisions"] == count * per_actor and figures["actor_device"] == "cpu"
+        assert figures["decisions_per_second"] == figures["decisions"] / figures["seconds"]
+        assert_positive(figures["env_steps_per_second"], figures["rollout_seconds"], figures["construct_seconds"])
+        assert figures["rollout_seconds"] <= figures["seconds"]  # the window holds each actor's rollouts
+    one, two = results["actors_1"]["decisions_per_second"], results["actors_2"]["decisions_per_second"]
+    assert results["decisions_per_second_ratio_2_to_1"] == two / one
+    assert results["most_decisions_per_second_at"] in (1, 2)
+
+
+@pytest.mark.parametrize("counts", ["2,4", "0,1", "1,two"])
+def test_actor_counts_without_one_or_not_whole_numbers_are_refused_before_anything_starts(counts, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        actors_per_gpu.main(["--actors", counts])
+    assert exit_info.value.code == 2 and f"--actors {counts}" in capsys.readouterr().err
 
 
 def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):
