@@ -619,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)
+    if args.group_of_one < 0:
+        parser.error(f"--group-of-one {args.group_of_one}: a number of turns, 0 or more")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(OPTIONAL_STAGES)
     if unknown:
