@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -75,7 +74,7 @@ from common.op_count import OpCounter  # noqa: E402
 from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
 from common.policy.smolvla.stand_ins import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
 from common.trajectory import RolloutBatch  # noqa: E402
-from learner.data_parallel import RankGroup, join_learner_group  # noqa: E402
+from learner.data_parallel import RankGroup, free_address, join_learner_group  # noqa: E402
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short GPU run can leave out
@@ -508,7 +507,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def fresh_learner(variant: RunConfig, ranks: RankGroup | None = None) -> Learner:
             """A learner of `variant` from the checkpoint (alone, or as `ranks`), version 0 published, in state."""
-            # The previous learner goes first: its weights and optimiser (16 GiB for pi0) would count in this peak.
+            # The previous learner goes first: its weights and optimiser would count in this peak.
             state.pop("learner", None)
             gc.collect()
             if cuda:
@@ -545,10 +544,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def group_of_one() -> dict[str, Any]:
             """The recipe's update by a learner alone and by the group's code path with one rank, taking turns."""
-            with socket.socket() as probe:  # a port free now for the one rank's TCP store
-                probe.bind(("127.0.0.1", 0))
-                address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-            ranks = join_learner_group(address, 0, 1, device)
+            ranks = join_learner_group(free_address("127.0.0.1"), 0, 1, device)
             try:
                 seconds: dict[str, list[float]] = {"alone": [], "group": []}
                 trained: dict[str, list[Tensor]] = {}
@@ -558,7 +554,6 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                         figures = update()
                         seconds[name].append(figures["seconds"])
                         trained[name] = [p.detach().cpu() for p in learner.actor_params + learner.critic_params]
-                        del learner
             finally:
                 dist.destroy_process_group()
             alone, group = statistics.median(seconds["alone"]), statistics.median(seconds["group"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -87,6 +88,13 @@ class SingleRank:
 
     def broadcast_from_first(self, tensors: Sequence[Tensor]) -> None:
         pass
+
+
+def free_address(ip: str) -> str:
+    """tcp://IP:PORT of a port free now at `ip`, for rank 0's TCP store."""
+    with socket.socket() as probe:
+        probe.bind((ip, 0))
+        return f"tcp://{ip}:{probe.getsockname()[1]}"
 
 
 def join_learner_group(address: str, rank: int, size: int, device: torch.device) -> RankGroup:

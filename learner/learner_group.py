@@ -8,7 +8,6 @@ a Ray task picks there. Rank 0 is the learner the rest of the run talks to: it p
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +16,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.config import ConfigError, RunConfig
+from learner.data_parallel import free_address
 from learner.ray_runtime import ResourceRequest
 
 # How long a learner group's placement may wait for its resources, the cluster having shown it holds them in sum
@@ -26,10 +26,7 @@ PLACEMENT_TIMEOUT_S = 300.0
 
 def rendezvous_address() -> str:
     """tcp://IP:PORT of a port free now on this node (the Ray task's), for rank 0's TCP store."""
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as probe:
-        probe.bind((ip, 0))
-        return f"tcp://{ip}:{probe.getsockname()[1]}"
+    return free_address(ray.util.get_node_ip_address())
 
 
 @dataclass
