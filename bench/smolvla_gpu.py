@@ -29,10 +29,15 @@ arithmetic set against its time. FLOPs depend on the shapes only, so a full-size
 (actors.speed.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
 `--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.speed.compile_vision), and
-its speedup over `<path>_compiled`. An update variant with "learner.speed.compile_steps=true" or "learner.speed.compile_vision=true"
+its speedup over `<path>_compiled`. `--fused-attention` (SmolVLA) times every path again with the attention of the VLM's
+prefix and the expert's steps through one fused kernel (actors.speed.fused_attention): `<path>_fused`, and its speedup
+over `<path>`. An update variant with "learner.speed.compile_steps=true" or "learner.speed.compile_vision=true"
 first runs an update of its own that compiles (`first_update_seconds`), then times the update as the others
 (`graphs_compiled`: 0, none new). Every update reports the bytes its learner holds (`parameter_bytes`,
-`gradient_bytes`, `optimizer_bytes`: Learner.state_bytes). `--group-of-one N` times the recipe's update N times by a
+`gradient_bytes`, `optimizer_bytes`: Learner.state_bytes) and, uncompiled, the most bytes of activations it held at once
+for its backward passes (`saved_for_backward_peak_bytes`: shapes alone set it, so a CPU run reads a GPU's), so
+`--update-variants "learner.speed.fused_attention=true"` shows what SmolVLA's attention through one fused kernel keeps
+beside lerobot's eager attention. `--group-of-one N` times the recipe's update N times by a
 learner alone and N times by the learner group's code path with one rank (learner.data_parallel.RankGroup, its
 collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on CPU), fresh learners taking turns on the
 same rollouts: `group_of_one/over_alone` is the ratio of their median seconds, `max_abs_weight_difference` how far the
@@ -52,6 +57,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,6 +222,40 @@ CPU_ATTENTION_FLOPS = {
 }
 
 
+class SavedForBackward(torch.autograd.graph.saved_tensors_hooks):
+    """The activations a learner keeps for its backward passes: the most bytes of tensors autograd holds at once for
+    them, each storage counted once, parameters left out (they are held anyway). It depends on the shapes and the code
+    path, not the device, so a CPU run reads what a GPU would hold (beyond what its kernels allocate on the way)."""
+
+    class Held:
+        def __init__(self, tensor: Tensor):
+            self.tensor = tensor
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[int]] = {}  # storage address -> [bytes, tensors holding it]
+        self.bytes = self.peak_bytes = 0
+        super().__init__(self.pack, lambda held: held.tensor)
+
+    def pack(self, tensor: Tensor) -> Any:
+        if isinstance(tensor, torch.nn.Parameter):
+            return self.Held(tensor)
+        storage = tensor.untyped_storage()
+        entry = self.held.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        entry[1] += 1
+        held = self.Held(tensor)
+        weakref.finalize(held, self.release, storage.data_ptr())
+        return held
+
+    def release(self, address: int) -> None:
+        entry = self.held[address]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= self.held.pop(address)[0]
+
+
 def flop_counter() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
 
@@ -251,14 +291,15 @@ def decision_flops(policy: FlowPolicy, obs: Observation, actor) -> dict[str, int
 
 
 def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, profile: bool, compiled: bool,
-                     compiled_vision: bool) -> dict[str, Any]:  # fmt: skip
+                     compiled_vision: bool, fused: bool) -> dict[str, Any]:  # fmt: skip
     """Median seconds of one chunk decision (encode + K denoising steps + critic) on random frames and the real tokenizer,
     eager and (on a GPU) as a CUDA graph replay (common.decision_graph), and the host's ops and launches per decision
     (profile: also the profiler's tables of the first batch size's decisions). compiled: each path again with its
     denoising steps compiled (common.flow.compile_steps; `<path>_compiled`); compiled_vision: those paths, and each path
     again with its vision tower compiled too (VLAFlowPolicy.compile_vision; `<path>_compiled_vision`); with the kernels
     the compiler generated for the path (a `_compiled_vision` path's: the vision tower's, its steps being compiled
-    already). Every path's outputs are set against the eager path's on the same noise."""
+    already); fused: every path again with SmolVLA's attention through one fused kernel (SmolVLAFlowPolicy.fuse_attention;
+    `<path>_fused`). Every path's outputs are set against the eager path's on the same noise."""
     from torch._inductor import metrics as inductor_metrics
 
     from common.decision_graph import DecisionGraph
@@ -269,7 +310,9 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     autocast = torch.bfloat16 if actor.config.actors.speed.precision == "bfloat16" else None
     paths = ("eager", "graph") if actor.device.type == "cuda" else ("eager",)
     kept, kept_step, kept_vision, figures = policy.decision_graph, policy.compiled_step, policy.compiled_vision, {}
+    kept_fused = fused and policy.attention_fused
     suffixes = ("", "_compiled", "_compiled_vision")[: 3 if compiled_vision else 2 if compiled else 1]
+    suffixes += tuple(f"{suffix}_fused" for suffix in suffixes) if fused else ()
     paths = tuple(f"{path}{suffix}" for path in paths for suffix in suffixes)
     if compiled or compiled_vision:
         compile_steps(policy, "actors.speed.compile_steps")
@@ -285,7 +328,9 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
             for path in paths:
                 policy.decision_graph = DecisionGraph(policy, batch, autocast) if path.startswith("graph") else None
                 policy.compiled_step = compiled_step if "_compiled" in path else None
-                policy.compiled_vision = vision if path.endswith("_compiled_vision") else None
+                policy.compiled_vision = vision if "_compiled_vision" in path else None
+                if fused:
+                    policy.fuse_attention("_fused" in path)
                 inductor_metrics.reset()
                 try:
                     times, counted = timed_decisions(actor, obs, repeats, clock)
@@ -310,13 +355,16 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
                     for clock_name, sort_by in (("CPU", "self_cpu_time_total"), ("GPU", "self_device_time_total")):
                         print(f"[smolvla_gpu] one {path} decision for {batch} envs, by {clock_name} time:", flush=True)
                         print(counted.key_averages().table(sort_by=sort_by, row_limit=20), flush=True)
-            for faster, slower in (("graph", "eager"), ("eager_compiled", "eager"), ("graph_compiled", "graph"),
-                                   ("eager_compiled_vision", "eager_compiled"), ("graph_compiled_vision", "graph_compiled")):  # fmt: skip
+            pairs = [("graph", "eager"), ("eager_compiled", "eager"), ("graph_compiled", "graph"),
+                     ("eager_compiled_vision", "eager_compiled"), ("graph_compiled_vision", "graph_compiled")]  # fmt: skip
+            for faster, slower in [*pairs, *((f"{path}_fused", path) for path in paths if not path.endswith("_fused"))]:
                 fast, slow = figures.get(f"{faster}_batch{batch}_seconds"), figures.get(f"{slower}_batch{batch}_seconds")
                 if fast is not None and slow is not None:
                     figures[f"{faster}_speedup_batch{batch}"] = slow / fast
     finally:
         policy.decision_graph, policy.compiled_step, policy.compiled_vision = kept, kept_step, kept_vision
+        if fused:
+            policy.fuse_attention(kept_fused)
     return figures
 
 
@@ -338,11 +386,12 @@ def timed_decisions(actor, obs: Observation, repeats: int, clock: Clock) -> tupl
 
 def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
     """Max abs difference of a decision's chain and per-element log-prob, by the actor's policy as it is set (a
-    graph, a compiled step or vision tower) against the plain eager path on the same noise."""
+    graph, a compiled step or vision tower, fused attention) against the plain eager path on the same noise."""
     from common.rollout import decision_tensors
 
     policy, device = actor.policy, actor.device
     graph, step, vision = policy.decision_graph, policy.compiled_step, policy.compiled_vision
+    fused = getattr(policy, "attention_fused", False)
     with torch.no_grad(), actor.precision():
         if graph is not None:
             fast = graph.decide(obs, deterministic=False, generator=torch.Generator(device=device).manual_seed(1))
@@ -353,10 +402,14 @@ def against_eager(actor, obs: Observation, prefix: str) -> dict[str, float]:
             outputs = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
             fast = {name: value.float().cpu().numpy() for name, value in outputs.items()}
         policy.decision_graph = policy.compiled_step = policy.compiled_vision = None
+        if fused:
+            policy.fuse_attention(False)
         try:
             eager = decision_tensors(policy, obs.to_torch(device), deterministic=False, noise=noise)
         finally:
             policy.decision_graph, policy.compiled_step, policy.compiled_vision = graph, step, vision
+            if fused:
+                policy.fuse_attention(True)
     return {f"{prefix}_max_abs_{name}": float(np.abs(fast[name] - eager[name].float().cpu().numpy()).max())
             for name in ("chain", "log_prob_per_element")}  # fmt: skip
 
@@ -413,7 +466,8 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def latency() -> dict[str, Any]:
             batches = [int(b) for b in args.batch_sizes.split(",")]
-            return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps, args.compile_vision)
+            return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps, args.compile_vision,
+                                    args.fused_attention)  # fmt: skip
 
         def sample_version_0() -> dict[str, Any]:
             batches, per_rollout = [], []
@@ -465,6 +519,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             # Not the FLOPs of a compiling learner: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
             ops = None if cuda else OpCounter()
             flops, scoring_flops = (None, None) if cuda or compiles(learner.config) else (flop_counter(), flop_counter())
+            saved = None if compiles(learner.config) else SavedForBackward()  # a compiled backward keeps its own
 
             def timed_prepare(rollout: RolloutBatch, prepare: Callable = learner.prepare) -> Any:
                 start = clock.now()
@@ -475,7 +530,8 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
             learner.prepare = timed_prepare
             try:
-                with warnings.catch_warnings(record=True) as caught, ops or contextlib.nullcontext(), flops or contextlib.nullcontext():
+                with (warnings.catch_warnings(record=True) as caught, ops or contextlib.nullcontext(), flops or contextlib.nullcontext(),
+                      saved or contextlib.nullcontext()):  # fmt: skip
                     warnings.simplefilter("always", BehaviourGapWarning)
                     start = clock.now()
                     metrics = learner.update(batch)
@@ -487,6 +543,7 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     "ppo/actor_lr", "faults/grad_accum", "ppo/micro_batch_rows")  # fmt: skip
             return {"seconds": seconds, "scoring_pass_seconds": scoring[-1], "decisions": batch.num_decisions * batch.num_envs,
                     **{k: metrics[k] for k in keep if k in metrics}, **learner.state_bytes(), **({} if ops is None else ops.counts()),
+                    **({} if saved is None else {"saved_for_backward_peak_bytes": saved.peak_bytes}),
                     **({} if flops is None else {"flops": flops.get_total_flops(), "scoring_pass_flops": scoring_flops.get_total_flops(),
                                                  "vision_flops": vision_flops(flops)}),
                     "behaviour_gap_warnings": sum(issubclass(w.category, BehaviourGapWarning) for w in caught)}  # fmt: skip
@@ -611,11 +668,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-vision", action="store_true",
                         help="as --compile-steps, and each decision path again with its vision tower compiled too "
                              "(actors.speed.compile_vision)")  # fmt: skip
+    parser.add_argument("--fused-attention", action="store_true",
+                        help="also time each decision path with SmolVLA's attention through one fused kernel "
+                             "(actors.speed.fused_attention)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)
     if args.group_of_one < 0:
         parser.error(f"--group-of-one {args.group_of_one}: a number of turns, 0 or more")
+    if args.fused_attention and load_config(args.recipe).policy.type != "smolvla":
+        parser.error(f"--fused-attention replaces SmolVLA's attention; {args.recipe} is a {load_config(args.recipe).policy.type} recipe")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(OPTIONAL_STAGES)
     if unknown:

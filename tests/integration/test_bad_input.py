@@ -121,6 +121,11 @@ BAD_INPUTS = [
         None,
     ),
     (
+        ["--set", "learner.speed.fused_attention=true"],
+        r"learner\.speed\.fused_attention replaces SmolVLA's attention and policy\.type=mlp_flow",
+        None,
+    ),
+    (
         ["--set", "learner.speed.recompute_steps=true", "--set", "learner.speed.steps_in_one_pass=true"],
         r"learner\.speed\.recompute_steps and learner\.speed\.steps_in_one_pass: choose one",
         None,

@@ -145,11 +145,11 @@ def test_smolvla_gpu_bench_runs_every_stage_at_test_size(capsys):
 def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_ones(capsys):
     """--compile-steps: each decision path again with its denoising steps compiled, its steps dispatching under a
     quarter of the eager steps' ATen ops; --compile-vision: again with the vision tower compiled too, its encode
-    dispatching fewer ops still. With a float32 actor both give the eager path's outputs on the same noise within float
-    rounding."""
+    dispatching fewer ops still; --fused-attention: every path again with SmolVLA's attention in one kernel. With a
+    float32 actor all give the eager path's outputs on the same noise within float rounding."""
     torch._dynamo.reset()  # compiles of other tests' policies count towards the step's recompile limit
-    argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--compile-vision", "--set",
-            "actors.speed.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
+    argv = ["--size", "tiny", "--rollouts", "1", "--batch-sizes", "2", "--compile-steps", "--compile-vision", "--fused-attention",
+            "--set", "actors.speed.precision=float32", "--skip", "prepare,publish_load_sample_v1"]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     latency = printed(capsys)["decision_latency"]
     assert not [name for name in latency if name.startswith("graph") or name.endswith("_error")]  # no graphs on CPU
@@ -159,9 +159,13 @@ def test_smolvla_gpu_bench_times_the_compiled_steps_and_vision_beside_the_eager_
     assert latency["eager_compiled_batch2_generated_kernels"] > 0 and latency["eager_compiled_vision_batch2_generated_kernels"] > 0
     for path in ("eager_compiled", "eager_compiled_vision"):
         assert latency[f"{path}_batch2_first_call_seconds"] > latency[f"{path}_batch2_seconds"] > 0  # the compile
+    for path in ("eager_compiled", "eager_compiled_vision", "eager_fused", "eager_compiled_fused", "eager_compiled_vision_fused"):
         for name in ("chain", "log_prob_per_element"):
             assert latency[f"{path}_vs_eager_batch2_max_abs_{name}"] <= 1e-5
     assert latency["eager_compiled_speedup_batch2"] > 0 and latency["eager_compiled_vision_speedup_batch2"] > 0
+    for path in ("eager", "eager_compiled", "eager_compiled_vision"):  # each path against itself with the attention fused
+        assert latency[f"{path}_fused_speedup_batch2"] > 0
+    assert 0 < latency["eager_fused_batch2_aten_ops"] < latency["eager_batch2_aten_ops"]  # one op where eager dispatches several
 
 
 def test_an_actor_started_over_a_filled_compile_cache_compiles_nothing_again(capsys):
@@ -234,26 +238,34 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
 
     monkeypatch.setattr(learner_module, "Learner", Counted)
     compiled = "learner.speed.steps_in_one_pass=true,learner.speed.compile_steps=true"
-    variants = f"learner.speed.recompute_steps=true;algorithm.grad_accum=1;learner.speed.steps_in_one_pass=true;{compiled}"
+    variants = (f"learner.speed.recompute_steps=true;algorithm.grad_accum=1;learner.speed.steps_in_one_pass=true;{compiled};"
+                "learner.speed.fused_attention=true")  # fmt: skip
     step_by_step = ["--set", "learner.speed.precision=float32", "--set", "learner.speed.steps_in_one_pass=false"]  # the variants' base
     argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", *step_by_step,
             "--update-variants", variants]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
-    assert alive_at_build == [0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
+    assert alive_at_build == [0, 0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
     for name in (
         "update",
         "update[learner.speed.recompute_steps=true]",
         "update[algorithm.grad_accum=1]",
         "update[learner.speed.steps_in_one_pass=true]",
         f"update[{compiled}]",
+        "update[learner.speed.fused_attention=true]",
     ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     recomputed = results["update[learner.speed.recompute_steps=true]"]
-    numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(("aten_ops", "flops"))]  # not the work's cost
+    cost = ("aten_ops", "flops", "saved_for_backward_peak_bytes")  # not the work's result
+    numbers = [key for key in results["update"] if "seconds" not in key and not key.endswith(cost)]
     assert {key: recomputed[key] for key in numbers} == {key: results["update"][key] for key in numbers}  # not a bit changed
     assert 0 < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"] < results["update"]["aten_ops"]  # CPU: ops counted
+    # Activations held for the backward passes: fewer with the steps recomputed there, fewer without the float32 scores.
+    saved = {name: figures.get("saved_for_backward_peak_bytes") for name, figures in results.items() if name.startswith("update")}
+    assert saved[f"update[{compiled}]"] is None and saved["update"] > 0  # a compiled backward keeps its own
+    assert saved["update[learner.speed.recompute_steps=true]"] < saved["update"]
+    assert saved["update[learner.speed.fused_attention=true]"] < saved["update"]
     # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
     assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
     assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"]

@@ -26,7 +26,7 @@ from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features, write_directory_atomically
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
-from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
+from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy, fused_attention
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import META_MODULE
 from common.policy.vla_common import lerobot_flow_time, one_vision_pass
@@ -36,6 +36,7 @@ from learner.startup import check_lerobot_features
 from tests.conftest import REPO
 from tests.helpers.vla import IMAGE_SIZE, smolvla_config, tiny_observations, tiny_smolvla
 from tests.helpers.vla_checks import (
+    assert_same_scores_and_gradients,
     bf16_actor_gap,
     check_cameras_share_one_vision_pass,
     check_compiled_steps_follow_the_eager_ones,
@@ -49,7 +50,9 @@ from tests.helpers.vla_checks import (
     check_sampling_reads_frames_instruction_and_state,
     check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops,
     check_train_keeps_the_lerobot_model_in_eval_mode,
+    encoded_chain,
     ppo_step_changes,
+    scored_with_gradients,
 )
 
 
@@ -235,6 +238,72 @@ def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops() -> N
 def test_compiled_denoising_steps_follow_the_eager_ones() -> None:
     policy = tiny_smolvla()
     check_compiled_steps_follow_the_eager_ones(policy, tiny_observations(policy, 3))
+
+
+def test_fused_attention_is_lerobots_eager_attention_up_to_rounding_even_where_a_query_sees_no_key(policy) -> None:
+    """fused_attention against the installed lerobot's eager_attention_forward, on the tiny model's head counts (grouped
+    keys and values): the same outputs with a query row whose keys are all masked (a padding token of the prefix; -inf
+    would make it NaN), the same gradients where every row sees a key, within bfloat16 rounding in bfloat16, and finite
+    under the learner's bfloat16 autocast."""
+    model = policy.vla.model.vlm_with_expert
+    heads, kv_heads, head_dim = model.num_attention_heads, model.num_key_value_heads, 8
+    assert heads > kv_heads
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(3, 5, heads, head_dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(3, 7, kv_heads, head_dim, generator=generator, requires_grad=True) for _ in range(2))
+    mask = torch.rand(3, 5, 7, generator=generator) > 0.5
+    mask[:, :, 0] = True  # every query sees a key
+    eager = model.eager_attention_forward(mask, 3, head_dim, query, key, value)
+    fused = fused_attention(model, mask, 3, head_dim, query, key, value)
+    assert fused.shape == eager.shape == (3, 5, heads * head_dim)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(eager.shape, generator=generator)
+    inputs = (query, key, value)
+    for got, want in zip(torch.autograd.grad(fused, inputs, upstream), torch.autograd.grad(eager, inputs, upstream), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    blind = mask.clone()
+    blind[1, 2] = False  # this query sees no key: lerobot averages every value
+    with torch.no_grad():
+        eager = model.eager_attention_forward(blind, 3, head_dim, query, key, value)
+        torch.testing.assert_close(fused_attention(model, blind, 3, head_dim, query, key, value), eager, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(eager[1, 2], value[1].mean(0).repeat_interleave(heads // kv_heads, 0).flatten())
+        low = [tensor.bfloat16() for tensor in (query, key, value)]
+        torch.testing.assert_close(fused_attention(model, blind, 3, head_dim, *low).float(),
+                                   model.eager_attention_forward(blind, 3, head_dim, *low).float(), rtol=0.02, atol=0.02)  # fmt: skip
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.isfinite(fused_attention(model, blind, 3, head_dim, query, key, value)).all()
+
+
+def test_a_policy_with_fused_attention_scores_as_lerobots_attention_does_and_keeps_less_for_backward() -> None:
+    """SmolVLAFlowPolicy.fuse_attention (actors.speed.fused_attention, learner.speed.fused_attention): the prefix, the
+    chain's log-probs and their gradients as with lerobot's eager attention up to float rounding, while the backward
+    pass of the denoising steps keeps fewer bytes (no float32 scores per head)."""
+    eager, fused = tiny_smolvla(), tiny_smolvla()
+    fused.fuse_attention()
+    obs = tiny_observations(eager, 3, seed=7)
+    (eager_features, chain), (fused_features, _) = encoded_chain(eager, obs, seed=8), encoded_chain(fused, obs, seed=8)
+    for got, want in zip(fused_features.key_states, eager_features.key_states, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_features.critic_input, eager_features.critic_input, rtol=1e-5, atol=1e-5)
+    kept: dict[str, int] = {}
+    scored = {}
+    for name, model, features in (("eager", eager, eager_features), ("fused", fused, fused_features)):
+        sizes: list[int] = []
+
+        def keep(tensor: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            sizes.append(tensor.nbytes)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            log_prob, grads, _ = scored_with_gradients(model, features, chain, one_pass=False)
+        scored[name], kept[name] = (log_prob, grads), sum(sizes)
+    assert_same_scores_and_gradients(scored["fused"], scored["eager"])
+    assert kept["fused"] < kept["eager"], kept
+    assert fused.attention_fused and not eager.attention_fused
+    fused.fuse_attention(False)  # lerobot's own method again
+    interface = fused.vla.model.vlm_with_expert.get_attention_interface()
+    assert not fused.attention_fused and interface.__func__.__name__ == "eager_attention_forward"
 
 
 def test_a_compiled_vision_tower_follows_the_eager_one(three_cameras) -> None:
