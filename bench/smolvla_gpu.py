@@ -676,8 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.group_of_one < 0:
         parser.error(f"--group-of-one {args.group_of_one}: a number of turns, 0 or more")
-    if args.fused_attention and load_config(args.recipe).policy.type != "smolvla":
-        parser.error(f"--fused-attention replaces SmolVLA's attention; {args.recipe} is a {load_config(args.recipe).policy.type} recipe")
+    if args.fused_attention and (recipe_policy := load_config(args.recipe).policy.type) != "smolvla":
+        parser.error(f"--fused-attention replaces SmolVLA's attention; {args.recipe} is a {recipe_policy} recipe")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(OPTIONAL_STAGES)
     if unknown:

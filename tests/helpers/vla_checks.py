@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -154,6 +154,19 @@ def encoded_chain(policy: FlowPolicy, obs: Observation, seed: int) -> tuple[obje
         return features, sample_chain(policy, features, obs.batch_shape[0], deterministic=False, generator=generator).chain
 
 
+@contextlib.contextmanager
+def bytes_kept_for_backward() -> Iterator[list[int]]:
+    """The sizes of the tensors autograd keeps for backward passes while the block runs, one entry per saved tensor."""
+    kept: list[int] = []
+
+    def keep(tensor: Tensor) -> Tensor:
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        yield kept
+
+
 def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, obs: Observation) -> None:
     """learner.speed.recompute_steps: the same log-probs and gradients, bit for bit, while the backward pass keeps less than
     half the bytes (each step's forward runs again inside it)."""
@@ -161,13 +174,7 @@ def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, 
     runs = []
     for recompute in (False, True):
         policy.zero_grad(set_to_none=True)
-        kept = []
-
-        def keep(tensor: Tensor, kept: list[int] = kept) -> Tensor:
-            kept.append(tensor.numel() * tensor.element_size())
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with bytes_kept_for_backward() as kept:
             log_prob = chain_log_prob(policy, features, chain, recompute).log_prob
         log_prob.sum().backward()
         runs.append((log_prob.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, sum(kept)))

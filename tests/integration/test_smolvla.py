@@ -38,6 +38,7 @@ from tests.helpers.vla import IMAGE_SIZE, smolvla_config, tiny_observations, tin
 from tests.helpers.vla_checks import (
     assert_same_scores_and_gradients,
     bf16_actor_gap,
+    bytes_kept_for_backward,
     check_cameras_share_one_vision_pass,
     check_compiled_steps_follow_the_eager_ones,
     check_compiled_vision_follows_the_eager_one,
@@ -289,13 +290,7 @@ def test_a_policy_with_fused_attention_scores_as_lerobots_attention_does_and_kee
     kept: dict[str, int] = {}
     scored = {}
     for name, model, features in (("eager", eager, eager_features), ("fused", fused, fused_features)):
-        sizes: list[int] = []
-
-        def keep(tensor: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
-            sizes.append(tensor.nbytes)
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with bytes_kept_for_backward() as sizes:
             log_prob, grads, _ = scored_with_gradients(model, features, chain, one_pass=False)
         scored[name], kept[name] = (log_prob, grads), sum(sizes)
     assert_same_scores_and_gradients(scored["fused"], scored["eager"])
