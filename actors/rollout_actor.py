@@ -86,7 +86,7 @@ class RolloutActor:
             self.policy = FlowPolicy.from_pretrained(directory, **config.policy.sampling_overrides()).to(self.device).eval()
         if config.actors.speed.precision == "bfloat16":  # a backbone (SmolVLA's VLM + expert) is stored in bfloat16; see precision()
             self.policy.set_backbone_dtype(torch.bfloat16)
-        if config.actors.speed.fused_attention:  # SmolVLA (RunConfig.validate)
+        if config.actors.speed.fused_attention:  # a VLA (RunConfig.validate)
             self.policy.fuse_attention()
         if config.actors.speed.compile_steps:
             compile_steps(self.policy, "actors.speed.compile_steps")

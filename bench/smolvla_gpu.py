@@ -29,15 +29,15 @@ arithmetic set against its time. FLOPs depend on the shapes only, so a full-size
 (actors.speed.compile_steps): `eager_compiled_*` (and on a GPU `graph_compiled_*`), with the compile's first call, the
 kernels the compiler generated for a step, and the outputs against the eager path's on the same noise.
 `--compile-vision` adds `<path>_compiled_vision`, with the vision tower compiled as well (actors.speed.compile_vision), and
-its speedup over `<path>_compiled`. `--fused-attention` (SmolVLA) times every path again with the attention of the VLM's
+its speedup over `<path>_compiled`. `--fused-attention` times every path again with the attention of the VLM's
 prefix and the expert's steps through one fused kernel (actors.speed.fused_attention): `<path>_fused`, and its speedup
 over `<path>`. An update variant with "learner.speed.compile_steps=true" or "learner.speed.compile_vision=true"
 first runs an update of its own that compiles (`first_update_seconds`), then times the update as the others
 (`graphs_compiled`: 0, none new). Every update reports the bytes its learner holds (`parameter_bytes`,
 `gradient_bytes`, `optimizer_bytes`: Learner.state_bytes) and, uncompiled, the most bytes of activations it held at once
 for its backward passes (`saved_for_backward_peak_bytes`: shapes alone set it, so a CPU run reads a GPU's), so
-`--update-variants "learner.speed.fused_attention=true"` shows what SmolVLA's attention through one fused kernel keeps
-beside lerobot's eager attention. `--group-of-one N` times the recipe's update N times by a
+`--update-variants "learner.speed.fused_attention=true"` shows what the attention through one fused kernel keeps
+beside the eager attention lerobot runs. `--group-of-one N` times the recipe's update N times by a
 learner alone and N times by the learner group's code path with one rank (learner.data_parallel.RankGroup, its
 collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on CPU), fresh learners taking turns on the
 same rollouts: `group_of_one/over_alone` is the ratio of their median seconds, `max_abs_weight_difference` how far the
@@ -298,7 +298,7 @@ def decision_latency(actor, batch_sizes: list[int], repeats: int, clock: Clock, 
     denoising steps compiled (common.flow.compile_steps; `<path>_compiled`); compiled_vision: those paths, and each path
     again with its vision tower compiled too (VLAFlowPolicy.compile_vision; `<path>_compiled_vision`); with the kernels
     the compiler generated for the path (a `_compiled_vision` path's: the vision tower's, its steps being compiled
-    already); fused: every path again with SmolVLA's attention through one fused kernel (SmolVLAFlowPolicy.fuse_attention;
+    already); fused: every path again with the attention through one fused kernel (the policy's fuse_attention;
     `<path>_fused`). Every path's outputs are set against the eager path's on the same noise."""
     from torch._inductor import metrics as inductor_metrics
 
@@ -669,15 +669,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="as --compile-steps, and each decision path again with its vision tower compiled too "
                              "(actors.speed.compile_vision)")  # fmt: skip
     parser.add_argument("--fused-attention", action="store_true",
-                        help="also time each decision path with SmolVLA's attention through one fused kernel "
+                        help="also time each decision path with the VLA's attention through one fused kernel "
                              "(actors.speed.fused_attention)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="where the backbone, stand-in and checkpoint are written (a temporary dir)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="run-config override (as learner.main)")
     args = parser.parse_args(argv)
     if args.group_of_one < 0:
         parser.error(f"--group-of-one {args.group_of_one}: a number of turns, 0 or more")
-    if args.fused_attention and (recipe_policy := load_config(args.recipe).policy.type) != "smolvla":
-        parser.error(f"--fused-attention replaces SmolVLA's attention; {args.recipe} is a {recipe_policy} recipe")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(OPTIONAL_STAGES)
     if unknown:

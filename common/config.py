@@ -215,9 +215,9 @@ class ActorSpeedConfig:
     # residual sums fused into fewer kernels. Compiled at the actor's first decision; the same features as eager up to
     # float rounding.
     compile_vision: bool = False
-    # SmolVLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of
-    # lerobot's eager attention (SmolVLAFlowPolicy.fuse_attention), which holds every (query, key) score as float32:
-    # the same attention up to float rounding, without those tensors.
+    # A VLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of the
+    # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy), which copies keys and values per
+    # query head and holds every (query, key) score as float32: the same attention up to float rounding, without those.
     fused_attention: bool = False
 
     def validate(self, path: str = "actors.speed") -> None:
@@ -395,10 +395,11 @@ class LearnerSpeedConfig:
     # scoring pass's over the iteration's observations, and each micro-batch's where the encoder trains. Compiled at the
     # first update; the same features as eager up to float rounding, and old and new log-probs read the same ones.
     compile_vision: bool = False
-    # SmolVLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of
-    # lerobot's eager attention (SmolVLAFlowPolicy.fuse_attention): the (query, key) scores, which the eager path holds
-    # as float32 for the backward pass at every layer and step, are never formed whole. The update differs from the
-    # eager one by float rounding; old and new log-probs are scored alike, so the ratio check holds.
+    # A VLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of the
+    # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy): the per-head copies of keys and
+    # values and the (query, key) scores, which the eager path holds for the backward pass at every layer and step, are
+    # never formed whole. The update differs from the eager one by float rounding; old and new log-probs are scored
+    # alike, so the ratio check holds.
     fused_attention: bool = False
     # Micro-batches sized by memory (a GPU learner), in place of algorithm.grad_accum's fixed split: at its first
     # optimiser step that trains the actor, the learner reads how far its first micro-batch raised the GPU allocator's
@@ -615,9 +616,9 @@ class RunConfig:
                 f"pi05 have): set {section}.speed.compile_vision: false",
             )
             require(
-                not getattr(self, section).speed.fused_attention or self.policy.type == "smolvla",
-                f"{section}.speed.fused_attention replaces SmolVLA's attention and policy.type={self.policy.type}: set "
-                f"{section}.speed.fused_attention: false",
+                not getattr(self, section).speed.fused_attention or self.policy.vla_section() is not None,
+                f"{section}.speed.fused_attention replaces a VLA's attention (smolvla, pi0 and pi05) and policy.type="
+                f"{self.policy.type}: set {section}.speed.fused_attention: false",
             )
         if algorithm.algo == "grpo":
             require(

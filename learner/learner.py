@@ -347,7 +347,7 @@ class Learner:
         self.lr_backoff = 1.0
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
-        if config.learner.speed.fused_attention:  # SmolVLA (RunConfig.validate); after the reference's copy, as compiling
+        if config.learner.speed.fused_attention:  # a VLA (RunConfig.validate); after the reference's copy, as compiling
             policy.fuse_attention()
         if config.learner.speed.compile_steps:  # after the reference's copy, which scores eagerly
             compile_steps(policy, "learner.speed.compile_steps")

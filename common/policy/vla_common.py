@@ -5,6 +5,8 @@ Each wraps a lerobot policy (attribute `vla`) whose model has a VLM prefix, an a
   VLAFeatures        encode()'s output: the prefix KV cache as plain tensors, batch first, and the critic's input
   prefix_features    one prefix pass (common.policy.lerobot_compat.fill_prefix_cache) -> VLAFeatures
   one_vision_pass    every camera's frames through the vision tower as one batch, inside lerobot's embed_prefix
+  grouped_query_attention  attention with key-value heads shared by groups of query heads, as one fused kernel
+                     (each backend's fuse_attention: actors.speed.fused_attention, learner.speed.fused_attention)
   lerobot_flow_time  the ONE map between the project's flow time and lerobot's
   VLAFlowPolicy      velocity (the model's denoise_step on a fresh cache per call), the ReinFlow noise head on
                      the expert hidden state, the critic, trainable-flag groups, eval-mode guard, the vision tower
@@ -152,6 +154,28 @@ def one_vision_pass(owner: nn.Module, images: list[Tensor], embed: Callable[[Ten
         raise RuntimeError(f"one_vision_pass: {len(pending)} camera(s) embedded but never asked for by embed_prefix")
 
 
+def grouped_query_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Queries (B, heads, Lq, D) over keys and values (B, kv_heads, Lk, D), query head h reading key-value head
+    h // (heads / kv_heads) as the eager paths' repeat of keys and values does, under an additive bias broadcastable
+    to (B, 1, Lq, Lk) -> (B, heads, Lq, D), as one torch scaled_dot_product_attention.
+
+    The eager paths copy every key and value once per query head, form every (query, key) score as a float32 tensor
+    and keep those for the backward pass. Here the query heads that share a key-value head are laid side by side along
+    the query axis, so each key and value is read where it is and a fused kernel never holds the scores whole. The
+    bias must hold finite values where a query may not look (the backends' masks do): a query whose keys are all
+    masked then averages every value, as the eager softmax over finite scores does, where -inf would give NaN."""
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    # Head h = kv_head x groups + g (the eager repeat's order) -> row g x Lq + q of its key-value head.
+    folded = query.to(dtype).reshape(batch, kv_heads, groups * queries, dim)
+    bias = bias.to(dtype).expand(batch, 1, queries, key.shape[2])
+    bias = bias[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)  # each group's rows under the same bias
+    out = nn.functional.scaled_dot_product_attention(folded, key.to(dtype), value.to(dtype), attn_mask=bias, scale=scale)
+    return out.view(batch, heads, queries, dim)
+
+
 def local_directory(config: PolicyConfig, section: str, field: str, marker: str, what: str, offline: Callable[[], Path]) -> Path:
     """policy.<section>.<field>: a local directory holding `marker` (a CheckpointError saying it must hold `what`
     otherwise), or `offline()` (a stand-in built without network) when the field is empty."""
@@ -254,6 +278,17 @@ class VLAFlowPolicy(FlowPolicy):
     @abstractmethod
     def compiled_vision_tower(self) -> Callable[[Tensor], Tensor]:
         """Frames -> embeddings, as lerobot's embed_image, through a vision tower compiled by torch.compile."""
+
+    @abstractmethod
+    def fuse_attention(self, fused: bool = True) -> None:
+        """The prefix pass and the denoising steps attend through grouped_query_attention from here on
+        (actors.speed.fused_attention, learner.speed.fused_attention), or again through the eager attention lerobot
+        runs (fused False)."""
+
+    @property
+    @abstractmethod
+    def attention_fused(self) -> bool:
+        """Whether fuse_attention's fused attention is in use."""
 
     # -- what trains -------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
+from common.config import RunConfig
 from common.diagnostics import check_ratio_is_one
 from common.flow import ChainSample, chain_log_prob, compile_steps, gaussian_step, sample_chain, step_time, transition
 from common.observation import Observation
@@ -183,6 +184,75 @@ def check_recomputed_steps_keep_less_for_the_same_gradients(policy: FlowPolicy, 
     assert torch.equal(plain, again) and grads and grads.keys() == grads_again.keys()
     assert all(torch.equal(grads[name], grads_again[name]) for name in grads)
     assert kept_again < kept_plain / 2, (kept_again, kept_plain)
+
+
+def check_attention_function_as_eager(fused: Callable[..., Tensor], eager: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> None:
+    """An attention function `fused(query, key, value, blind)` against the eager one it replaces, called alike, where
+    `blind` False gives a mask under which every query sees a key and True one where some query sees none (a padding
+    token of the prefix): the same outputs both ways (-inf in place of the masks' finite lowest value would make the blind
+    row NaN), the same gradients where every query sees a key, within bfloat16's rounding on bfloat16 inputs, and finite
+    under the learner's bfloat16 autocast."""
+    got, want = fused(*inputs, False), eager(*inputs, False)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    for grad, grad_eager in zip(torch.autograd.grad(got, inputs, upstream), torch.autograd.grad(want, inputs, upstream), strict=True):
+        torch.testing.assert_close(grad, grad_eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*inputs, True), eager(*inputs, True), rtol=1e-5, atol=1e-6)
+        low = [tensor.bfloat16() for tensor in inputs]
+        torch.testing.assert_close(fused(*low, True).float(), eager(*low, True).float(), rtol=0.02, atol=0.02)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.isfinite(fused(*inputs, True)).all()
+
+
+def check_fused_attention_scores_as_eager_and_keeps_less(eager: FlowPolicy, fused: FlowPolicy, obs: Observation) -> None:
+    """The policy's fuse_attention (actors.speed.fused_attention, learner.speed.fused_attention), `fused` a copy of
+    `eager`: the prefix, the chain's log-probs and their gradients as with the eager attention up to float rounding,
+    while the backward pass of the denoising steps keeps fewer bytes; fuse_attention(False) gives the eager one back."""
+    fused.fuse_attention()
+    (eager_features, chain), (fused_features, _) = encoded_chain(eager, obs, seed=8), encoded_chain(fused, obs, seed=8)
+    for got, want in zip(fused_features.key_states, eager_features.key_states, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_features.critic_input, eager_features.critic_input, rtol=1e-5, atol=1e-5)
+    kept: dict[str, int] = {}
+    scored = {}
+    for name, model, features in (("eager", eager, eager_features), ("fused", fused, fused_features)):
+        with bytes_kept_for_backward() as sizes:
+            log_prob, grads, _ = scored_with_gradients(model, features, chain, one_pass=False)
+        scored[name], kept[name] = (log_prob, grads), sum(sizes)
+    assert_same_scores_and_gradients(scored["fused"], scored["eager"])
+    assert kept["fused"] < kept["eager"], kept
+    assert fused.attention_fused and not eager.attention_fused
+    fused.fuse_attention(False)
+    assert not fused.attention_fused
+
+
+def check_fused_attention_in_actor_and_learner(checkpoint: Path, run_config: Callable[[str], RunConfig]) -> None:
+    """actors.speed.fused_attention and learner.speed.fused_attention (`run_config(field)`: the tiny run with `field`
+    true): an actor attending through one fused kernel samples chains the eager learner scores as its own, and a learner
+    attending so starts at ratio 1 and trains the weights to where the eager learner's update puts them, up to float
+    rounding."""
+    from actors.rollout_actor import RolloutActor
+    from learner.learner import Learner
+
+    config = run_config("actors.speed.fused_attention")
+    actor = RolloutActor(config, 0, checkpoint)
+    assert actor.policy.attention_fused
+    batch = actor.sample(None, 0)
+    eager = Learner(config, FlowPolicy.from_pretrained(checkpoint))
+    fused = Learner(run_config("learner.speed.fused_attention"), FlowPolicy.from_pretrained(checkpoint))
+    assert fused.policy.attention_fused and not eager.policy.attention_fused
+    metrics, metrics_fused = eager.update(batch), fused.update(batch)
+    assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics_fused["logprob/behaviour_gap_max"] < 1e-5
+    assert metrics_fused["ppo/first_minibatch_ratio_dev"] <= 1e-6
+    assert metrics_fused["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+    start = dict(FlowPolicy.from_pretrained(checkpoint).named_parameters())
+    after, after_fused = dict(eager.policy.named_parameters()), dict(fused.policy.named_parameters())
+    trained = [name for name, p in eager.policy.named_parameters() if p.requires_grad]
+    assert any(not torch.equal(after[name], start[name]) for name in trained)
+    for name in trained:
+        torch.testing.assert_close(after_fused[name], after[name], rtol=1e-4, atol=1e-5)
 
 
 def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:

@@ -122,7 +122,7 @@ BAD_INPUTS = [
     ),
     (
         ["--set", "learner.speed.fused_attention=true"],
-        r"learner\.speed\.fused_attention replaces SmolVLA's attention and policy\.type=mlp_flow",
+        r"learner\.speed\.fused_attention replaces a VLA's attention \(smolvla, pi0 and pi05\) and policy\.type=mlp_flow",
         None,
     ),
     (

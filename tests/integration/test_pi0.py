@@ -4,15 +4,19 @@ strict loading of the project's and lerobot's checkpoints, the eval-mode guard, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
+from bench import activation_bytes
 from common.config import ConfigError
 from common.policy.lerobot_compat import LEROBOT_LINE, SUPPORTED_LEROBOT
 
@@ -22,10 +26,14 @@ if LEROBOT_LINE < (0, 6):
         allow_module_level=True,
     )
 
+from lerobot.policies.common.vla_utils import prepare_attention_masks_4d  # noqa: E402
+from transformers.models.gemma import modeling_gemma  # noqa: E402
+
 from common.policy import OBS_CLIP, CheckpointError, build_policy  # noqa: E402
-from common.policy.pi0.model import PiFlowPolicy, resolve_tokenizer_path  # noqa: E402
+from common.policy.pi0.model import PiFlowPolicy, gemma_attention, resolve_tokenizer_path  # noqa: E402
 from common.policy.pi0.stand_ins import tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
 from tests.helpers import vla_checks  # noqa: E402
+from tests.helpers.bench_output import printed  # noqa: E402
 from tests.helpers.vla import INSTRUCTIONS, PI_TYPES, HostReads, pi_config, tiny_observations, tiny_pi  # noqa: E402
 
 
@@ -157,6 +165,64 @@ def test_recomputed_denoising_steps_keep_less_for_the_same_gradients(policy) -> 
 
 def test_denoising_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy) -> None:
     vla_checks.check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy, tiny_observations(policy, 2))
+
+
+def test_fused_gemma_attention_is_transformers_eager_attention_up_to_rounding_even_where_a_query_sees_no_key(policy) -> None:
+    """gemma_attention against transformers' Gemma eager_attention_forward, on the tiny expert's grouped heads and a
+    mask lerobot builds (finite where a query may not look)."""
+    layer = policy.gemmas()[1].layers[0].self_attn
+    heads, kv_heads, head_dim = policy.gemmas()[1].config.num_attention_heads, layer.config.num_key_value_heads, layer.head_dim
+    assert heads > kv_heads
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(3, heads, 5, head_dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(3, kv_heads, 7, head_dim, generator=generator, requires_grad=True) for _ in range(2))
+    sees = torch.rand(3, 5, 7, generator=generator) > 0.5
+    sees[:, :, 0] = True  # every query sees a key
+    blind = sees.clone()
+    blind[1, 2] = False  # this query sees none
+    masks = {False: prepare_attention_masks_4d(sees), True: prepare_attention_masks_4d(blind)}
+
+    def attend(function: Callable[..., tuple[Tensor, object]]) -> Callable[..., Tensor]:
+        return lambda query, key, value, sees_none: function(layer, query, key, value, masks[sees_none], layer.scaling)[0]
+
+    vla_checks.check_attention_function_as_eager(
+        attend(gemma_attention), attend(modeling_gemma.eager_attention_forward), (query, key, value)
+    )
+
+
+def test_a_policy_with_fused_attention_scores_as_the_eager_one_does_and_keeps_less_for_backward(policy) -> None:
+    """PiFlowPolicy.fuse_attention: every denoising step of lerobot's sets the expert's config back to eager attention,
+    and lerobot's sampler both Gemmas'; the layers keep the fused one through both."""
+    fused = copy.deepcopy(policy)
+    obs = tiny_observations(policy, 3, seed=7)
+    vla_checks.check_fused_attention_scores_as_eager_and_keeps_less(policy, fused, obs)
+    fused.fuse_attention()
+    images, image_masks, tokens, token_mask, *state = fused.lerobot_inputs(obs)
+    with torch.no_grad():
+        fused.vla.model.sample_actions(images, image_masks, tokens, token_mask, *state)
+    assert fused.attention_fused and all(gemma.config._attn_implementation == "eager" for gemma in fused.gemmas())
+
+
+@pytest.mark.parametrize("recipe", ["configs/pi0_pick.yaml", "configs/pi05_pick.yaml"])
+def test_activation_bench_counts_what_each_learner_path_keeps_per_layer(recipe, capsys) -> None:
+    """bench/activation_bytes.py on the recipe at the tiny sizes: the 1- and 2-layer counts grow with the layer where the
+    steps' activations are kept, the tiny model's own depth (2) takes the 2-layer count whole, and the fused attention
+    keeps less on the paths that keep them, for the same log-probs."""
+    tiny = {"policy.pi0.paligemma_variant": "tiny", "policy.pi0.action_expert_variant": "tiny_expert", "policy.pi0.image_resolution": 32,
+            "policy.image_size": 32, "policy.chunk_size": 4, "policy.num_steps": 3}  # fmt: skip
+    activation_bytes.main(["--recipe", recipe, *(f"--set={name}={value}" for name, value in tiny.items())])
+    results = printed(capsys)
+    assert results["depth"] == 2 and results["decisions"] == 2
+    for path, tolerance in (("float32_steps", 1e-5), ("float32_recompute", 1e-5), ("bfloat16_one_pass", 0.05)):
+        for name in (path, f"{path}_fused"):
+            grows = results[f"{name}_layers2_bytes"] - results[f"{name}_layers1_bytes"]
+            assert results[f"{name}_layers1_bytes"] > 0 and (grows == 0 if path == "float32_recompute" else grows > 0)
+            assert results[f"{name}_gib_per_decision"] * 2 * 2**30 == results[f"{name}_layers2_bytes"]
+            assert results[f"{name}_gib_per_micro_batch"] == results[f"{name}_gib_per_decision"] * results["micro_batch_decisions"]
+        assert results[f"{path}_fused_over_eager"] == 1 if path == "float32_recompute" else 0 < results[f"{path}_fused_over_eager"] < 1
+        assert results[f"{path}_fused_log_prob_max_diff"] <= tolerance
+    # Recomputed steps keep their inputs alone through the forward pass, the same at any depth.
+    assert results["float32_recompute_layers2_bytes"] < results["float32_steps_layers2_bytes"] / 2
 
 
 @pytest.mark.parametrize("policy_type", PI_TYPES)

@@ -18,13 +18,13 @@ from common.diagnostics import BehaviourGapWarning
 from common.flow import chain_log_prob
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
-from common.policy.smolvla.model import fused_attention
 from common.rollout import decide
 from common.suites.metaworld import TASKS
 from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
 from tests.conftest import tiny_config
 from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN
+from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner
 
 
 def tiny_run_config(run_dir: Path, *extra: str):
@@ -124,28 +124,7 @@ def test_a_learner_with_compiled_steps_in_one_pass_and_vision_updates_within_rou
 
 
 def test_fused_attention_in_the_actor_and_the_learner_samples_and_trains_as_lerobots_attention_does(smolvla_bc, tmp_path) -> None:
-    """actors.speed.fused_attention and learner.speed.fused_attention: an actor attending through one fused kernel samples
-    chains the eager learner scores as its own, and a learner attending so starts at ratio 1 and trains the weights to
-    where the eager learner's update puts them, up to float rounding."""
-    config = tiny_run_config(tmp_path / "run", "actors.speed.fused_attention=true")
-    actor = RolloutActor(config, 0, smolvla_bc)
-    assert actor.policy.vla.model.vlm_with_expert.get_attention_interface().func is fused_attention
-    batch = actor.sample(None, 0)
-    eager = Learner(config, FlowPolicy.from_pretrained(smolvla_bc))
-    fused = Learner(tiny_run_config(tmp_path / "run", "learner.speed.fused_attention=true"), FlowPolicy.from_pretrained(smolvla_bc))
-    assert fused.policy.vla.model.vlm_with_expert.get_attention_interface().func is fused_attention
-    lerobots = eager.policy.vla.model.vlm_with_expert
-    assert lerobots.get_attention_interface() == lerobots.eager_attention_forward
-    metrics, metrics_fused = eager.update(batch), fused.update(batch)
-    assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics_fused["logprob/behaviour_gap_max"] < 1e-5
-    assert metrics_fused["ppo/first_minibatch_ratio_dev"] <= 1e-6
-    assert metrics_fused["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
-    start = dict(FlowPolicy.from_pretrained(smolvla_bc).named_parameters())
-    after, after_fused = dict(eager.policy.named_parameters()), dict(fused.policy.named_parameters())
-    trained = [name for name, p in eager.policy.named_parameters() if p.requires_grad]
-    assert any(not torch.equal(after[name], start[name]) for name in trained)
-    for name in trained:
-        torch.testing.assert_close(after_fused[name], after[name], rtol=1e-4, atol=1e-5)
+    check_fused_attention_in_actor_and_learner(smolvla_bc, lambda field: tiny_run_config(tmp_path / "run", f"{field}=true"))
 
 
 def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:

@@ -16,6 +16,8 @@ attends to. What each FlowPolicy piece reads:
                 through adaRMS conditioning, pi0's through an MLP over [action, time] embeddings.
   sigma, value  the ReinFlow noise head on the expert hidden state (the input of `action_out_proj`) and the critic on
                 the pooled prefix and the normalised state, as for SmolVLA (common.policy.vla_common).
+  fuse_attention  both Gemmas attend through one fused kernel (gemma_attention) instead of transformers' eager
+                attention, which lerobot's passes select.
 
 Sizes: lerobot builds gemma_2b (PaliGemma) and gemma_300m (expert) with SigLIP So400m at 224 px and PaliGemma's
 257,152-token vocabulary, random unless policy.pi0.lerobot_checkpoint names a checkpoint. policy.pi0 variants "tiny" /
@@ -47,7 +49,7 @@ from common.policy import vla_common
 from common.policy.base import OBS_CLIP
 from common.policy.lerobot_compat import LEROBOT_LINE, LEROBOT_VERSION, SUPPORTED_LEROBOT, denoise_cache, make_att_2d_masks, pad_vector
 from common.policy.pi0.stand_ins import PALIGEMMA_VOCAB, pi_tokenizer_dir, swapped_attributes, tiny_gemma_sizes
-from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, one_vision_pass, prefix_features
+from common.policy.vla_common import VLAFeatures, VLAFlowPolicy, grouped_query_attention, one_vision_pass, prefix_features
 from common.storage import CheckpointError
 
 if LEROBOT_LINE < (0, 6):
@@ -63,6 +65,7 @@ from lerobot.policies.pi05 import modeling_pi05, processor_pi05  # noqa: E402
 from lerobot.policies.pi05.configuration_pi05 import PI05Config  # noqa: E402
 from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep  # noqa: E402
 from lerobot.utils.constants import OBS_STATE  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
 
 # lerobot config.json fields that fix tensor shapes: a lerobot checkpoint must agree with policy.pi0 on each
 # (the SigLIP resolution shows as a wrong-shaped position embedding). pi0.5 has no state projection.
@@ -73,6 +76,19 @@ LEROBOT_ARCHITECTURE_FIELDS = {
 LEROBOT_CLASSES = {"pi0": (PI0Config, modeling_pi0.PI0Policy, modeling_pi0), "pi05": (PI05Config, modeling_pi05.PI05Policy, modeling_pi05)}
 LEROBOT_PROCESSORS = {"pi0": processor_pi0, "pi05": processor_pi05}  # the modules of lerobot's processor factories
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # the tokenizer those factories name on the hub
+FUSED_ATTENTION = "grouped_query_sdpa"  # gemma_attention's name in transformers' AttentionInterface
+
+
+def gemma_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor, scaling: float, dropout: float = 0.0, **_: Any
+) -> tuple[Tensor, None]:
+    """transformers' Gemma `eager_attention_forward` as an AttentionInterface function ((B, heads, Lq, D) queries,
+    (B, kv_heads, Lk, D) keys and values, lerobot's additive (B, 1, Lq, Lk) mask, whose masked entries are finite ->
+    (B, Lq, heads, D) and no weights) through common.policy.vla_common.grouped_query_attention. No dropout: the lerobot
+    model stays in eval mode (VLAFlowPolicy.train)."""
+    if dropout:
+        raise ValueError(f"{FUSED_ATTENTION} runs without dropout (an eval-mode model); {type(module).__name__} asked for {dropout}")
+    return grouped_query_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
 
 
 def is_tiny(config: PolicyConfig) -> bool:
@@ -153,7 +169,7 @@ class PiFlowPolicy(VLAFlowPolicy):
                 "use PaliGemma's tokenizer"
             )
         # lerobot's sampler switches both Gemmas to eager attention before its passes; encode() runs the prefix pass itself
-        for gemma in (paligemma.model.language_model, self.vla.model.paligemma_with_expert.gemma_expert.model):
+        for gemma in self.gemmas():
             gemma.config._attn_implementation = "eager"
         if config.pi0.lerobot_checkpoint:
             vla_common.load_lerobot_checkpoint(self.vla, config, "pi0", LEROBOT_ARCHITECTURE_FIELDS[config.type])
@@ -162,6 +178,28 @@ class PiFlowPolicy(VLAFlowPolicy):
     @property
     def is_pi05(self) -> bool:
         return self.config.type == "pi05"
+
+    def gemmas(self) -> tuple[nn.Module, nn.Module]:
+        """PaliGemma's language model (the prefix pass) and the expert's (the denoising steps)."""
+        with_expert = self.vla.model.paligemma_with_expert
+        return with_expert.paligemma.model.language_model, with_expert.gemma_expert.model
+
+    def fuse_attention(self, fused: bool = True) -> None:
+        """Both Gemmas attend through gemma_attention (actors.speed.fused_attention, learner.speed.fused_attention) from
+        here on, or again through transformers' eager attention (fused False). A Gemma attention layer looks its function
+        up by its config's attention implementation at every call, and lerobot's denoise_step sets the expert's shared
+        config back to eager before every step: so each layer reads a copy of its model's config that names the fused
+        function, and fused False hands every layer its model's own config again."""
+        AttentionInterface.register(FUSED_ATTENTION, gemma_attention)
+        for gemma in self.gemmas():
+            layer_config = copy.copy(gemma.config)
+            layer_config._attn_implementation = FUSED_ATTENTION
+            for layer in gemma.layers:
+                layer.self_attn.config = layer_config if fused else gemma.config
+
+    @property
+    def attention_fused(self) -> bool:
+        return all(layer.self_attn.config._attn_implementation == FUSED_ATTENTION for gemma in self.gemmas() for layer in gemma.layers)
 
     # -- what trains -------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ from common.policy.vla_common import (  # noqa: E402
     VLAFeatures,
     VLAFlowPolicy,
     building_lerobot_model,
+    grouped_query_attention,
     lerobot_config_fields,
     load_lerobot_checkpoint,
     local_directory,
@@ -103,32 +104,14 @@ def build_lerobot_config(config: PolicyConfig, vlm_path: Path) -> LerobotSmolVLA
     )
 
 
-def fused_attention(
-    vlm_with_expert: nn.Module, attention_mask: Tensor, batch_size: int, head_dim: int, query: Tensor, key: Tensor, value: Tensor
-) -> Tensor:
-    """lerobot's SmolVLM-with-expert `eager_attention_forward` (same arguments: a (B, Lq, Lk) bool mask, True where a
-    query may attend; (B, Lq, heads, D) queries; (B, Lk, kv_heads, D) keys and values -> (B, Lq, heads x D)) as one
-    torch scaled_dot_product_attention. The eager path copies the keys and values once per query head, forms every
-    (query, key) score as a float32 (B, heads, Lq, Lk) tensor, masks it and takes its softmax, and keeps those for the
-    backward pass. Here the query heads that share a key-value head are laid side by side along the query axis, so each
-    key and value is read where it is, and a fused kernel never holds the scores.
-
-    Masked scores get a finite lowest value, as lerobot sets them, rather than -inf: a query whose keys are all masked (a
-    padding token of the prefix) then averages every value, as lerobot's does, where -inf would make it NaN and spread
-    the NaN through the padding to the next layer. The value is bfloat16's lowest, which float32 holds exactly and
-    autocast's cast to bfloat16 keeps finite."""
-    kv_heads = vlm_with_expert.num_key_value_heads
-    groups = vlm_with_expert.num_attention_heads // kv_heads
-    queries = query.shape[1]
-    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
-    # Head h reads key-value head h // groups (lerobot's repeat): (B, Lq, heads, D) -> (B, kv_heads, groups x Lq, D).
-    query = query.to(dtype).unflatten(2, (kv_heads, groups)).permute(0, 2, 3, 1, 4).flatten(2, 3)
-    key, value = key.to(dtype).transpose(1, 2), value.to(dtype).transpose(1, 2)
-    lowest = torch.finfo(torch.bfloat16).min
-    bias = torch.zeros(attention_mask.shape, dtype=dtype, device=query.device).masked_fill_(~attention_mask, lowest)
-    bias = bias[:, None, None].expand(-1, 1, groups, -1, -1).flatten(2, 3)  # each group's rows under the same mask
-    out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=head_dim**-0.5)
-    return out.unflatten(2, (groups, queries)).permute(0, 3, 1, 2, 4).reshape(batch_size, queries, -1)
+def fused_attention(attention_mask: Tensor, batch_size: int, head_dim: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """lerobot's SmolVLM-with-expert `eager_attention_forward` (its arguments after self: a (B, Lq, Lk) bool mask, True where a
+    query may attend; (B, Lq, heads, D) queries; (B, Lk, kv_heads, D) keys and values -> (B, Lq, heads x D)) through
+    common.policy.vla_common.grouped_query_attention. Masked scores get a finite lowest value, as lerobot sets them: bfloat16's
+    lowest, which float32 holds exactly and autocast's cast to bfloat16 keeps finite."""
+    bias = torch.zeros(attention_mask.shape, device=query.device).masked_fill_(~attention_mask, torch.finfo(torch.bfloat16).min)
+    out = grouped_query_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), bias[:, None], head_dim**-0.5)
+    return out.transpose(1, 2).reshape(batch_size, query.shape[1], -1)
 
 
 def checkpoint_hub_id(lerobot_checkpoint: str) -> str:
@@ -202,8 +185,7 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         vlm_with_expert = self.vla.model.vlm_with_expert
         vars(vlm_with_expert).pop("get_attention_interface", None)
         if fused:
-            attention = functools.partial(fused_attention, vlm_with_expert)
-            vlm_with_expert.get_attention_interface = lambda: attention
+            vlm_with_expert.get_attention_interface = lambda: fused_attention
 
     @property
     def attention_fused(self) -> bool:
