@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import socket
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,8 +92,27 @@ class SingleRank:
         pass
 
 
-def free_address(ip: str) -> str:
-    """tcp://IP:PORT of a port free now at `ip`, for rank 0's TCP store."""
+# Where rank 0's TCP store listens: between the ports Ray gives its workers by default (10002-19999) and the kernel's
+# ephemeral range, from which every outgoing connection and every bind to port 0 on the node draws. A port probed free
+# there can be taken before rank 0 binds it: under Ray's traffic, often enough to fail a group's start.
+RENDEZVOUS_PORTS = (20000, 32768)
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_address(ip: str, tries: int = 64) -> str:
+    """tcp://IP:PORT of a port free now at `ip` for rank 0's TCP store, drawn at random from RENDEZVOUS_PORTS below the
+    node's ephemeral range; a port the kernel picks where none of `tries` draws is free."""
+    low, high = RENDEZVOUS_PORTS
+    if EPHEMERAL_PORTS_FILE.is_file():
+        high = min(high, int(EPHEMERAL_PORTS_FILE.read_text().split()[0]))
+    draws = random.SystemRandom()  # the OS's entropy: the run's seeded generators are left as they are
+    for port in [draws.randrange(low, high) for _ in range(tries)] if high > low else []:
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError:
+                continue
+            return f"tcp://{ip}:{port}"
     with socket.socket() as probe:
         probe.bind((ip, 0))
         return f"tcp://{ip}:{probe.getsockname()[1]}"

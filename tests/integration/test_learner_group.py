@@ -10,6 +10,7 @@ moves them (the learning rate, 3e-4 and up).
 from __future__ import annotations
 
 import dataclasses
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.trajectory import RolloutBatch
 from learner.checkpoints import LearnerCheckpoint
-from learner.data_parallel import PeerRankError
+from learner.data_parallel import RENDEZVOUS_PORTS, PeerRankError, free_address
 from learner.learner import Learner
 from learner.learner_actor import LearnerActor
 from learner.learner_group import start_learner_group
@@ -220,6 +221,22 @@ def test_a_sharded_rank_left_without_a_decision_runs_in_step_with_the_others(tmp
     assert metrics[0]["ppo/optimizer_steps"] == expected["ppo/optimizer_steps"]
     for name, tensor in alone.trainable_state().items():
         torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+
+
+def test_the_rendezvous_port_is_free_and_drawn_below_the_ephemeral_ports(monkeypatch) -> None:
+    """free_address: a port that rank 0 can bind, drawn outside the range the kernel hands out to every connection (and
+    above Ray's worker ports); where none of its draws is free, one the kernel picks."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {int(free_address("127.0.0.1").rsplit(":", 1)[1]) for _ in range(20)}
+    assert all(RENDEZVOUS_PORTS[0] <= port < min(RENDEZVOUS_PORTS[1], low) for port in ports) and len(ports) > 1
+    port = ports.pop()
+    with socket.socket() as taken:  # the range holds one port, and another process holds it
+        taken.bind(("127.0.0.1", port))
+        monkeypatch.setattr("learner.data_parallel.RENDEZVOUS_PORTS", (port, port + 1))
+        address = free_address("127.0.0.1", tries=3)
+    assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) != port
+    with socket.socket() as rank_zero:
+        rank_zero.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
 
 
 def test_a_group_the_cluster_cannot_hold_is_refused_in_one_line_naming_what_is_missing(tmp_path) -> None:
