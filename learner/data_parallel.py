@@ -106,7 +106,8 @@ def free_address(ip: str, tries: int = 64) -> str:
     if EPHEMERAL_PORTS_FILE.is_file():
         high = min(high, int(EPHEMERAL_PORTS_FILE.read_text().split()[0]))
     draws = random.SystemRandom()  # the OS's entropy: the run's seeded generators are left as they are
-    for port in [draws.randrange(low, high) for _ in range(tries)] if high > low else []:
+    for _ in range(tries if high > low else 0):
+        port = draws.randrange(low, high)
         with socket.socket() as probe:
             try:
                 probe.bind((ip, port))

@@ -91,6 +91,9 @@ def gemma_attention(
     return grouped_query_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
 
 
+AttentionInterface.register(FUSED_ATTENTION, gemma_attention)
+
+
 def is_tiny(config: PolicyConfig) -> bool:
     return config.pi0.paligemma_variant.startswith("tiny")
 
@@ -190,12 +193,13 @@ class PiFlowPolicy(VLAFlowPolicy):
         up by its config's attention implementation at every call, and lerobot's denoise_step sets the expert's shared
         config back to eager before every step: so each layer reads a copy of its model's config that names the fused
         function, and fused False hands every layer its model's own config again."""
-        AttentionInterface.register(FUSED_ATTENTION, gemma_attention)
         for gemma in self.gemmas():
-            layer_config = copy.copy(gemma.config)
-            layer_config._attn_implementation = FUSED_ATTENTION
+            layer_config = gemma.config
+            if fused:
+                layer_config = copy.copy(gemma.config)
+                layer_config._attn_implementation = FUSED_ATTENTION
             for layer in gemma.layers:
-                layer.self_attn.config = layer_config if fused else gemma.config
+                layer.self_attn.config = layer_config
 
     @property
     def attention_fused(self) -> bool:
