@@ -88,6 +88,8 @@ class RolloutActor:
             self.policy.set_backbone_dtype(torch.bfloat16)
         if config.actors.speed.fused_attention:  # a VLA (RunConfig.validate)
             self.policy.fuse_attention()
+        if config.actors.speed.send_image_embeddings:  # a VLA with its vision tower frozen (RunConfig.validate)
+            self.policy.send_image_embeddings = True
         if config.actors.speed.compile_steps:
             compile_steps(self.policy, "actors.speed.compile_steps")
         if config.actors.speed.compile_vision:  # a VLA policy (RunConfig.validate)

@@ -37,11 +37,13 @@ first runs an update of its own that compiles (`first_update_seconds`), then tim
 `gradient_bytes`, `optimizer_bytes`: Learner.state_bytes) and, uncompiled, the most bytes of activations it held at once
 for its backward passes (`saved_for_backward_peak_bytes`: shapes alone set it, so a CPU run reads a GPU's), so
 `--update-variants "learner.speed.fused_attention=true"` shows what the attention through one fused kernel keeps
-beside the eager attention lerobot runs. `--group-of-one N` times the recipe's update N times by a
-learner alone and N times by the learner group's code path with one rank (learner.data_parallel.RankGroup, its
-collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on CPU), fresh learners taking turns on the
-same rollouts: `group_of_one/over_alone` is the ratio of their median seconds, `max_abs_weight_difference` how far the
-last two updates' trainable weights lie apart.
+beside the eager attention lerobot runs. A variant that sets an actors field samples its own rollouts of the same seeds
+by an actor of its own first, so `--update-variants "actors.speed.send_image_embeddings=true"` sets the update on records
+of the vision tower's tokens (`sample_record_bytes_per_decision`) beside the update on frames. `--group-of-one N` times
+the recipe's update N times by a learner alone and N times by the learner group's code path with one rank
+(learner.data_parallel.RankGroup, its collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on
+CPU), fresh learners taking turns on the same rollouts: `group_of_one/over_alone` is the ratio of their median seconds,
+`max_abs_weight_difference` how far the last two updates' trainable weights lie apart.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import REPO_ROOT, emit, ratio  # noqa: E402
+from bench.report import REPO_ROOT, emit, ratio, record_arrays  # noqa: E402
 from common.config import RunConfig  # noqa: E402
 from common.config_loading import apply_override, from_dict, load_config  # noqa: E402
 from common.diagnostics import BehaviourGapWarning  # noqa: E402
@@ -422,6 +424,8 @@ def compiles(config: RunConfig) -> bool:
 def rollout_figures(batch, seconds: float) -> dict[str, Any]:
     return {
         "seconds": seconds,
+        # what crosses the object store from an actor to the learner
+        "record_bytes_per_decision": sum(array.nbytes for array in record_arrays(batch).values()) / (batch.num_decisions * batch.num_envs),
         "env_steps": batch.env_steps,
         "env_steps_per_second": batch.env_steps / seconds,
         "policy_cpu_seconds": batch.policy_cpu_seconds,
@@ -469,16 +473,21 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             return decision_latency(state["actor"], batches, args.repeats, clock, args.profile, args.compile_steps, args.compile_vision,
                                     args.fused_attention)  # fmt: skip
 
-        def sample_version_0() -> dict[str, Any]:
+        def sampled_by(actor: RolloutActor) -> tuple[list[RolloutBatch], dict[str, Any]]:
+            """`args.rollouts` rollouts of version 0 by `actor`, and their median figures."""
             batches, per_rollout = [], []
             for index in range(args.rollouts):
                 start = clock.now()
-                batches.append(state["actor"].sample(None, iteration=index))  # iteration index: each rollout its own seed
+                batches.append(actor.sample(None, iteration=index))  # iteration index: each rollout its own seed
                 per_rollout.append(rollout_figures(batches[-1], clock.now() - start))
-            state["batches"] = batches
-            return {"rollouts": len(batches), "decisions_per_rollout": batches[0].num_decisions * batches[0].num_envs,
-                    **{key: statistics.median(r[key] for r in per_rollout) for key in ("seconds", "env_steps_per_second",
-                       "policy_cpu_seconds", "env_cpu_seconds")}, "actor_precision": per_rollout[0]["actor_precision"]}  # fmt: skip
+            return batches, {"rollouts": len(batches), "decisions_per_rollout": batches[0].num_decisions * batches[0].num_envs,
+                             **{key: statistics.median(r[key] for r in per_rollout) for key in ("seconds", "env_steps_per_second",
+                                "policy_cpu_seconds", "env_cpu_seconds", "record_bytes_per_decision")},
+                             "actor_precision": per_rollout[0]["actor_precision"]}  # fmt: skip
+
+        def sample_version_0() -> dict[str, Any]:
+            state["batches"], figures = sampled_by(state["actor"])
+            return figures
 
         def start_learner() -> dict[str, Any]:
             start = clock.now()
@@ -487,9 +496,10 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
             state["learner"].broadcast()  # version 0, as the driver publishes it before the first rollout
             return {"seconds": clock.now() - start}
 
-        def version_0_rollouts() -> RolloutBatch:
-            """What every update and scoring pass here learns from: the sampled rollouts, --rollout-repeats times over."""
-            return RolloutBatch.concat(state["batches"] * args.rollout_repeats)
+        def version_0_rollouts(batches: list[RolloutBatch] | None = None) -> RolloutBatch:
+            """What every update and scoring pass here learns from: the sampled rollouts (or `batches`, a variant's actor's),
+            --rollout-repeats times over."""
+            return RolloutBatch.concat((batches or state["batches"]) * args.rollout_repeats)
 
         def prepare(rows: int | None) -> Callable[[], dict[str, Any]]:
             """The learner's scoring pass alone (encode, old log-probs, values, GAE), encoding `rows` observations at a
@@ -509,11 +519,11 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
             return stage
 
-        def update() -> dict[str, Any]:
+        def update(batches: list[RolloutBatch] | None = None) -> dict[str, Any]:
             """The learner's update, with the seconds of its own scoring pass (Learner.prepare) apart from its steps. An
             update that ran out of GPU memory and was made again in smaller micro-batches (learner.faults.split_on_out_of_memory)
             counts every try in its seconds, and reports the split it kept (faults/grad_accum) and its last scoring pass."""
-            batch, learner = version_0_rollouts(), state["learner"]
+            batch, learner = version_0_rollouts(batches), state["learner"]
             scoring: list[float] = []
             # On CPU, the host's ops (the profiler counts decisions only) and the FLOPs: counting costs host time on a GPU.
             # Not the FLOPs of a compiling learner: torch.compile runs eagerly under the FLOP counter, and the shapes are the same.
@@ -577,7 +587,9 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
 
         def update_variant(overrides: str) -> Callable[[], dict[str, Any]]:
             """A fresh learner from the same checkpoint with config fields overridden (e.g.
-            "algorithm.grad_accum=1,learner.speed.precision=bfloat16"), its update on the same version-0 rollouts."""
+            "algorithm.grad_accum=1,learner.speed.precision=bfloat16"), its update on the same version-0 rollouts; where
+            the overrides name an actors field (e.g. "actors.speed.send_image_embeddings=true"), on the rollouts of the same
+            seeds sampled by a fresh actor of the variant (its figures as `sample_*`)."""
 
             def stage() -> dict[str, Any]:
                 changes: dict[str, Any] = {}
@@ -585,17 +597,21 @@ def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.dev
                     apply_override(changes, item)
                 variant = from_dict(RunConfig, changes, base=config)
                 variant.validate()
+                batches, sampled = None, {}
+                if "actors" in changes:
+                    batches, figures = sampled_by(RolloutActor(variant, 0, checkpoint))
+                    sampled = {f"sample_{key}": value for key, value in figures.items()}
                 first_update = {}
                 if compiles(variant):
                     # The compiler's first calls, on an update of their own: the timed update's learner, another policy
                     # of the same structure, runs the graphs they built (graphs_compiled counts any it adds).
                     start = clock.now()
-                    fresh_learner(variant).update(version_0_rollouts())
+                    fresh_learner(variant).update(version_0_rollouts(batches))
                     first_update = {"first_update_seconds": clock.now() - start}
                 graphs = counters["stats"]["unique_graphs"]
                 fresh_learner(variant)
-                figures = update()
-                return {**figures, **first_update, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs}
+                figures = update(batches)
+                return {**figures, **first_update, **sampled, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs}
 
             return stage
 

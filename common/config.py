@@ -219,6 +219,12 @@ class ActorSpeedConfig:
     # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy), which copies keys and values per
     # query head and holds every (query, key) score as float32: the same attention up to float rounding, without those.
     fused_attention: bool = False
+    # A VLA actor records each decision's vision-tower tokens (every camera's, lerobot's embed_image, as float32) in
+    # place of its frames, and the learner's encodes read them instead of running the tower over the iteration's frames
+    # again (the observations a chunk led to, which no decision read, keep their frames). Needs the vision tower frozen
+    # (policy.<section>.train_vlm: false). The learner then scores on the actors' tower arithmetic (bfloat16 in a
+    # bfloat16 actor), as the actors sampled.
+    send_image_embeddings: bool = False
 
     def validate(self, path: str = "actors.speed") -> None:
         require_choice(self, path, "precision", ("float32", "bfloat16"))
@@ -619,6 +625,18 @@ class RunConfig:
                 not getattr(self, section).speed.fused_attention or self.policy.vla_section() is not None,
                 f"{section}.speed.fused_attention replaces a VLA's attention (smolvla, pi0 and pi05) and policy.type="
                 f"{self.policy.type}: set {section}.speed.fused_attention: false",
+            )
+        if self.actors.speed.send_image_embeddings:
+            section = self.policy.vla_section()
+            require(
+                section is not None,
+                f"actors.speed.send_image_embeddings records a VLA's vision-tower tokens (smolvla, pi0 and pi05) and policy.type="
+                f"{self.policy.type} has no vision tower: set actors.speed.send_image_embeddings: false",
+            )
+            require(
+                not getattr(self.policy, section).train_vlm,
+                f"actors.speed.send_image_embeddings with policy.{section}.train_vlm: true: the learner would train the vision tower "
+                "on tokens the actors computed with older weights; set one of them to false",
             )
         if algorithm.algo == "grpo":
             require(

@@ -5,13 +5,16 @@ the instruction's `tokens`/`token_mask` (tokenized once per env by the policy), 
 fields per decision in compact form (uint8 frames, int64 token ids), and the policy receives the same
 record as torch tensors (`to_torch`). Backends read what they need: the MLP reads `state` only; SmolVLA
 reads images, tokens/token_mask and state. Frames are never stored or sent as floats: a 64x64 RGB frame is
-12 KB as uint8 and 48 KB as float32, and converting is the backend's first step.
+12 KB as uint8 and 48 KB as float32, and converting is the backend's first step. A VLA actor may record its
+vision tower's tokens of the frames instead (`image_embeddings`, actors.speed.send_image_embeddings), which a VLA
+reads in place of the frames, so the learner does not run the tower over them again.
 
 Shapes (B = batch of observations):
   state       (B, state_dim) float32        env/robot state (Metaworld's 39-d vector)
   images      (B, C, H, W, 3) uint8         C camera frames, right way up
   tokens      (B, L) int64                  instruction token ids, padded to L
   token_mask  (B, L) bool                   True on real tokens
+  image_embeddings  (B, C, T, D) float32    each camera's T vision-tower tokens of width D (lerobot's embed_image)
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from torch import Tensor
 Array = np.ndarray | Tensor
 
 # Field name -> (dtype name every array of it must have, in numpy and torch alike; dims of ONE observation).
-_SPEC: dict[str, tuple[str, int]] = {"state": ("float32", 1), "images": ("uint8", 4), "tokens": ("int64", 1), "token_mask": ("bool", 1)}
+_SPEC: dict[str, tuple[str, int]] = {
+    "state": ("float32", 1), "images": ("uint8", 4), "tokens": ("int64", 1), "token_mask": ("bool", 1), "image_embeddings": ("float32", 3),
+}  # fmt: skip
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Observation:
     images: Array | None = None  # (B, C, H, W, 3) uint8, right way up (never float in records)
     tokens: Array | None = None  # (B, L) int64   instruction token ids, padded to L
     token_mask: Array | None = None  # (B, L) bool  True on real tokens
+    # (B, C, T, D) float32: the vision tower's tokens of each camera's frame, recorded by a VLA actor in place of `images`
+    image_embeddings: Array | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -32,6 +32,9 @@ class Decision:
     env_actions: np.ndarray  # (B, H, A) de-normalised, clipped to the action bounds
     log_prob: np.ndarray  # (B,)
     log_prob_per_element: np.ndarray  # (B,)
+    # (B, C, T, D) the vision tower's tokens of the frames decided on, where the policy sends them (a VLA's
+    # actors.speed.send_image_embeddings; FlowPolicy.recorded_image_embeddings); None: the record keeps the frames
+    image_embeddings: np.ndarray | None = None
 
 
 def decision_tensors(
@@ -43,11 +46,13 @@ def decision_tensors(
     sample = sample_chain(
         policy, features, obs.batch_shape[0], deterministic=deterministic, generator=generator, device=policy.obs_device, noise=noise
     )
+    recorded = policy.recorded_image_embeddings(features)
     return {
         "chain": sample.chain,
         "env_actions": policy.to_env_action(sample.chain[:, -1]),
         "log_prob": sample.scores.log_prob,
         "log_prob_per_element": sample.scores.log_prob_per_element,
+        **({} if recorded is None else {"image_embeddings": recorded}),
     }
 
 
@@ -174,9 +179,10 @@ def collect_rollout(
 ) -> tuple[RolloutBatch, np.ndarray]:
     """Step every env for `num_decisions` chunk decisions; returns the record and the last observations.
 
-    The record carries frames (obs.images) when the envs have cameras and the instruction's tokens when
-    the policy reads language; each env's instruction is tokenized once, here, not per decision. An observation a
-    chunk led to is recorded only where the next decision does not read it (RolloutBatch.bootstrap_obs)."""
+    The record carries frames (obs.images) when the envs have cameras, or where the policy sends them the vision
+    tower's tokens of the frames in their place (obs.image_embeddings), and the instruction's tokens when the policy
+    reads language; each env's instruction is tokenized once, here, not per decision. An observation a chunk led to is
+    recorded only where the next decision does not read it (RolloutBatch.bootstrap_obs), with its frames."""
     start = time.perf_counter()
     token_ids, token_mask = instruction_tokens(policy, vec_env.envs)
     per_step: dict[str, list[np.ndarray]] = {}
@@ -201,7 +207,8 @@ def collect_rollout(
         }  # fmt: skip
         for name, value in row.items():
             per_step.setdefault(name, []).append(value)
-        observations.append(obs)
+        observations.append(obs if decision.image_embeddings is None else
+                            dataclasses.replace(obs, images=None, image_embeddings=decision.image_embeddings))  # fmt: skip
         ended = np.flatnonzero(step.terminated | step.truncated) if t < num_decisions - 1 else np.arange(vec_env.num_envs)
         bootstrap_at.append(np.stack([np.full(len(ended), t), ended], axis=1))
         bootstrap_obs.append(step.next_obs.index(ended))

@@ -21,8 +21,9 @@ class RolloutBatch:
     """T chunk decisions in each of N envs, all sampled with one weight version: what the learner reads, once each.
     Shapes below (M: the bootstrap rows)."""
 
-    # (T, N, ...) what each chunk was chosen on: state, and frames and instruction tokens when the policy reads them;
-    # compact on purpose: frames stay uint8 and the instruction travels as token ids
+    # (T, N, ...) what each chunk was chosen on: state, and frames (or the vision tower's tokens of them, where the actor
+    # sends those: actors.speed.send_image_embeddings) and instruction tokens when the policy reads them; compact on
+    # purpose: frames stay uint8 and the instruction travels as token ids
     obs: Observation
     chains: np.ndarray  # (T, N, K+1, H, A) float32 the whole denoising chain, normalised units
     rewards: np.ndarray  # (T, N) float32            sum_i gamma^i r_i over the chunk's executed steps
@@ -36,7 +37,8 @@ class RolloutBatch:
     valid: np.ndarray
     # The observations a chunk led to where they are not the next decision's of its env: its episode ended (the final
     # observation, before the reset), or it was the rollout's last decision. (M, 2) int64 (decision, env), in that
-    # order, and (M, ...) state and frames; the instruction is the env's, in `obs`.
+    # order, and (M, ...) state and frames (frames also where `obs` carries tokens in their place: no decision read
+    # these); the instruction is the env's, in `obs`.
     bootstrap_at: np.ndarray
     bootstrap_obs: Observation
     episode_returns: np.ndarray  # (E,) float32      episodes that ended during this rollout
@@ -105,7 +107,8 @@ class RolloutBatch:
         if not np.array_equal(self.bootstrap_rows(), np.flatnonzero(needed)):
             raise ValueError(f"{where}: RolloutBatch.bootstrap_at must name, in order, every decision whose episode ended and "
                              "every env's last decision, and no other")  # fmt: skip
-        fields, want = sorted(self.bootstrap_obs.present()), sorted({"state", "images"} & set(self.obs.present()))
+        seen = {"images", "image_embeddings"} & set(self.obs.present())
+        fields, want = sorted(self.bootstrap_obs.present()), ["images", "state"] if seen else ["state"]
         if self.bootstrap_obs.batch_shape != (len(at),) or fields != want:
             raise ValueError(f"{where}: RolloutBatch.bootstrap_obs must hold {want} of the {len(at)} bootstrap rows, got "
                              f"{self.bootstrap_obs.batch_shape} rows of {fields}")  # fmt: skip
@@ -118,6 +121,8 @@ class RolloutBatch:
             raise ValueError(f"{where}: RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, "
                              f"expected {len(self.episode_successes)}")  # fmt: skip
         floats = {name: getattr(self, name) for name in self.PER_DECISION}
+        if self.obs.image_embeddings is not None:
+            floats["obs.image_embeddings"] = self.obs.image_embeddings
         check_finite_arrays({"obs": self.obs.state, "bootstrap_obs": self.bootstrap_obs.state, **floats}, where)
 
     @staticmethod

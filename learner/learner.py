@@ -151,7 +151,7 @@ def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int
 class PreparedBatch:
     """A rollout flattened to B = T * N decisions, with the learner's own old log-probs and values."""
 
-    obs: Observation  # (B, ...) torch, on the policy's device: state, and frames/tokens when the policy reads them
+    obs: Observation  # (B, ...) torch, on the policy's device: state, and frames (or their vision tokens)/tokens when the policy reads them
     chains: Tensor  # (B, K+1, H, A)
     old_log_probs: Tensor  # (B,)  recomputed by the learner with the current weights, eval mode
     old_values: Tensor | None  # (B,)  None with GRPO (no critic)

@@ -146,6 +146,11 @@ class FlowPolicy(nn.Module, ABC):
     def value(self, features: Any) -> Tensor:
         """features -> critic value (B,)."""
 
+    def recorded_image_embeddings(self, features: Any) -> Tensor | None:
+        """(B, C, T, D) what a rollout records in place of the frames a decision read: a VLA's vision-tower tokens of
+        them, kept by encode() (actors.speed.send_image_embeddings); None: the record keeps the frames."""
+        return None
+
     def critic_features(self, features: Any) -> Any:
         """encode()'s output cut down to what value() reads, for the learner to keep many rows of cheaply. All of it
         by default; a VLA drops its prefix cache."""

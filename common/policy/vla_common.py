@@ -94,6 +94,9 @@ class VLAFeatures:
     # What the expert reads beside the cache at every step: pi0's padded normalised state (B, max_state_dim); None
     # for the backends that put the state into the prefix (SmolVLA's state token, pi0.5's prompt).
     suffix_state: Tensor | None = None
+    # (B, C, T, D) the vision tower's tokens of every camera's frame, kept only for a rollout actor that records them in
+    # place of the frames (VLAFlowPolicy.send_image_embeddings); None otherwise.
+    image_embeddings: Tensor | None = None
 
     def kv(self) -> KVLayers:
         """The kept prefix cache as common.policy.lerobot_compat takes it."""
@@ -107,10 +110,11 @@ def prefix_features(
     attention_mask: Tensor,
     state: Tensor,
     suffix_state: Tensor | None = None,
+    image_embeddings: Tensor | None = None,
 ) -> VLAFeatures:
     """One VLM pass over the prefix embeddings (B, L, text_hidden) with the attention mask the model's own sampler
     builds, positions as its sampler counts them -> the kept cache, and the critic input: the masked mean of the final
-    prefix hidden states concatenated with the normalised state (B, obs_dim)."""
+    prefix hidden states concatenated with the normalised state (B, obs_dim). `image_embeddings` are kept as given."""
     positions = torch.cumsum(pad_mask, dim=1) - 1  # as lerobot's sample_actions
     prefix_out, (key_states, value_states) = fill_prefix_cache(vlm_with_expert, embeddings, attention_mask, positions)
     weights = pad_mask.unsqueeze(-1).to(prefix_out.dtype)
@@ -121,20 +125,19 @@ def prefix_features(
         prefix_pad_mask=pad_mask,
         critic_input=torch.cat([pooled.float(), state.float()], dim=-1),
         suffix_state=suffix_state,
+        image_embeddings=image_embeddings,
     )
 
 
 @contextlib.contextmanager
-def one_vision_pass(owner: nn.Module, images: list[Tensor], embed: Callable[[Tensor], Tensor] | None = None) -> Iterator[None]:
+def one_vision_pass(owner: nn.Module, images: list[Tensor], embedded: Tensor) -> Iterator[None]:
     """lerobot's embed_prefix calls `owner.embed_image` once per camera, a vision tower pass over that camera's B
-    frames. Inside this context the C cameras' frames go through the tower once, as one batch of C x B, and each of
-    embed_prefix's calls, which must come in camera order with these very tensors, is handed its camera's share. The
-    tower embeds every frame on its own, so only the batch changes: C times fewer kernel launches for the tower, whose
-    matmuls are C times taller (tests/integration/test_smolvla.py and test_pi0.py check the prefix against lerobot's
-    loop). What embeds the batch is `embed` (a policy's compiled_vision), else whatever `owner.embed_image` is on entry
-    (lerobot's, or a capture_context's)."""
-    embedded = (embed or owner.embed_image)(torch.cat(images)).split([image.shape[0] for image in images])
-    pending = list(zip(images, embedded, strict=True))
+    frames. Inside this context each of those calls, which must come in camera order with these very tensors, is handed
+    its camera's share of `embedded` (C x B, T, D), every camera's tokens camera after camera: one tower pass over all
+    the frames (VLAFlowPolicy.camera_embeddings), or tokens a rollout recorded. The tower embeds every frame on its own,
+    so only the batch changes: C times fewer kernel launches for the tower, whose matmuls are C times taller
+    (tests/integration/test_smolvla.py and test_pi0.py check the prefix against lerobot's loop)."""
+    pending = list(zip(images, embedded.split([image.shape[0] for image in images]), strict=True))
 
     def handed_out(image: Tensor) -> Tensor:
         if not pending or pending[0][0] is not image:
@@ -220,15 +223,18 @@ def tokenize_texts(tokenizer: Any, texts: list[str], length: int) -> tuple[np.nd
 
 
 def require_frames_and_instruction(obs: Observation, config: PolicyConfig) -> None:
-    """A one-line error unless the observation carries the frames and instruction tokens a VLA reads."""
-    missing = [name for name in ("images", "tokens") if getattr(obs, name) is None]
+    """A one-line error unless the observation carries the frames (or their recorded vision-tower tokens) and the
+    instruction tokens a VLA reads."""
+    seen = "image_embeddings" if obs.image_embeddings is not None else "images"
+    missing = [name for name in (seen, "tokens") if getattr(obs, name) is None]
     if missing:
         raise ValueError(
             f"policy.type {config.type} reads camera frames and the instruction, but Observation.{'/'.join(missing)} is None: render "
             f"policy.image_size={config.image_size} frames from {config.cameras}; tokenize instructions with policy.tokenize"
         )
-    if obs.images.shape[1] != len(config.cameras):
-        raise ValueError(f"Observation.images has {obs.images.shape[1]} cameras, policy.cameras lists {len(config.cameras)}")
+    cameras = getattr(obs, seen).shape[1]
+    if cameras != len(config.cameras):
+        raise ValueError(f"Observation.{seen} has {cameras} cameras, policy.cameras lists {len(config.cameras)}")
 
 
 class VLAFlowPolicy(FlowPolicy):
@@ -242,6 +248,9 @@ class VLAFlowPolicy(FlowPolicy):
     # lerobot's embed_image (compile_vision, called by the rollout actor with actors.speed.compile_vision); None: encode()
     # runs lerobot's embed_image eagerly.
     compiled_vision: Callable[[Tensor], Tensor] | None = None
+    # encode() keeps the vision tower's tokens of the frames it read in its features (VLAFeatures.image_embeddings), for
+    # the rollout to record in place of the frames: set by the rollout actor with actors.speed.send_image_embeddings.
+    send_image_embeddings: bool = False
 
     def add_heads(self, expert_width: int, text_width: int) -> None:
         """The noise head (on the expert hidden state of each action token (B, H, expert_width)), the critic head (on
@@ -289,6 +298,34 @@ class VLAFlowPolicy(FlowPolicy):
     @abstractmethod
     def attention_fused(self) -> bool:
         """Whether fuse_attention's fused attention is in use."""
+
+    # -- the frames' vision tower tokens -------------------------------------------------------------
+
+    def camera_embeddings(self, obs: Observation, images: list[Tensor], owner: nn.Module) -> Tensor:
+        """(C x B, T, D) every camera's vision-tower tokens, camera after camera, as one_vision_pass hands them out: the
+        observation's recorded ones where it carries them (actors.speed.send_image_embeddings), else one tower pass over
+        the frames of `images` (compiled_vision, or `owner.embed_image` as it is on entry: lerobot's, or a
+        capture_context's)."""
+        if obs.image_embeddings is not None:
+            return obs.image_embeddings.transpose(0, 1).flatten(0, 1)
+        return (self.compiled_vision or owner.embed_image)(torch.cat(images))
+
+    def camera_placeholders(self, obs: Observation) -> list[Tensor]:
+        """One empty (B, 0) tensor per camera: what lerobot's embed_prefix is handed for each camera where the
+        observation's tokens were recorded (it reads only a camera's batch size beside the tokens one_vision_pass hands
+        it)."""
+        batch = obs.state.shape[0]
+        return [obs.state.new_empty(batch, 0) for _ in self.config.cameras]
+
+    def kept_image_embeddings(self, embedded: Tensor) -> Tensor | None:
+        """camera_embeddings' (C x B, T, D) as the record holds them, (B, C, T, D) float32, where this policy sends them
+        (send_image_embeddings); None otherwise."""
+        if not self.send_image_embeddings:
+            return None
+        return embedded.unflatten(0, (len(self.config.cameras), -1)).transpose(0, 1).float()
+
+    def recorded_image_embeddings(self, features: VLAFeatures) -> Tensor | None:
+        return features.image_embeddings
 
     # -- what trains -------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -70,7 +71,8 @@ def check_cameras_share_one_vision_pass(policy: FlowPolicy, obs: Observation, ow
             one_pass = policy.encode(obs)
             one_pass_batches = batches.copy()
             batches.clear()
-            with mock.patch(f"{type(policy).__module__}.one_vision_pass", lambda _owner, _images, _embed: contextlib.nullcontext()):
+            with (mock.patch(f"{type(policy).__module__}.one_vision_pass", lambda _owner, _images, _embedded: contextlib.nullcontext()),
+                  mock.patch.object(policy, "camera_embeddings", lambda *_: None)):  # fmt: skip
                 looped = policy.encode(obs)
     finally:
         del owner.embed_image
@@ -80,6 +82,44 @@ def check_cameras_share_one_vision_pass(policy: FlowPolicy, obs: Observation, ow
     for fast, plain in zip((*one_pass.key_states, *one_pass.value_states, one_pass.critic_input),
                            (*looped.key_states, *looped.value_states, looped.critic_input), strict=True):  # fmt: skip
         torch.testing.assert_close(fast, plain, rtol=0.0, atol=1e-6)
+
+
+def check_recorded_image_tokens_encode_as_the_frames(policy: FlowPolicy, obs: Observation, owner: nn.Module) -> None:
+    """A VLA that sends its vision tower's tokens (send_image_embeddings, set by actors.speed.send_image_embeddings) keeps
+    them in its features as (B, C, T, D) float32, row b's camera c the tower's tokens of that frame alone; an observation
+    carrying them in place of the frames encodes, with no pass of `owner`'s tower, to the same prefix cache and critic
+    input bit for bit, and keeps no tokens of its own."""
+    policy.send_image_embeddings = True
+    try:
+        with torch.no_grad():
+            features = policy.encode(obs)
+    finally:
+        policy.send_image_embeddings = False
+    tokens = policy.recorded_image_embeddings(features)
+    batch, cameras = obs.state.shape[0], len(policy.config.cameras)
+    assert cameras > 1 and batch > 1 and tokens.dtype == torch.float32 and tokens.shape[:2] == (batch, cameras)
+    images = policy.lerobot_inputs(obs)[0]  # each camera's (B, 3, S, S) frames as the tower reads them
+    with torch.no_grad():
+        for camera in range(cameras):
+            for row in (0, batch - 1):
+                alone = owner.embed_image(images[camera][row : row + 1])[0].float()
+                torch.testing.assert_close(tokens[row, camera], alone, rtol=0.0, atol=1e-5)
+    recorded = Observation(state=obs.state, tokens=obs.tokens, token_mask=obs.token_mask, image_embeddings=tokens)
+    embed_image, calls = owner.embed_image, []
+    owner.embed_image = lambda frames: calls.append(frames.shape) or embed_image(frames)
+    try:
+        with torch.no_grad():
+            again = policy.encode(recorded)
+    finally:
+        del owner.embed_image
+    assert calls == [] and again.image_embeddings is None and policy.recorded_image_embeddings(again) is None
+
+    def kept(encoded: object) -> list[Tensor]:
+        return [*encoded.key_states, *encoded.value_states, encoded.critic_input, encoded.prefix_pad_mask]
+
+    assert all(torch.equal(read, fresh) for read, fresh in zip(kept(again), kept(features), strict=True))
+    with pytest.raises(ValueError, match=r"Observation\.image_embeddings has 1 cameras"):
+        policy.encode(dataclasses.replace(recorded, image_embeddings=tokens[:, :1]))
 
 
 def check_noise_off_chain_reproduces_lerobot(policy: FlowPolicy, obs: Observation, start: str, sample_actions: Callable) -> None:
@@ -253,6 +293,46 @@ def check_fused_attention_in_actor_and_learner(checkpoint: Path, run_config: Cal
     assert any(not torch.equal(after[name], start[name]) for name in trained)
     for name in trained:
         torch.testing.assert_close(after_fused[name], after[name], rtol=1e-4, atol=1e-5)
+
+
+def check_sent_image_embeddings_in_actor_and_learner(checkpoint: Path, frames: RunConfig, sending: RunConfig,
+                                                     owner: Callable[[FlowPolicy], nn.Module]) -> None:  # fmt: skip
+    """actors.speed.send_image_embeddings (`sending`: the tiny run `frames` with it): the actor samples the chains an actor
+    recording frames samples, and records each decision's vision-tower tokens in place of its frames, keeping the frames
+    of the observations no decision read. A learner updating on that record runs the tower (`owner(policy)`'s) over
+    those observations alone, where on the frames record it runs it over every decision's too, and otherwise makes the
+    same update: the same scores, the ratio at 1, the weights within float rounding."""
+    from actors.rollout_actor import RolloutActor
+    from learner.learner import Learner
+
+    with_frames, sent = RolloutActor(frames, 0, checkpoint).sample(None, 0), RolloutActor(sending, 0, checkpoint).sample(None, 0)
+    assert with_frames.obs.images is not None and with_frames.obs.image_embeddings is None
+    decisions, envs, cameras = sent.num_decisions, sent.num_envs, len(frames.policy.cameras)
+    assert sent.obs.images is None and sent.obs.image_embeddings.dtype == np.float32
+    assert sent.obs.image_embeddings.shape[:3] == (decisions, envs, cameras) and sent.obs.image_embeddings.std() > 0
+    np.testing.assert_array_equal(sent.chains, with_frames.chains)
+    np.testing.assert_array_equal(sent.bootstrap_obs.images, with_frames.bootstrap_obs.images)
+    updated, embedded = {}, {}
+    for name, batch in (("frames", with_frames), ("sent", sent)):
+        learner = Learner(frames, FlowPolicy.from_pretrained(checkpoint))
+        tower = owner(learner.policy)
+        embed_image, embedded[name] = tower.embed_image, []
+        tower.embed_image = lambda images, kept=embed_image, seen=embedded[name]: seen.append(images.shape[0]) or kept(images)
+        updated[name] = learner, learner.update(batch)
+        del tower.embed_image
+    bootstrap_rows = len(sent.bootstrap_at) * cameras
+    assert sum(embedded["sent"]) == bootstrap_rows and sum(embedded["frames"]) == decisions * envs * cameras + bootstrap_rows
+    (plain, metrics), (reading, metrics_sent) = updated["frames"], updated["sent"]
+    for key in ("logprob/old_mean", "values/mean", "logprob/behaviour_gap_max"):
+        assert abs(metrics_sent[key] - metrics[key]) <= 1e-6, key
+    assert metrics_sent["ppo/first_minibatch_ratio_dev"] <= 1e-6
+    assert metrics_sent["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+    start = dict(FlowPolicy.from_pretrained(checkpoint).named_parameters())
+    after, after_sent = dict(plain.policy.named_parameters()), dict(reading.policy.named_parameters())
+    trained = [name for name, p in plain.policy.named_parameters() if p.requires_grad]
+    assert any(not torch.equal(after[name], start[name]) for name in trained)
+    for name in trained:
+        torch.testing.assert_close(after_sent[name], after[name], rtol=1e-4, atol=1e-6)
 
 
 def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:

@@ -126,6 +126,11 @@ BAD_INPUTS = [
         None,
     ),
     (
+        ["--set", "actors.speed.send_image_embeddings=true"],
+        r"actors\.speed\.send_image_embeddings records a VLA's vision-tower tokens .* policy\.type=mlp_flow has no vision tower",
+        None,
+    ),
+    (
         ["--set", "learner.speed.recompute_steps=true", "--set", "learner.speed.steps_in_one_pass=true"],
         r"learner\.speed\.recompute_steps and learner\.speed\.steps_in_one_pass: choose one",
         None,

@@ -223,7 +223,7 @@ def test_actor_counts_without_one_or_not_whole_numbers_are_refused_before_anythi
 
 def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the_last_one_gone(capsys, monkeypatch):
     """--update-variants: each variant's learner updates on the same rollouts, and is built after the previous learner
-    is gone, whose memory would otherwise count in the variant's peak."""
+    is gone, whose memory would otherwise count in the variant's peak; a variant of the actors samples rollouts of its own."""
     import weakref
 
     from learner import learner as learner_module
@@ -238,15 +238,16 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
 
     monkeypatch.setattr(learner_module, "Learner", Counted)
     compiled = "learner.speed.steps_in_one_pass=true,learner.speed.compile_steps=true"
+    sent = "actors.speed.send_image_embeddings=true"
     variants = (f"learner.speed.recompute_steps=true;algorithm.grad_accum=1;learner.speed.steps_in_one_pass=true;{compiled};"
-                "learner.speed.fused_attention=true")  # fmt: skip
+                f"learner.speed.fused_attention=true;{sent}")  # fmt: skip
     step_by_step = ["--set", "learner.speed.precision=float32", "--set", "learner.speed.steps_in_one_pass=false"]  # the variants' base
     argv = ["--size", "tiny", "--rollouts", "2", "--skip", "decision_latency,prepare,publish_load_sample_v1", *step_by_step,
             "--update-variants", variants]  # fmt: skip
     assert smolvla_gpu.main(argv) == 0
     results = printed(capsys)
     assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
-    assert alive_at_build == [0, 0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
+    assert alive_at_build == [0, 0, 0, 0, 0, 0, 0, 0]  # the main learner, then one per variant (two for the compiled one)
     for name in (
         "update",
         "update[learner.speed.recompute_steps=true]",
@@ -254,6 +255,7 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
         "update[learner.speed.steps_in_one_pass=true]",
         f"update[{compiled}]",
         "update[learner.speed.fused_attention=true]",
+        f"update[{sent}]",
     ):
         assert results[name]["decisions"] == 2 * 2 and results[name]["ppo/first_minibatch_ratio_dev"] <= 1e-5
     recomputed = results["update[learner.speed.recompute_steps=true]"]
@@ -266,6 +268,14 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     assert saved[f"update[{compiled}]"] is None and saved["update"] > 0  # a compiled backward keeps its own
     assert saved["update[learner.speed.recompute_steps=true]"] < saved["update"]
     assert saved["update[learner.speed.fused_attention=true]"] < saved["update"]
+    # The actors' vision-tower tokens in place of the frames: rollouts of their own, the vision tower over the next
+    # observations no decision read alone, and the learner scoring on the bfloat16 actor's own tokens.
+    tokens, frames = results[f"update[{sent}]"], results["update"]
+    assert tokens["sample_rollouts"] == 2
+    assert tokens["sample_record_bytes_per_decision"] != results["sample_v0"]["record_bytes_per_decision"]
+    assert 0 < tokens["vision_flops"] < frames["vision_flops"]
+    assert frames["flops"] - tokens["flops"] >= frames["vision_flops"] - tokens["vision_flops"]  # the tower and its connector
+    assert tokens["logprob/behaviour_gap_max"] < frames["logprob/behaviour_gap_max"]
     # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
     assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
     assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"]

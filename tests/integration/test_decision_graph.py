@@ -77,14 +77,22 @@ def test_constant_uploads_are_served_again_and_new_ones_refused_while_capturing(
     assert passed_through.tolist() == [0, 1, 2]
 
 
-def test_decide_without_a_graph_is_the_eager_path(policy) -> None:
+@pytest.mark.parametrize("send_image_embeddings", [False, True])
+def test_decide_without_a_graph_is_the_eager_path(policy, send_image_embeddings) -> None:
     obs = tiny_observations(policy, 2)
     numpy_obs = type(obs)(**{name: value.numpy() for name, value in obs.present().items()})
-    with torch.no_grad():
-        eager = decision_tensors(policy, obs, deterministic=True)
-    decision = decide(policy, numpy_obs, deterministic=True)
+    policy.send_image_embeddings = send_image_embeddings
+    try:
+        with torch.no_grad():
+            eager = decision_tensors(policy, obs, deterministic=True)
+        decision = decide(policy, numpy_obs, deterministic=True)
+    finally:
+        policy.send_image_embeddings = False
     assert policy.decision_graph is None
-    assert set(vars(decision)) == set(eager)  # a decision is the chain and its scores; the learner values the states
+    # a decision is the chain and its scores, and where the policy sends them its vision tower's tokens; the learner
+    # values the states
+    assert {name for name, value in vars(decision).items() if value is not None} == set(eager)
+    assert ("image_embeddings" in eager) == send_image_embeddings
     for name, value in eager.items():
         np.testing.assert_array_equal(getattr(decision, name), value.numpy())
 

@@ -125,10 +125,11 @@ def test_chain_sampling_reads_frames_instruction_and_state(policy) -> None:
 
 
 @pytest.mark.parametrize("policy_type", ["pi0", "pi05"])
-def test_every_camera_goes_through_siglip_in_one_batch_and_gives_lerobots_prefix(policy_type) -> None:
+def test_every_camera_goes_through_siglip_in_one_batch_gives_lerobots_prefix_and_may_be_recorded(policy_type) -> None:
     policy = tiny_pi(policy_type, cameras=["corner", "topview", "gripperPOV"])
     obs = tiny_observations(policy, 3, seed=4)
     vla_checks.check_cameras_share_one_vision_pass(policy, obs, policy.vla.model.paligemma_with_expert)
+    vla_checks.check_recorded_image_tokens_encode_as_the_frames(policy, obs, policy.vla.model.paligemma_with_expert)
 
 
 @pytest.mark.parametrize("start", ["zero", "gaussian"])

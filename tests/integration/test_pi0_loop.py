@@ -27,7 +27,7 @@ from learner.learner import Learner  # noqa: E402
 from learner.pretrain import pretrain  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.helpers.vla import TINY_VLA_RUN  # noqa: E402
-from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner  # noqa: E402
+from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner, check_sent_image_embeddings_in_actor_and_learner  # noqa: E402
 
 
 def tiny_run_config(policy_type: str, run_dir: Path, **extra: object):
@@ -72,6 +72,13 @@ def test_bc_rollout_and_one_ppo_iteration(bc, tmp_path) -> None:
 def test_fused_attention_in_the_actor_and_the_learner_samples_and_trains_as_the_eager_attention_does(bc, tmp_path) -> None:
     policy_type, checkpoint = bc
     check_fused_attention_in_actor_and_learner(checkpoint, lambda field: tiny_run_config(policy_type, tmp_path / "run", **{field: True}))
+
+
+def test_an_actor_sending_its_vision_tokens_gives_the_learner_the_update_its_frames_give(bc, tmp_path) -> None:
+    policy_type, checkpoint = bc
+    frames = tiny_run_config(policy_type, tmp_path / "run")
+    sending = tiny_run_config(policy_type, tmp_path / "run", **{"actors.speed.send_image_embeddings": True})
+    check_sent_image_embeddings_in_actor_and_learner(checkpoint, frames, sending, lambda policy: policy.vla.model.paligemma_with_expert)
 
 
 @pytest.mark.parametrize("recipe", ["pi0_pick.yaml", "pi05_pick.yaml"])

@@ -47,6 +47,7 @@ from tests.helpers.vla_checks import (
     check_noise_off_chain_reproduces_lerobot,
     check_prefix_cache_kept,
     check_recomputed_steps_keep_less_for_the_same_gradients,
+    check_recorded_image_tokens_encode_as_the_frames,
     check_reinit_state_proj,
     check_round_trip_and_strict_refusal,
     check_sampling_reads_frames_instruction_and_state,
@@ -97,14 +98,16 @@ def three_cameras() -> SmolVLAFlowPolicy:
     return tiny_smolvla(cameras=["corner", "topview", "gripperPOV"])
 
 
-def test_every_camera_goes_through_siglip_in_one_batch_and_gives_lerobots_prefix(three_cameras) -> None:
+def test_every_camera_goes_through_siglip_in_one_batch_gives_lerobots_prefix_and_may_be_recorded(three_cameras) -> None:
     policy = three_cameras
     check_cameras_share_one_vision_pass(policy, tiny_observations(policy, 3, seed=4), policy.vla.model.vlm_with_expert)
+    check_recorded_image_tokens_encode_as_the_frames(policy, tiny_observations(policy, 3, seed=4), policy.vla.model.vlm_with_expert)
     vlm_with_expert = policy.vla.model.vlm_with_expert
     images = list(torch.rand(4, 3, IMAGE_SIZE, IMAGE_SIZE).split(2))
-    with pytest.raises(RuntimeError, match="other than the next camera's"), one_vision_pass(vlm_with_expert, images):
+    embedded = vlm_with_expert.embed_image(torch.cat(images))
+    with pytest.raises(RuntimeError, match="other than the next camera's"), one_vision_pass(vlm_with_expert, images, embedded):
         vlm_with_expert.embed_image(images[1])
-    with pytest.raises(RuntimeError, match="never asked for"), one_vision_pass(vlm_with_expert, images):
+    with pytest.raises(RuntimeError, match="never asked for"), one_vision_pass(vlm_with_expert, images, embedded):
         vlm_with_expert.embed_image(images[0])
     assert "embed_image" not in vars(vlm_with_expert)  # lerobot's method is back
 

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from actors.rollout_actor import RolloutActor
+from common.config import ConfigError
 from common.diagnostics import BehaviourGapWarning
 from common.flow import chain_log_prob
 from common.observation import Observation
@@ -24,7 +25,7 @@ from learner.learner import Learner
 from learner.pretrain import REPORT_FILE, pretrain
 from tests.conftest import tiny_config
 from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN
-from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner
+from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner, check_sent_image_embeddings_in_actor_and_learner
 
 
 def tiny_run_config(run_dir: Path, *extra: str):
@@ -125,6 +126,18 @@ def test_a_learner_with_compiled_steps_in_one_pass_and_vision_updates_within_rou
 
 def test_fused_attention_in_the_actor_and_the_learner_samples_and_trains_as_lerobots_attention_does(smolvla_bc, tmp_path) -> None:
     check_fused_attention_in_actor_and_learner(smolvla_bc, lambda field: tiny_run_config(tmp_path / "run", f"{field}=true"))
+
+
+def test_an_actor_sending_its_vision_tokens_gives_the_learner_the_update_its_frames_give(smolvla_bc, tmp_path) -> None:
+    frames, sending = tiny_run_config(tmp_path / "run"), tiny_run_config(tmp_path / "run", "actors.speed.send_image_embeddings=true")
+    check_sent_image_embeddings_in_actor_and_learner(smolvla_bc, frames, sending, lambda policy: policy.vla.model.vlm_with_expert)
+    # A bfloat16 actor's tokens travel as float32 without loss: the learner scores the very tokens the actor sampled on.
+    bfloat16 = tiny_run_config(tmp_path / "run", "actors.speed.send_image_embeddings=true", "actors.speed.precision=bfloat16")
+    batch = RolloutActor(bfloat16, 0, smolvla_bc).sample(None, 0)
+    tokens = torch.from_numpy(batch.obs.image_embeddings)
+    assert batch.actor_precision.startswith("bfloat16") and tokens.std() > 0 and torch.equal(tokens, tokens.bfloat16().float())
+    with pytest.raises(ConfigError, match=r"actors\.speed\.send_image_embeddings with policy\.smolvla\.train_vlm: true"):
+        tiny_run_config(tmp_path / "run", "actors.speed.send_image_embeddings=true", "policy.smolvla.train_vlm=true")
 
 
 def test_bfloat16_actor_stores_the_backbone_in_bfloat16_and_takes_float32_weights(smolvla_bc, tmp_path) -> None:

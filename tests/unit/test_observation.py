@@ -35,6 +35,11 @@ def test_bad_fields_are_named() -> None:
         Observation(obs.state, tokens=obs.tokens, token_mask=obs.token_mask.astype(np.int64))
     with pytest.raises(ValueError, match="3 RGB channels"):
         Observation(obs.state, obs.images[..., :2].copy())
+    tokens = np.zeros((5, 2, 4, 6), np.float32)  # two cameras' vision-tower tokens, 4 of width 6 each
+    with pytest.raises(ValueError, match=r"Observation\.image_embeddings must be float32"):
+        Observation(obs.state, image_embeddings=tokens.astype(np.float16))
+    with pytest.raises(ValueError, match=r"Observation\.image_embeddings has shape \(5, 4, 6\)"):
+        Observation(obs.state, image_embeddings=tokens[:, 0])
 
 
 def test_to_torch_copies_read_only_arrays_and_keeps_dtypes() -> None:

@@ -87,6 +87,30 @@ def test_a_nonfinite_record_is_refused_naming_the_field() -> None:
         dataclasses.replace(batch, bootstrap_obs=Observation(state, batch.bootstrap_obs.images)).validate()
 
 
+def with_image_embeddings(batch: RolloutBatch) -> RolloutBatch:
+    """`batch` as an actor that sends its vision tower's tokens records it: 4 tokens of width 6 per camera in place of each
+    decision's frames; the bootstrap observations, which no decision read, keep theirs."""
+    tokens = np.random.default_rng(1).normal(size=(*batch.obs.batch_shape, 1, 4, 6)).astype(np.float32)
+    return dataclasses.replace(batch, obs=dataclasses.replace(batch.obs, images=None, image_embeddings=tokens))
+
+
+def test_a_record_of_vision_tokens_keeps_the_frames_no_decision_read() -> None:
+    batch = with_image_embeddings(rollout_with_frames(ended=((0, 1),)))
+    batch.validate()
+    joined = RolloutBatch.concat([batch, with_image_embeddings(rollout_with_frames(3))])
+    joined.validate()
+    assert joined.obs.image_embeddings.shape == (3, 5, 1, 4, 6) and joined.obs.images is None
+    assert joined.bootstrap_obs.images.shape == (len(joined.bootstrap_at), 1, 8, 8, 3)
+    with pytest.raises(ValueError, match=r"bootstrap_obs must hold \['images', 'state'\] of the 3 bootstrap rows"):
+        dataclasses.replace(batch, bootstrap_obs=Observation(batch.bootstrap_obs.state)).validate()
+    broken = batch.obs.image_embeddings.copy()
+    broken[1, 0, 0, 2, 3] = np.inf
+    with pytest.raises(NonFiniteError, match=r"obs\.image_embeddings"):
+        dataclasses.replace(batch, obs=dataclasses.replace(batch.obs, image_embeddings=broken)).validate()
+    with pytest.raises(ValueError, match="different observation fields"):
+        RolloutBatch.concat([batch, rollout_with_frames()])
+
+
 def test_records_with_other_observation_fields_are_not_joined() -> None:
     batch = rollout_with_frames()
     with pytest.raises(ValueError, match="different observation fields"):

@@ -3,7 +3,7 @@
 Both are a PaliGemma backbone (SigLIP + Gemma) whose per-layer keys and values an action expert (a smaller Gemma)
 attends to. What each FlowPolicy piece reads:
   encode(obs)   runs the prefix ONCE with lerobot's `embed_prefix` (SigLIP tokens of every camera, embedded in one batch
-                by vla_common.one_vision_pass, then the prompt's tokens) and the model's prefix pass
+                by vla_common.one_vision_pass or recorded by a rollout, then the prompt's tokens) and the model's prefix pass
                 (common.policy.vla_common.prefix_features), keeping the per-layer KV cache, the pad mask and the
                 critic's input. pi0's prompt is the instruction (with lerobot's trailing newline); its state enters the
                 expert's suffix at every step through `state_proj`, so encode keeps the padded normalised state beside
@@ -298,14 +298,19 @@ class PiFlowPolicy(VLAFlowPolicy):
 
     def lerobot_inputs(self, obs: Observation) -> list[Tensor | list[Tensor]]:
         """Observation -> the inputs of lerobot's sample_actions: images and image masks (lerobot's own preprocessing:
-        [0, 1] frames resized with padding to policy.pi0.image_resolution, then [-1, 1]), prompt tokens and mask, and
-        for pi0 the padded normalised state."""
+        [0, 1] frames resized with padding to policy.pi0.image_resolution, then [-1, 1]; a placeholder per camera where the
+        observation carries recorded tokens instead: camera_placeholders), prompt tokens and mask, and for pi0 the padded
+        normalised state."""
         vla_common.require_frames_and_instruction(obs, self.config)
-        frames = {
-            f"observation.images.{camera}": obs.images[:, i].permute(0, 3, 1, 2).float() / 255.0
-            for i, camera in enumerate(self.config.cameras)
-        }
-        images, image_masks = self.vla._preprocess_images(frames)
+        if obs.image_embeddings is not None:
+            images = self.camera_placeholders(obs)
+            image_masks = [torch.ones(obs.state.shape[0], dtype=torch.bool, device=obs.state.device) for _ in images]
+        else:
+            frames = {
+                f"observation.images.{camera}": obs.images[:, i].permute(0, 3, 1, 2).float() / 255.0
+                for i, camera in enumerate(self.config.cameras)
+            }
+            images, image_masks = self.vla._preprocess_images(frames)
         if self.is_pi05:
             return [images, image_masks, *((obs.tokens, obs.token_mask) if self.prompt_written else self.pi05_prompt(obs))]
         return [images, image_masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.pi0.max_state_dim)]
@@ -316,11 +321,13 @@ class PiFlowPolicy(VLAFlowPolicy):
         """One PaliGemma pass over the prefix (images, prompt) -> KV cache, pad mask, critic input (and pi0's state)."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, *state = self.lerobot_inputs(obs)
-        with one_vision_pass(model.paligemma_with_expert, images, self.compiled_vision):
+        embedded = self.camera_embeddings(obs, images, model.paligemma_with_expert)
+        with one_vision_pass(model.paligemma_with_expert, images, embedded):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask)
         attention = prepare_attention_masks_4d(make_att_2d_masks(pad_mask, att_mask))  # as lerobot's sample_actions
         suffix_state = state[0] if state else None
-        return prefix_features(model.paligemma_with_expert, embeddings, pad_mask, attention, self.normalized_state(obs), suffix_state)
+        return prefix_features(model.paligemma_with_expert, embeddings, pad_mask, attention, self.normalized_state(obs), suffix_state,
+                               self.kept_image_embeddings(embedded))  # fmt: skip
 
     def denoise(self, features: VLAFeatures, action: Tensor, lerobot_t: Tensor) -> Tensor:
         model = self.vla.model

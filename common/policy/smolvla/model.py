@@ -2,7 +2,8 @@
 
 What each FlowPolicy piece reads:
   encode(obs)   runs the VLM prefix ONCE (SigLIP image tokens, instruction tokens, projected state) with
-                lerobot's `embed_prefix` (every camera through SigLIP in one batch: vla_common.one_vision_pass)
+                lerobot's `embed_prefix` (every camera through SigLIP in one batch: vla_common.one_vision_pass; or the
+                image tokens a rollout recorded: VLAFlowPolicy.camera_embeddings)
                 and its prefix pass (common.policy.lerobot_compat.fill_prefix_cache), and keeps the per-layer
                 key/value cache, the prefix pad mask and the critic's input. The kept cache is never mutated by a
                 denoising step, so one encode serves all K steps, the critic, and (VLM frozen) every PPO epoch
@@ -216,14 +217,19 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         """Observation -> lerobot's (images, image masks, tokens, token mask, padded normalised state).
         Frames: uint8 (B, C, H, W, 3) -> per camera float (B, 3, S, S) in [-1, 1] (SigLIP's range), resized
         with padding to the VLM's image size S as lerobot does; all cameras in one pass, camera after camera, so each
-        camera's frames are a view of one (C x B, 3, S, S) tensor."""
+        camera's frames are a view of one (C x B, 3, S, S) tensor. Recorded tokens in place of frames: a placeholder per
+        camera (camera_placeholders)."""
         require_frames_and_instruction(obs, self.config)
-        width, height = self.vla.config.resize_imgs_with_padding  # lerobot's order
-        batch, cameras = obs.images.shape[:2]
-        frames = obs.images.transpose(0, 1).reshape(cameras * batch, *obs.images.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
-        if tuple(frames.shape[-2:]) != (height, width):
-            frames = resize_with_pad(frames, height, width, pad_value=0)
-        images = list((frames * 2.0 - 1.0).split(batch))
+        batch = obs.state.shape[0]
+        if obs.image_embeddings is not None:
+            images = self.camera_placeholders(obs)
+        else:
+            width, height = self.vla.config.resize_imgs_with_padding  # lerobot's order
+            cameras = obs.images.shape[1]
+            frames = obs.images.transpose(0, 1).reshape(cameras * batch, *obs.images.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
+            if tuple(frames.shape[-2:]) != (height, width):
+                frames = resize_with_pad(frames, height, width, pad_value=0)
+            images = list((frames * 2.0 - 1.0).split(batch))
         masks = [torch.ones(batch, dtype=torch.bool, device=obs.state.device) for _ in images]
         return images, masks, obs.tokens, obs.token_mask, pad_vector(self.normalized_state(obs), self.config.smolvla.max_state_dim)
 
@@ -233,10 +239,12 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         """One VLM pass over the prefix (images, instruction, state) -> KV cache, pad mask, critic input."""
         model = self.vla.model
         images, image_masks, tokens, token_mask, state = self.lerobot_inputs(obs)
-        with one_vision_pass(model.vlm_with_expert, images, self.compiled_vision):
+        embedded = self.camera_embeddings(obs, images, model.vlm_with_expert)
+        with one_vision_pass(model.vlm_with_expert, images, embedded):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
         attention = make_att_2d_masks(pad_mask, att_mask)
-        return prefix_features(model.vlm_with_expert, embeddings, pad_mask, attention, state[:, : self.config.obs_dim])
+        return prefix_features(model.vlm_with_expert, embeddings, pad_mask, attention, state[:, : self.config.obs_dim],
+                               image_embeddings=self.kept_image_embeddings(embedded))  # fmt: skip
 
     def denoise(self, features: VLAFeatures, action: Tensor, lerobot_t: Tensor) -> Tensor:
         model = self.vla.model
