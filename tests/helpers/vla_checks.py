@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -285,14 +286,7 @@ def check_fused_attention_in_actor_and_learner(checkpoint: Path, run_config: Cal
     assert fused.policy.attention_fused and not eager.policy.attention_fused
     metrics, metrics_fused = eager.update(batch), fused.update(batch)
     assert metrics["logprob/behaviour_gap_max"] < 1e-5 and metrics_fused["logprob/behaviour_gap_max"] < 1e-5
-    assert metrics_fused["ppo/first_minibatch_ratio_dev"] <= 1e-6
-    assert metrics_fused["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
-    start = dict(FlowPolicy.from_pretrained(checkpoint).named_parameters())
-    after, after_fused = dict(eager.policy.named_parameters()), dict(fused.policy.named_parameters())
-    trained = [name for name, p in eager.policy.named_parameters() if p.requires_grad]
-    assert any(not torch.equal(after[name], start[name]) for name in trained)
-    for name in trained:
-        torch.testing.assert_close(after_fused[name], after[name], rtol=1e-4, atol=1e-5)
+    assert_trained_alike(checkpoint, (eager, metrics), (fused, metrics_fused), atol=1e-5)
 
 
 def check_sent_image_embeddings_in_actor_and_learner(checkpoint: Path, frames: RunConfig, sending: RunConfig,
@@ -322,17 +316,24 @@ def check_sent_image_embeddings_in_actor_and_learner(checkpoint: Path, frames: R
         del tower.embed_image
     bootstrap_rows = len(sent.bootstrap_at) * cameras
     assert sum(embedded["sent"]) == bootstrap_rows and sum(embedded["frames"]) == decisions * envs * cameras + bootstrap_rows
-    (plain, metrics), (reading, metrics_sent) = updated["frames"], updated["sent"]
+    metrics, metrics_sent = updated["frames"][1], updated["sent"][1]
     for key in ("logprob/old_mean", "values/mean", "logprob/behaviour_gap_max"):
         assert abs(metrics_sent[key] - metrics[key]) <= 1e-6, key
-    assert metrics_sent["ppo/first_minibatch_ratio_dev"] <= 1e-6
-    assert metrics_sent["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
+    assert_trained_alike(checkpoint, updated["frames"], updated["sent"], atol=1e-6)
+
+
+def assert_trained_alike(checkpoint: Path, reference: tuple[Any, dict], other: tuple[Any, dict], atol: float) -> None:
+    """Two learners' updates from `checkpoint`'s weights, (learner, metrics) each: the other starts at ratio 1, takes the
+    reference's optimiser steps, and puts the trained weights, which the reference moved, within float rounding of its."""
+    (reference_learner, metrics), (other_learner, other_metrics) = reference, other
+    assert other_metrics["ppo/first_minibatch_ratio_dev"] <= 1e-6
+    assert other_metrics["ppo/optimizer_steps"] == metrics["ppo/optimizer_steps"] > 0
     start = dict(FlowPolicy.from_pretrained(checkpoint).named_parameters())
-    after, after_sent = dict(plain.policy.named_parameters()), dict(reading.policy.named_parameters())
-    trained = [name for name, p in plain.policy.named_parameters() if p.requires_grad]
+    after, after_other = dict(reference_learner.policy.named_parameters()), dict(other_learner.policy.named_parameters())
+    trained = [name for name, p in reference_learner.policy.named_parameters() if p.requires_grad]
     assert any(not torch.equal(after[name], start[name]) for name in trained)
     for name in trained:
-        torch.testing.assert_close(after_sent[name], after[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(after_other[name], after[name], rtol=1e-4, atol=atol)
 
 
 def check_steps_in_one_pass_give_the_same_gradients_in_fewer_ops(policy: FlowPolicy, obs: Observation) -> None:
