@@ -53,6 +53,10 @@ class PolicyConfig:
     # deterministic evaluation also starts: the injected noise alone explores (a_0 has no log-prob term), so improving
     # the stochastic policy moves the evaluated one directly. 1.0 samples a_0 from the flow-matching prior N(0, I).
     init_noise_std: float = 0.0
+    # Std of a_0 in deterministic evaluation, whose steps inject no noise. 0: the prior's mode, where RL's default chains
+    # start. 1.0: drawn from N(0, I) as lerobot's sampler starts every chain (what lerobot-eval runs), for a policy
+    # trained from such starts (init_noise_std 1.0); each evaluation episode's draws are seeded by its layout.
+    eval_init_noise_std: float = 0.0
     # How a chain's log-prob is aggregated over its elements: "mean" (per element, ReinFlow; the
     # default: the ratio's sensitivity does not grow with chunk size) or "sum" (the exact joint log-density).
     log_prob_normalization: str = "mean"
@@ -60,6 +64,14 @@ class PolicyConfig:
     # camera names), rendered once per chunk decision. 0: a state-only policy (the MLP); no frames rendered.
     image_size: int = 0
     cameras: list[str] = field(default_factory=lambda: ["corner"])
+    # The lerobot feature each camera's frame is under, in the order of `cameras` (what an export's input_features name
+    # and a lerobot checkpoint's are matched by). []: the env's own keys, observation.images.<camera> (env.observations
+    # "project") or lerobot's env's (Metaworld: observation.image), renamed by rename_map; filled when the config is read.
+    image_keys: list[str] = field(default_factory=list)
+    # The env's observation key -> the key the policy reads it under, as lerobot's --rename_map: a checkpoint whose
+    # cameras have other names than the suite's (smolvla_base's observation.images.camera1..3) reads the suite's frames,
+    # e.g. {observation.images.corner: observation.images.camera1}.
+    rename_map: dict[str, str] = field(default_factory=dict)
     smolvla: SmolVLAConfig = field(default_factory=SmolVLAConfig)
     pi0: Pi0Config = field(default_factory=Pi0Config)  # policy.type pi0 and pi05
 
@@ -75,6 +87,18 @@ class PolicyConfig:
             f"{path}.sigma_min/sigma_max must satisfy 0 < sigma_min <= sigma_max, got {self.sigma_min}, {self.sigma_max}",
         )
         require(self.init_noise_std >= 0.0, f"{path}.init_noise_std must be >= 0, got {self.init_noise_std}")
+        require(
+            self.eval_init_noise_std == 0.0 or (self.eval_init_noise_std > 0.0 and self.init_noise_std > 0.0),
+            f"{path}.eval_init_noise_std must be 0, or > 0 with {path}.init_noise_std > 0 (evaluated from random starts, the policy "
+            f"is trained from them), got {self.eval_init_noise_std} with init_noise_std {self.init_noise_std}",
+        )
+        require(
+            not self.image_keys or (len(self.image_keys) == len(self.cameras) and len(set(self.image_keys)) == len(self.image_keys)),
+            f"{path}.image_keys must be empty or name one distinct key per camera of {path}.cameras {self.cameras}, got {self.image_keys}",
+        )
+        bad_keys = [key for key in [*self.image_keys, *self.rename_map, *self.rename_map.values()] if not key.startswith("observation.")]
+        require(not bad_keys, f"{path}.image_keys and {path}.rename_map name lerobot observation keys (observation.image, "
+                              f"observation.images.<name>), got {bad_keys}")  # fmt: skip
         require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
         require(self.type in BACKENDS, f"{path}.type must be one of {sorted(BACKENDS)}, got {self.type!r}")
         for section in dict.fromkeys(backend.section for backend in BACKENDS.values() if backend.section):
@@ -99,7 +123,12 @@ class PolicyConfig:
 
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
-    SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "log_prob_normalization")
+    SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "eval_init_noise_std", "log_prob_normalization")
+
+    def image_features(self) -> list[str]:
+        """The lerobot feature of each camera's frame, in the order of `cameras` (image_keys, or
+        observation.images.<camera> where it is empty)."""
+        return list(self.image_keys) or [f"observation.images.{camera}" for camera in self.cameras]
 
     def vla_section(self) -> str | None:
         """The subsection policy.type reads ("smolvla", or "pi0" for pi0 and pi0.5), None for the MLP."""
@@ -142,12 +171,26 @@ class GymSuiteConfig:
         require(isinstance(self.kwargs, dict), f"{path}.kwargs must be a mapping, got {self.kwargs!r}")
 
 
+OBSERVATION_LAYOUTS = ("auto", "project", "lerobot")
+
+
 @dataclass
 class EnvConfig:
     """The suite and task, the episode rules, and which initial states each phase may see."""
 
     suite: str = "metaworld"  # the environment suite (common.suites): metaworld, or gym (any gymnasium env id, env.gym)
     task: str = "pick-place-v3"
+    # What the policy observes (docs/lerobot.md). "project": the suite's full state (Metaworld's 39 elements) and any of
+    # its cameras by name, the project's instructions. "lerobot": what lerobot's own env class of the suite hands a
+    # policy: its state elements, its frames under its keys (Metaworld: one observation.image; LIBERO:
+    # observation.images.image and .image2), drawn as it draws them, its task sentences and, unless
+    # max_episode_steps is given, its episode limit. "auto": "lerobot" when the run starts from a lerobot checkpoint whose
+    # input features are that layout's (after policy.rename_map), else "project"; resolved when the config is read.
+    observations: str = "auto"
+    # How frames are drawn: "fast" (no shadows, reflections or multisampling: about ten times cheaper on a CPU), "default"
+    # (the renderer's own settings, which lerobot's env classes keep), or "auto": "default" with env.observations "lerobot",
+    # else "fast".
+    render: str = "auto"
     max_episode_steps: int = 200  # at most the suite's own limit (Metaworld: 500)
     stop_on_success: bool = True
     # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward; "shaped": success
@@ -170,6 +213,8 @@ class EnvConfig:
 
     def validate(self, path: str = "env") -> None:
         require(isinstance(self.suite, str) and self.suite, f"{path}.suite must name a suite (common.suites), got {self.suite!r}")
+        require_choice(self, path, "observations", OBSERVATION_LAYOUTS)
+        require_choice(self, path, "render", ("auto", "fast", "default"))
         require_positive(self, path, "max_episode_steps")
         require_choice(self, path, "reward", ("success", "dense", "shaped"))
         require(self.demo_benchmark_seed >= 0, f"{path}.demo_benchmark_seed must be >= 0, got {self.demo_benchmark_seed}")
@@ -192,6 +237,16 @@ class EnvConfig:
     def unused_sections(self) -> list[str]:
         """The subsections of the suites this run does not use (the banner leaves them out)."""
         return [] if self.suite == "gym" else ["gym"]
+
+    @property
+    def lerobot_observations(self) -> bool:
+        """The policy observes what lerobot's env class of the suite gives (env.observations "lerobot")."""
+        return self.observations == "lerobot"
+
+    @property
+    def fast_render(self) -> bool:
+        """Frames are drawn without shadows, reflections and multisampling (env.render, "auto" resolved)."""
+        return self.render == "fast" or (self.render == "auto" and not self.lerobot_observations)
 
 
 @dataclass
@@ -524,6 +579,10 @@ class PretrainConfig:
     target_success_min: float = 0.2
     target_success_max: float = 0.7
     demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
+    # A LeRobotDataset directory to clone instead of the scripted expert's demonstrations (python -m learner.dataset writes
+    # one; a user's own local one does too): it must hold what the run's policy observes under its keys (frames at
+    # policy.image_size, observation.state) and its action, and only the run's task sentences. "": the expert.
+    dataset: str = ""
     train_steps: int = 3000
     batch_size: int = 256
     lr: float = 1e-3
@@ -543,7 +602,7 @@ class PretrainConfig:
             f"{path}.target_success_min/max must satisfy 0 <= min < max <= 1, got {self.target_success_min}, {self.target_success_max}",
         )
         require(
-            self.num_demos is not None or self.eval_episodes >= 20,
+            self.num_demos is not None or self.dataset or self.eval_episodes >= 20,
             f"{path}.num_demos null picks the count from held-out success: {path}.eval_episodes must be >= 20 (100 recommended)",
         )
         require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")

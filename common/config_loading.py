@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from common.config import AlgorithmConfig, ConfigError, RunConfig
+from common.lerobot_checkpoint import with_checkpoint_features
 
 # Fields that moved: an old YAML or --set gets the new place in one line, and a run's recorded config is read with
 # them in their new places (with_moved_fields). The speed and fault knobs of actors and learner each have a subsection.
@@ -182,7 +183,8 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
         config = from_dict(RunConfig, data)
     except TypeError as exc:  # a section given a scalar, for instance
         raise ConfigError(f"{', '.join(map(str, paths)) or 'config'}: {exc}") from exc
-    config = with_suite_sizes(config, given=set((data.get("policy") or {}).keys()))
+    given = set(flatten(data))
+    config = with_suite_sizes(with_checkpoint_features(config, given), given)
     config.validate()
     return config
 
@@ -203,10 +205,11 @@ SUITE_SIZES = ("obs_dim", "action_dim")
 
 
 def with_suite_sizes(config: RunConfig, given: set[str]) -> RunConfig:
-    """`config` with the policy's input and output widths the suite's (its state, with a multi-task run's one-hot, and
-    its actions) where `given`, the policy fields a file or override set, leaves them: a recipe for one task list runs
-    on another unchanged. An env section the suite refuses is left for the run's checks to name (Suite.check)."""
-    missing = [name for name in SUITE_SIZES if name not in given]
+    """`config` with the policy's input and output widths the suite's (its state as env.observations gives it, with a
+    multi-task run's one-hot, and its actions) where `given`, the dotted fields a file or override set, leaves them: a
+    recipe for one task list runs on another unchanged. An env section the suite refuses is left for the run's checks
+    to name (Suite.check)."""
+    missing = [name for name in SUITE_SIZES if f"policy.{name}" not in given]
     if not missing:
         return config
     from common.suites import make_suite  # a suite's module imports its simulator
@@ -220,7 +223,7 @@ def with_suite_sizes(config: RunConfig, given: set[str]) -> RunConfig:
 
 
 # Fields whose values are mappings, not sections: flatten keeps each whole, as one field.
-MAPPING_FIELDS = ("resources", "task_demos")
+MAPPING_FIELDS = ("resources", "task_demos", "rename_map")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,7 +6,8 @@ launches them, not the GPU, sets its time. A graph replay launches them all at o
 path (common.rollout.decide without a graph):
   - the chain's noise is drawn in one call, (K+1, B, H, A) standard normals, into a fixed buffer the graph reads
     (common.flow.sample_chain's `noise`); deterministic decisions read zeros there, which gives the eager path's
-    deterministic chain (a_0 = 0, no injected noise). A run with graphs therefore draws other noise than one
+    deterministic chain (no injected noise, a_0 = 0 or drawn: policy.eval_init_noise_std). A run with graphs therefore
+    draws other noise than one
     without: each is reproducible per seed, and the two are not bit-identical;
   - batches smaller than the graph's (evaluation ends episodes one by one) fill the rest of the fixed inputs with
     the rows of earlier calls; rows never mix, so the real rows are what they would be alone;
@@ -139,6 +140,9 @@ class DecisionGraph:
                 getattr(self.inputs, name)[:count].copy_(torch.from_numpy(np.asarray(array)))
         if deterministic:
             self.noise.zero_()
+            start_std = self.policy.config.eval_init_noise_std
+            if start_std > 0:  # the graph scales noise[0] by init_noise_std, which validation holds > 0 here
+                self.noise[0].normal_(generator=generator).mul_(start_std / self.policy.config.init_noise_std)
         else:
             self.noise.normal_(generator=generator)
         self.graph.replay()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +23,15 @@ class Episode:
 def collect_demonstrations(
     suite: Suite, task: str, layouts: Sequence[Layout], action_noise: float, seed: int, cameras: Sequence[ImageConfig] = ()
 ) -> list[Episode]:
-    """One episode of the suite's scripted expert per layout, with N(0, action_noise^2) added to every action; each
-    episode ends at the first success or at env.max_episode_steps.
+    """One episode of the suite's scripted expert per layout (demonstration_episodes), all of them."""
+    return list(demonstration_episodes(suite, task, layouts, action_noise, seed, cameras))
+
+
+def demonstration_episodes(
+    suite: Suite, task: str, layouts: Sequence[Layout], action_noise: float, seed: int, cameras: Sequence[ImageConfig] = ()
+) -> Iterator[Episode]:
+    """One episode of the suite's scripted expert per layout, each as it ends, with N(0, action_noise^2) added to every
+    action; each episode ends at the first success or at env.max_episode_steps.
 
     The noise widens the state distribution beyond the expert's narrow tube; the stored actions are
     the executed ones, so every (observation, action) pair is consistent with the dynamics.
@@ -37,27 +44,27 @@ def collect_demonstrations(
     if expert is None:
         raise ValueError(f"{suite.name} has no scripted expert for {task}: behaviour cloning needs demonstrations")
     env = type(suite)(dataclasses.replace(suite.config, stop_on_success=True)).make_env(task, cameras, layouts[0])
-    own = suite.sizes(task)[0]  # the expert reads the task's own state, not a multi-task run's one-hot after it
     rng = np.random.default_rng(seed)
-    episodes = []
-    for episode_index, layout in enumerate(layouts):
-        # Gymnasium convention: seed the first reset only; later resets continue its generator.
-        obs, _ = env.reset(seed=seed if episode_index == 0 else None, options={"layout": layout})
-        observations, actions, frames = [], [], []
-        done = success = False
-        while not done:
-            noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
-            action = np.clip(expert.act(obs[:own]) + noise, -1.0, 1.0).astype(np.float32)
-            observations.append(obs)
-            actions.append(action)
-            if cameras:
-                frames.append(env.render_cameras())
-            obs, _, terminated, truncated, info = env.step(action)
-            success = info["success"]
-            done = terminated or truncated
-        episodes.append(Episode(np.stack(observations), np.stack(actions), success, layout, np.stack(frames) if cameras else None))
-    env.close()
-    return episodes
+    try:
+        for episode_index, layout in enumerate(layouts):
+            # Gymnasium convention: seed the first reset only; later resets continue its generator.
+            obs, _ = env.reset(seed=seed if episode_index == 0 else None, options={"layout": layout})
+            observations, actions, frames = [], [], []
+            done = success = False
+            while not done:
+                noise = rng.normal(0.0, action_noise, size=env.action_space.shape)
+                # The expert reads the task's whole state, not what the policy observes (a multi-task one-hot, lerobot's 4 elements)
+                action = np.clip(expert.act(env.privileged_state()) + noise, -1.0, 1.0).astype(np.float32)
+                observations.append(obs)
+                actions.append(action)
+                if cameras:
+                    frames.append(env.render_cameras())
+                obs, _, terminated, truncated, info = env.step(action)
+                success = info["success"]
+                done = terminated or truncated
+            yield Episode(np.stack(observations), np.stack(actions), success, layout, np.stack(frames) if cameras else None)
+    finally:
+        env.close()
 
 
 def evaluate_expert(suite: Suite, task: str, layouts: Sequence[Layout], action_noise: float = 0.0, seed: int = 0) -> float:

@@ -34,7 +34,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from common.config import ConfigError
+from common.config import ConfigError, PolicyConfig
 from common.policy import FlowPolicy, index_features
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -141,10 +141,10 @@ class ChainSample:
     scores: ChainLogProb  # the behaviour log-probs, computed while sampling
 
 
-def num_log_prob_elements(policy: FlowPolicy) -> int:
-    """Gaussian elements in one chain's log-prob: K transitions of H*A, plus a_0 when it is random."""
-    per_chunk = policy.chunk_size * policy.action_dim
-    return per_chunk * (policy.num_steps + (1 if policy.config.init_noise_std > 0 else 0))
+def num_log_prob_elements(config: PolicyConfig) -> int:
+    """Gaussian elements in one chain's log-prob: K transitions of H*A, plus a_0 when it is random (the config alone
+    gives it)."""
+    return config.chunk_size * config.action_dim * (config.num_steps + (1 if config.init_noise_std > 0 else 0))
 
 
 def _score(policy: FlowPolicy, chain: Tensor, means: Tensor, stds: Tensor) -> ChainLogProb:
@@ -154,7 +154,7 @@ def _score(policy: FlowPolicy, chain: Tensor, means: Tensor, stds: Tensor) -> Ch
     if init_std > 0:
         a0 = chain[:, 0]
         total = total + gaussian_log_prob(a0, torch.zeros_like(a0), torch.full_like(a0, init_std)).flatten(1).sum(-1)
-    per_element = total / num_log_prob_elements(policy)
+    per_element = total / num_log_prob_elements(policy.config)
     log_prob = per_element if policy.config.log_prob_normalization == "mean" else total
     entropy = gaussian_entropy(stds).flatten(1).mean(-1)
     return ChainLogProb(log_prob, per_element, entropy, means, stds)
@@ -172,7 +172,8 @@ def sample_chain(
 ) -> ChainSample:
     """Run the K Euler steps with injected noise and record the whole chain.
 
-    deterministic=True starts at a_0 = 0 and injects no noise: the evaluation policy. The returned
+    deterministic=True injects no noise and starts at a_0 = 0, or from N(0, s^2) with s = policy.config.eval_init_noise_std
+    (lerobot's sampler starts from N(0, I)): the evaluation policy. The returned
     scores are still those of the stochastic policy (useful as a diagnostic, never for PPO).
     noise: the chain's standard-normal draws given up front, (K+1, B, H, A): noise[0] scales into a_0 and
     noise[k+1] into step k (a CUDA graph reads them from a fixed buffer); None draws them here, step by step.
@@ -182,7 +183,7 @@ def sample_chain(
     def draw(index: int) -> Tensor:
         return noise[index] if noise is not None else torch.randn(shape, generator=generator, device=device)
 
-    init_std = 0.0 if deterministic else policy.config.init_noise_std
+    init_std = policy.config.eval_init_noise_std if deterministic else policy.config.init_noise_std
     action = draw(0) * init_std
     chain, means, stds = [action], [], []
     for k in range(policy.num_steps):

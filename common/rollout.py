@@ -249,8 +249,9 @@ def collect_rollout(
 def evaluate_layouts(
     policy: FlowPolicy, envs: list[SuiteEnv], layouts: Sequence[Layout], noise: torch.Generator | None = None
 ) -> np.ndarray:
-    """One episode per layout; returns success (L,) bool. Deterministic (a_0 = 0, no injected noise) unless `noise` is
-    given: then each chunk is sampled as the rollouts sample it, the noise drawn from that generator.
+    """One episode per layout; returns success (L,) bool. Deterministic (no injected noise; a_0 = 0, or drawn from
+    N(0, policy.eval_init_noise_std^2) by a generator seeded by each group's first layout) unless `noise` is given: then
+    each chunk is sampled as the rollouts sample it, the noise drawn from that generator.
 
     Layouts are run in groups of len(envs), the envs of a group stepped in lock-step, one chunk each.
     Frames (when the envs have cameras) are rendered once per chunk, the instruction tokenized once per env.
@@ -264,9 +265,13 @@ def evaluate_layouts(
         frames = np.stack([env.render_cameras() for env in group_envs]) if envs[0].num_cameras else None
         obs = Observation(states, frames, *(None if ids is None else ids[: len(group)] for ids in (token_ids, token_mask)))
         active = np.ones(len(group), dtype=bool)
+        starts = None
+        if noise is None and policy.config.eval_init_noise_std > 0:
+            starts = torch.Generator(policy.obs_device).manual_seed(group[0].benchmark_seed * 1_000_003 + group[0].index)
         while active.any():
             index = np.flatnonzero(active)
-            actions = decide(policy, obs.index(index), deterministic=noise is None, generator=noise).env_actions
+            generator = noise if noise is not None else starts
+            actions = decide(policy, obs.index(index), deterministic=noise is None, generator=generator).env_actions
             for i, chunk in zip(index, actions):
                 outcome = execute_chunk(envs[i], chunk, gamma=1.0)
                 obs.state[i] = outcome.final_obs

@@ -94,16 +94,31 @@ def beyond_clip_note(checkpoint: Path, last: int = 10) -> str | None:
             "a state beyond it, where lerobot's actions differ from the policy's")  # fmt: skip
 
 
-def how_to_load(out: Path, lerobot_type: str) -> str:
-    return (
-        "load it in lerobot:\n"
-        "  from lerobot.policies.factory import get_policy_class, make_pre_post_processors\n"
-        f'  policy = get_policy_class("{lerobot_type}").from_pretrained("{out}")\n'
-        f'  preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path="{out}")\n'
-        "  # the project's deterministic policy starts its chain at 0; lerobot draws the start unless given one:\n"
-        "  noise = torch.zeros(batch_size, policy.config.chunk_size, policy.config.max_action_dim)\n"
-        "  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation), noise=noise))"
-    )
+def how_to_load(out: Path, policy: FlowPolicy) -> str:
+    """How lerobot loads the export and samples the policy the project evaluated: lerobot draws each chain's start from
+    N(0, I) unless it is given one, as the project's evaluation does only with policy.eval_init_noise_std 1.0."""
+    lines = [
+        "load it in lerobot:",
+        "  from lerobot.policies.factory import get_policy_class, make_pre_post_processors",
+        f'  policy = get_policy_class("{policy.lerobot_type}").from_pretrained("{out}")',
+        f'  preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path="{out}")',
+    ]
+    start = policy.config.eval_init_noise_std
+    if start == 1.0:
+        lines += ["  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation)))",
+                  "  # lerobot draws each chain's start from N(0, I), as the project evaluated it: lerobot-eval runs the same "
+                  "policy"]  # fmt: skip
+        return "\n".join(lines)
+    lines += [
+        f"  # the project evaluated it from a_0 = {'0' if start == 0 else f'N(0, {start:g}^2)'}; lerobot draws N(0, I) unless "
+        "given the start:",
+        "  shape = (batch_size, policy.config.chunk_size, policy.config.max_action_dim)",
+        f"  noise = {'torch.zeros(shape)' if start == 0 else f'{start:g} * torch.randn(shape)'}",
+        "  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation), noise=noise))",
+        "note: lerobot-eval passes no start, so it scores another policy than the project evaluated; a policy trained and "
+        "evaluated from lerobot's start (policy.init_noise_std and eval_init_noise_std 1.0) is the same on both (docs/lerobot.md)",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote a lerobot {policy.lerobot_type} checkpoint of {checkpoint} to {out}:")
     for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
         print(f"  {', '.join(names)}: {what}")
-    print(how_to_load(out.resolve(), policy.lerobot_type))
+    print(how_to_load(out.resolve(), policy))
     if hub_id is None:
         print(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
               "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip

@@ -1,5 +1,5 @@
 """The failures that restart a run's learner or end the run, shared by the actor pool, the learner handle and the command
-line (which turns them into one line and exit code 1, keeping the checkpoints)."""
+line (which turns them into one line and exit code 1, keeping the checkpoints), and the stop a scheduler asks for."""
 
 
 class LearnerDiedError(RuntimeError):
@@ -12,3 +12,8 @@ class LearnerWedgedError(LearnerDiedError):
 
 class ActorsExhaustedError(RuntimeError):
     """Fewer rollout actors are left than actors.faults.min_alive."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as a scheduler stops a job: the run keeps its progress as on Ctrl-C (a checkpoint), then
+    `python -m learner.main` exits with 143 (128 + SIGTERM), which a scheduler reads as stopped, not crashed."""

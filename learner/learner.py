@@ -306,7 +306,8 @@ def minibatch_loss(
 
     # KL to the frozen reference
     if data.reference is not None:
-        kl, kl_metrics = kl_to_reference(new, index_features(data.reference, mb_inds), num_log_prob_elements(policy), cfg.kl_estimator)
+        elements = num_log_prob_elements(policy.config)
+        kl, kl_metrics = kl_to_reference(new, index_features(data.reference, mb_inds), elements, cfg.kl_estimator)
         actor_loss = actor_loss + cfg.kl_beta * kl.mean()
         metrics.update(kl_metrics)
     if not train_actor:
@@ -364,7 +365,7 @@ class Learner:
             # runs bit-reproducible against docs/results.md.
             fused=policy.obs_device.type == "cuda",
         )
-        self.num_log_prob_elements = num_log_prob_elements(policy)
+        self.num_log_prob_elements = num_log_prob_elements(policy.config)
         self.weight_versions = WeightVersions(config.actors.policy_lag)  # what the rollouts in flight were sampled with
         memory = memory or (AllocatorMemory(policy.obs_device) if policy.obs_device.type == "cuda" else None)
         if config.learner.speed.micro_batch_memory_gib and memory is None:

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 
 from common.config import RunConfig
 from learner.data_parallel import PeerRankError
-from learner.failures import LearnerDiedError, LearnerWedgedError
+from learner.failures import LearnerDiedError, LearnerWedgedError, Terminated
 from learner.ray_runtime import ResourceRequest
 from learner.run_dir import RunDirectory
 from learner.startup import start_learner
@@ -173,7 +173,8 @@ class LearnerHandle:
             completed, _ = ray.get(self.actor.progress.remote(), timeout=60)
             if completed > self.last_saved:
                 self.save(completed)
-                what = "interrupted" if isinstance(error, KeyboardInterrupt) else f"stopped by {type(error).__name__}"
+                what = "stopped by SIGTERM" if isinstance(error, Terminated) else "interrupted" if isinstance(error, KeyboardInterrupt) \
+                    else f"stopped by {type(error).__name__}"  # fmt: skip
                 print(f"\n[{what}] saved iter_{completed:06d}; continue with --resume", flush=True)
         except Exception as exc:  # the learner is gone or wedged: nothing more can be kept
             print(f"[fault] could not save the learner's progress ({type(exc).__name__}): --resume continues from the last checkpoint",

@@ -21,6 +21,7 @@ import ray
 from common.config import ConfigError, RunConfig
 from common.config_loading import fields_of, load_config
 from learner.cluster_yaml import check_cluster
+from learner.failures import Terminated
 from learner.ray_runtime import cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
@@ -90,7 +91,10 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
             checked = checking.submit(check_input, config, address, resume)
             checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
+            on_sigterm = signal.getsignal(signal.SIGTERM)
             connected_here = connect_ray(joining, include_dashboard)
+            if on_sigterm is stop_on_sigterm:  # ray.init installs a handler of its own, which logs errors and aborts
+                signal.signal(signal.SIGTERM, stop_on_sigterm)
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         if joining or on_a_ray_already:  # a local Ray this run started is one node, whose files preflight has checked
@@ -112,6 +116,10 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
         if connected_here:  # not a Ray the caller had started
             ray.shutdown()
         raise
+
+
+def stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def check_input(config: RunConfig, address: str | None, resume: bool) -> list:
@@ -139,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --allow-config-change names no config field: {unknown}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
+    signal.signal(signal.SIGTERM, stop_on_sigterm)  # SIGTERM saves a checkpoint like Ctrl-C (run keeps it once Ray is up)
     try:
         run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
             address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except ConfigError as exc:  # bad input: a clear message, no traceback, nothing written

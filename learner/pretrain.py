@@ -32,9 +32,13 @@ from tqdm import tqdm
 from common.config import ConfigError, PretrainConfig, RunConfig, cache_dir
 from common.config_loading import load_config
 from common.demonstrations import Episode, collect_demonstrations
+from common.file_digests import file_sha256
+from common.lerobot_checkpoint import PREPROCESSOR_FILE
+from common.lerobot_checkpoint import normalisation as lerobot_normalisation
+from common.lerobot_dataset import read_demonstrations
 from common.metrics import success_interval
 from common.observation import Observation
-from common.policy import FlowPolicy, build_policy, write_directory_atomically
+from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, build_policy, write_directory_atomically
 from common.rollout import camera_configs, evaluate_layouts, make_envs, task_positions
 from common.suites import make_suite
 from common.suites.base import Layout, Suite
@@ -96,10 +100,27 @@ def demo_counts(cfg: PretrainConfig, tasks: list[str]) -> dict[str, int]:
     return {task: cfg.task_demos.get(task, cfg.num_demos) for task in tasks}
 
 
+def dataset_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy) -> tuple[Observation, Tensor, list[Episode]]:
+    """pretrain.dataset's episodes as demonstrations() gives the expert's: each step's observation (frames, state, its
+    episode's sentence tokenized by the policy) and the chunk from it, and the episodes (their success unknown)."""
+    obs, actions, sentences, episode_of = read_demonstrations(Path(config.pretrain.dataset).expanduser(), config.policy, suite)
+    by_task = {suite.instruction(task): task for task in suite.tasks()}
+    episodes = []
+    for index in dict.fromkeys(episode_of):
+        rows = np.flatnonzero(np.asarray(episode_of) == index)
+        frames = None if obs.images is None else obs.images[rows]
+        episodes.append(Episode(obs.state[rows], actions[rows], False, Layout(by_task[sentences[rows[0]]], -1, int(index)), frames))
+    tokens = policy.tokenize(sentences)
+    dataset = Observation(obs.state, obs.images, *(None if tokens is None else tokens))
+    return dataset, torch.from_numpy(chunk_dataset(episodes, config.policy.chunk_size)[1]), episodes
+
+
 def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list) -> tuple[Observation, Tensor, list[Episode]]:
     """pretrain.num_demos scripted episodes of each of the run's tasks, as the policy reads them (camera frames from
     `cameras`, each task's instruction tokenized by the policy): the dataset's observations, the (M, H, A) chunks
-    in env units, and the episodes."""
+    in env units, and the episodes. With pretrain.dataset, that dataset's episodes instead (dataset_demonstrations)."""
+    if config.pretrain.dataset:
+        return dataset_demonstrations(config, suite, policy)
     cfg, tasks = config.pretrain, suite.tasks()
     counts = demo_counts(cfg, tasks)
     episodes = []
@@ -156,7 +177,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     cfg, env_cfg = config.pretrain, config.env
     suite = make_suite(env_cfg)
     tasks = suite.tasks()
-    if None in demo_counts(cfg, tasks).values():
+    if not cfg.dataset and None in demo_counts(cfg, tasks).values():
         raise ValueError("pretrain() needs pretrain.num_demos; ensure_bc_checkpoint chooses it per task when it is null")
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
@@ -172,7 +193,7 @@ def pretrain(config: RunConfig, out_dir: str | Path, progress: bool = True) -> d
     rate, low, high = success_interval(successes)
     report = {
         "demos": len(episodes),
-        "demo_success_rate": float(np.mean([e.success for e in episodes])),
+        "demo_success_rate": None if cfg.dataset else float(np.mean([e.success for e in episodes])),
         "samples": len(chunks),
         "loss_first_100": float(np.mean(losses[:100])),
         "loss_last_100": float(np.mean(losses[-100:])),
@@ -204,17 +225,30 @@ def bc_cache_key(config: RunConfig) -> str:
     """The checkpoint depends on the policy's architecture, the task's episode rules and the pre-training
     recipe; not on the sampling fields (noise bounds, K, ...), which the RL run sets on load, nor on the
     success window that only chooses among demonstration counts, nor on how the RL run deals its envs to the tasks."""
-    if config.pretrain.num_demos is None:
+    if config.pretrain.num_demos is None and not config.pretrain.dataset:
         raise ValueError("bc_cache_key needs a resolved pretrain.num_demos (see ensure_bc_checkpoint)")
     relevant = {name: dataclasses.asdict(getattr(config, name)) for name in ("policy", "env", "pretrain")}
+    if config.pretrain.dataset:  # what it holds, not where: the demonstration counts do not apply
+        root = Path(config.pretrain.dataset).expanduser()
+        files = sorted(path for folder in ("meta", "data") for path in (root / folder).rglob("*") if path.is_file())
+        relevant["pretrain"]["dataset"] = {str(path.relative_to(root)): file_sha256(path) for path in files}
+        for name in ("num_demos", "task_demos"):
+            del relevant["pretrain"][name]
     for name in config.policy.SAMPLING_FIELDS:
         del relevant["policy"][name]
     for name in ("target_success_min", "target_success_max"):
         del relevant["pretrain"][name]
     for name in ("task_weights", "solved_task_weight"):
         del relevant["env"][name]
-    if not relevant["pretrain"]["task_demos"]:  # the same key as before the field existed: cached checkpoints stay valid
+    # Fields at the values that behave as before they existed keep the key it was: cached checkpoints stay valid.
+    if not relevant["pretrain"].get("task_demos", True):
         del relevant["pretrain"]["task_demos"]
+    if not relevant["pretrain"]["dataset"]:
+        del relevant["pretrain"]["dataset"]
+    for section, name, unchanged in (("env", "observations", ("auto", "project")), ("env", "render", ("auto", "fast")),
+                                     ("policy", "image_keys", ([],)), ("policy", "rename_map", ({},))):  # fmt: skip
+        if relevant[section][name] in unchanged:
+            del relevant[section][name]
     relevant["recipe_version"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -239,6 +273,8 @@ def with_demo_counts(config: RunConfig, counts: dict[str, int]) -> RunConfig:
 
 
 def describe_counts(cfg: PretrainConfig) -> str:
+    if cfg.dataset:
+        return f"the LeRobotDataset {cfg.dataset}"
     extra = ", ".join(f"{task} {count}" for task, count in cfg.task_demos.items())
     return f"{cfg.num_demos} demos" + (f" ({extra})" if extra else "")
 
@@ -258,6 +294,8 @@ def ensure_bc_checkpoint(config: RunConfig) -> Path:
 
     Every task that pretrain.num_demos null leaves without a count (pretrain.task_demos gives some) gets one chosen
     from held-out success: search_demo_count for a single-task run, search_task_demos for a multi-task one."""
+    if config.pretrain.dataset:
+        return cached_bc_checkpoint(config)[0]
     tasks = make_suite(config.env).tasks()
     counts = demo_counts(config.pretrain, tasks)
     searched = [task for task, count in counts.items() if count is None]
@@ -266,6 +304,38 @@ def ensure_bc_checkpoint(config: RunConfig) -> Path:
     if len(tasks) == 1:
         return search_demo_count(config)
     return search_task_demos(config, counts, searched)
+
+
+def lerobot_start_checkpoint(config: RunConfig) -> Path:
+    """The policy a run fine-tunes from a lerobot checkpoint named by init_checkpoint (lerobot-train's pretrained_model),
+    as it is, without behaviour cloning: lerobot's model with every tensor of the file (policy.<section>.lerobot_checkpoint
+    is that directory, common.lerobot_checkpoint), the state and action normalisation of its preprocessor, and the
+    project's noise head and critic drawn from pretrain.seed. Cached by the checkpoint's files and the policy config, so
+    the learner and every actor load the same one."""
+    source = Path(config.init_checkpoint).expanduser()
+    relevant = dataclasses.asdict(config.policy)
+    for name in config.policy.SAMPLING_FIELDS:
+        del relevant[name]
+    files = sorted(path for path in source.iterdir() if path.suffix in (".json", ".safetensors"))
+    relevant |= {"seed": config.pretrain.seed, "recipe_version": RECIPE_VERSION, "files": {path.name: file_sha256(path) for path in files}}
+    path = cache_dir("lerobot_start") / hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+    if (path / WEIGHTS_FILE).is_file():
+        return path
+    stats = lerobot_normalisation(source)
+    if stats is None:
+        raise CheckpointError(f"init_checkpoint {source} has no normaliser in its {PREPROCESSOR_FILE} (a base model, not a trained "
+                              f"policy): name it as policy.{config.policy.vla_section()}.lerobot_checkpoint, whose weights behaviour "
+                              "cloning starts from, and leave init_checkpoint unset")  # fmt: skip
+    torch.manual_seed(config.pretrain.seed)
+    policy = build_policy(config.policy)
+    (state_mean, state_std), (action_mean, action_std) = stats["observation.state"], stats["action"]
+    if state_mean.shape != (config.policy.obs_dim,) or action_mean.shape != (config.policy.action_dim,):
+        raise CheckpointError(f"{source}: its normaliser's state {state_mean.shape} and action {action_mean.shape} statistics are not the "
+                              f"policy's ({config.policy.obs_dim},) and ({config.policy.action_dim},)")  # fmt: skip
+    policy.set_normalization(*(torch.from_numpy(array) for array in (state_mean, state_std, action_mean, action_std)), exact=True)
+    print(f"[start] fine-tuning the lerobot checkpoint {source} as it is (its model and normalisation; the noise head and "
+          f"critic drawn from pretrain.seed {config.pretrain.seed}): {path}", flush=True)  # fmt: skip
+    return write_directory_atomically(path, policy.save_pretrained)
 
 
 def search_demo_count(config: RunConfig) -> Path:

@@ -237,9 +237,12 @@ class MetricsRows:
         self.write(wait=True)
 
     def keep_completed(self) -> None:
-        """Write the held rows as they are: a run that stops keeps its completed iterations, not their unfinished evaluations."""
+        """Write the held rows as they are: a run that stops keeps its completed iterations, not their unfinished evaluations;
+        its wandb run is closed as failed, so that `--resume` can carry the same wandb run on at once."""
         for row, _ in self.held:
             self.log.write(row)
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=1)
 
     def close(self) -> None:
         if self.evaluator.films is not None:

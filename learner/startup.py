@@ -16,17 +16,18 @@ import ray
 import torch
 
 from actors.rollout_actor import RolloutActor
-from common.config import ConfigError, PolicyConfig, RunConfig
+from common.config import ConfigError, RunConfig
 from common.diagnostics import check_ratio_sensitivity
 from common.file_digests import known_digests
 from common.flow import num_log_prob_elements, require_kernel_compiler
-from common.policy import WEIGHTS_FILE, build_policy, read_policy_config, verify_checksums
+from common.lerobot_checkpoint import check_features, is_lerobot_checkpoint
+from common.policy import WEIGHTS_FILE, read_policy_config, verify_checksums
 from common.rollout import run_group_tasks
-from common.suites import Suite, build_layout_tables, make_suite
+from common.suites import build_layout_tables, make_suite
 from learner.actor_pool import ActorPool
 from learner.learner_actor import LearnerActor
 from learner.learner_group import LearnerRanks, start_learner_group
-from learner.pretrain import REPORT_FILE, check_task_demos, ensure_bc_checkpoint
+from learner.pretrain import REPORT_FILE, check_task_demos, ensure_bc_checkpoint, lerobot_start_checkpoint
 from learner.ray_runtime import (
     FIRST_ACTOR_BUNDLE,
     LEARNER_BUNDLE,
@@ -48,11 +49,14 @@ ACTOR_NICENESS = 19
 def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     """Every check that needs no Ray and no run directory, so bad input is refused before anything is written.
     Returns the held-out layouts."""
-    if config.init_checkpoint is not None and not resume:  # a resumed run loads its own checkpoint
-        check_checkpoint_matches(config, Path(config.init_checkpoint))
+    if config.init_checkpoint is not None and not resume and not is_lerobot_checkpoint(config.init_checkpoint):
+        check_checkpoint_matches(config, Path(config.init_checkpoint))  # a resumed run loads its own checkpoint
     suite = make_suite(config.env)
     suite.check(config.policy)
-    check_lerobot_features(config.policy, suite)
+    check_features(config, suite)
+    dataset = Path(config.pretrain.dataset).expanduser()
+    if config.pretrain.dataset and config.init_checkpoint is None and not (dataset / "meta" / "info.json").is_file():
+        raise ConfigError(f"pretrain.dataset {dataset} is not a LeRobotDataset directory (it has no meta/info.json)")
     tasks = suite.tasks()
     check_task_demos(config.pretrain, tasks)
     eval_layouts = suite.held_out(config.eval_episodes)
@@ -90,35 +94,6 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     return eval_layouts
 
 
-def check_lerobot_features(policy: PolicyConfig, suite: Suite) -> None:
-    """A lerobot checkpoint (policy.<section>.lerobot_checkpoint) reads the cameras and the state its config.json's
-    input_features name (observation.images.<camera>, observation.state): the run's policy.cameras must be those
-    cameras, the suite must have them, and the state must be the width the suite gives unless its projection is
-    learnt anew (reinit_state_proj). Reads the JSON only."""
-    section = policy.vla_section()
-    checkpoint = getattr(policy, section).lerobot_checkpoint if section else ""
-    if not checkpoint or not (Path(checkpoint).expanduser() / "config.json").is_file():
-        return  # none, or a missing file: the loader names it
-    field = f"policy.{section}.lerobot_checkpoint"
-    try:
-        features = json.loads((Path(checkpoint).expanduser() / "config.json").read_text())["input_features"]
-        cameras = [key.removeprefix("observation.images.") for key in features if key.startswith("observation.images.")]
-        state = features.get("observation.state", {}).get("shape", [None])[0]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"{field}: {checkpoint}/config.json has no readable input_features ({exc})") from None
-    tasks = suite.tasks()
-    missing = sorted({camera for task in tasks for camera in cameras if camera not in suite.cameras(task)})
-    if missing:
-        raise ConfigError(f"{field} reads observation.images.{{{','.join(missing)}}}, which {suite.name} does not render "
-                          f"(its cameras: {suite.cameras(tasks[0])})")  # fmt: skip
-    if sorted(cameras) != sorted(policy.cameras):
-        raise ConfigError(f"{field} reads the cameras {cameras} (its input_features) but policy.cameras is {policy.cameras}: "
-                          f"set policy.cameras: {cameras}")  # fmt: skip
-    if state != policy.obs_dim and not getattr(policy, section).reinit_state_proj:
-        raise ConfigError(f"{field} reads a {state}-element observation.state but the run's state has {policy.obs_dim} "
-                          f"(policy.obs_dim): set policy.{section}.reinit_state_proj: true to learn a new state projection")  # fmt: skip
-
-
 def check_checkpoint_matches(config: RunConfig, checkpoint: Path) -> None:
     """The run's policy section must describe the checkpoint's network (its architecture comes from the file)."""
     if not (checkpoint / WEIGHTS_FILE).is_file():
@@ -144,10 +119,10 @@ def check_actor_cpus(config: RunConfig, request: ResourceRequest) -> None:
 def resolve_init_checkpoint(config: RunConfig) -> Path | None:
     """The policy directory to fine-tune: the configured one, else the cached BC checkpoint (built on first use); its
     checksums verified here, before the learner and the actors start (they take the digests, start_learner)."""
-    if config.init_checkpoint is None:
+    if config.init_checkpoint is None or is_lerobot_checkpoint(config.init_checkpoint):
         if config.allow_random_init:
             return None
-        checkpoint = ensure_bc_checkpoint(config)
+        checkpoint = ensure_bc_checkpoint(config) if config.init_checkpoint is None else lerobot_start_checkpoint(config)
         verify_checksums(checkpoint)
         return checkpoint
     checkpoint = Path(config.init_checkpoint)
@@ -184,7 +159,7 @@ def warn_if_ratio_insensitive(config: RunConfig) -> None:
     """common.diagnostics.check_ratio_sensitivity on the run's policy; its warning is shown at every run's start."""
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        check_ratio_sensitivity(num_log_prob_elements(build_policy(config.policy)), config.policy.sigma_min,
+        check_ratio_sensitivity(num_log_prob_elements(config.policy), config.policy.sigma_min,
                                 config.policy.log_prob_normalization, config.algorithm.clip_eps)  # fmt: skip
 
 

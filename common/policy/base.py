@@ -165,16 +165,17 @@ class FlowPolicy(nn.Module, ABC):
         self.register_buffer("action_mean", torch.zeros(self.config.action_dim))
         self.register_buffer("action_std", torch.ones(self.config.action_dim))
 
-    def set_normalization(self, obs_mean: Tensor, obs_std: Tensor, action_mean: Tensor, action_std: Tensor) -> None:
+    def set_normalization(self, obs_mean: Tensor, obs_std: Tensor, action_mean: Tensor, action_std: Tensor, exact: bool = False) -> None:
         """Store normalisation statistics (saved with the weights).
 
         Observation stds are floored at OBS_STD_FLOOR: a few demonstrations barely move some state elements (a
         block's orientation quaternion), and dividing by so small a spread turns a block knocked over during RL into
-        features in the hundreds that swamp every layer and gradient."""
+        features in the hundreds that swamp every layer and gradient. exact: the statistics as given, unfloored (a
+        lerobot checkpoint's normaliser, whose model read states normalised by them alone)."""
         self.obs_mean.copy_(obs_mean)
-        self.obs_std.copy_(obs_std.clamp_min(OBS_STD_FLOOR))
+        self.obs_std.copy_(obs_std if exact else obs_std.clamp_min(OBS_STD_FLOOR))
         self.action_mean.copy_(action_mean)
-        self.action_std.copy_(action_std.clamp_min(1e-3))
+        self.action_std.copy_(action_std if exact else action_std.clamp_min(1e-3))
 
     def set_state_bounds(self, low: Tensor, high: Tensor) -> None:
         """Normalise the state to [-1, 1] over its bounds (obs_dim,): what a policy that no demonstration has set

@@ -195,12 +195,13 @@ def lerobot_config_fields(config: PolicyConfig) -> dict[str, Any]:
     """The fields every lerobot VLA config (SmolVLAConfig, PI0Config, PI05Config) takes from policy config and its
     section alike: the chunk, the padded widths, the prompt length, lerobot's own freezing (requires_grad is set again
     by apply_trainable_flags; with the VLM trained lerobot's train() no longer keeps it in eval mode, and
-    VLAFlowPolicy.train() does), and the features (policy.cameras' frames, the state, the action)."""
+    VLAFlowPolicy.train() does), and the features (each camera's frame under its key, policy.image_features(); the
+    state; the action)."""
     from lerobot.configs.types import FeatureType, PolicyFeature
 
     section = getattr(config, config.vla_section())
     frame = (3, config.image_size, config.image_size)
-    images = {f"observation.images.{camera}": PolicyFeature(FeatureType.VISUAL, frame) for camera in config.cameras}
+    images = {key: PolicyFeature(FeatureType.VISUAL, frame) for key in config.image_features()}
     return {
         "chunk_size": config.chunk_size,
         "n_action_steps": config.chunk_size,
@@ -464,7 +465,7 @@ class VLAFlowPolicy(FlowPolicy):
         (lerobot_files) are named by `hub_id` where given, so that the export loads wherever the hub or its cache
         holds them; else by their directory on this machine."""
         from lerobot.configs.types import NormalizationMode
-        from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE
+        from lerobot.utils.constants import ACTION, OBS_STATE
 
         vla = lerobot_sampling_copy(self.vla, self.config.action_dim)
         state_mode, state_stats = self.lerobot_state_normalisation()
@@ -481,7 +482,7 @@ class VLAFlowPolicy(FlowPolicy):
         for pipeline in (preprocessor, postprocessor):
             pipeline.save_pretrained(directory)
         written = sorted(path.name for path in Path(directory).iterdir())
-        cameras = ", ".join(f"{OBS_IMAGES}.{camera}" for camera in self.config.cameras)
+        cameras = ", ".join(self.config.image_features())
         side, config, named = self.config.image_size, self.config, self.lerobot_summary(hub_id or str(self.lerobot_files()))
         return {
             f"{type(vla.config).__name__}: {named}; {OBS_STATE} ({config.obs_dim},), {cameras} (3, {side}, {side}), "

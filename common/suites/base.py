@@ -14,6 +14,7 @@ goals, a gymnasium reset seed.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ class Layout:
 @dataclass(frozen=True)
 class ImageConfig:
     """One camera of a policy's input: the suite's camera name, rendered at width x height. Names are checked
-    against the scene when an env is built."""
+    against the scene when an env is built. `fast`: drawn without shadows, reflections and multisampling, which cost
+    about ten times the frame on a CPU rasteriser; False: with the renderer's defaults, as lerobot's env classes draw
+    (env.render)."""
 
     width: int = 64
     height: int = 64
     camera: str = "corner"
+    fast: bool = True
 
     def __post_init__(self) -> None:
         for name in ("width", "height"):
@@ -67,6 +71,11 @@ class SuiteEnv(gymnasium.Env):
     task: str  # the suite's name of the task
     instruction: str  # the task in words, for language-conditioned policies
     frames: list[np.ndarray]
+
+    def privileged_state(self) -> np.ndarray:
+        """The task's whole simulator state as its scripted expert reads it (Metaworld's 39 elements, float32), whatever
+        the policy observes (env.observations)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state for a scripted expert")
 
     def reset_layout(self, options: dict[str, Any] | None) -> Layout | None:
         """The layout reset's options ask for (None: the current one); a ValueError for an unknown option or a layout
@@ -166,6 +175,9 @@ class TaskIndicator(SuiteEnv):
         state, *rest = self.env.step(action)
         return np.concatenate([state, self.indicator]), *rest
 
+    def privileged_state(self) -> np.ndarray:
+        return self.env.privileged_state()
+
     @property
     def num_cameras(self) -> int:
         return self.env.num_cameras
@@ -204,6 +216,26 @@ class Suite(ABC):
 
     task_sets: dict[str, tuple[str, ...]] = {}  # named sets of tasks (Metaworld's MT10, MT50)
 
+    # What lerobot's own env class of the suite gives a policy (env.observations "lerobot"): each frame's observation key
+    # -> the scene camera drawn for it, and the state's width. A suite lerobot has no env class for keeps them empty.
+    lerobot_images: dict[str, str] = {}
+    lerobot_state_size: int = 0
+    lerobot_frame_size: int = 0  # the side of its square frames
+    lerobot_fps: int = 0  # the frame rate its datasets are recorded at (lerobot's env config's fps)
+    lerobot_robot: str = ""  # the robot type its datasets name
+
+    def lerobot_episode_limit(self, task: str) -> int:
+        """The episode limit lerobot's env class of the suite sets for `task` (env.observations "lerobot" takes it as
+        env.max_episode_steps unless that is given)."""
+        return self.episode_limit(task)
+
+    def image_sources(self, task: str) -> dict[str, str]:
+        """The frames the run's observations offer a policy: each one's observation key -> the scene camera drawn for
+        it. "project": every camera of the task as observation.images.<camera>; "lerobot": lerobot's env's own."""
+        if self.config.lerobot_observations:
+            return dict(self.lerobot_images)
+        return {f"observation.images.{camera}": camera for camera in self.cameras(task)}
+
     @abstractmethod
     def instruction(self, task: str) -> str:
         """The task in words; a ValueError naming the known tasks when `task` is not one."""
@@ -223,9 +255,9 @@ class Suite(ABC):
     camera_names: tuple[str, ...]
 
     def sizes(self, task: str) -> tuple[int, int]:
-        """(state elements, action elements) of `task`'s own envs."""
+        """(state elements, action elements) of `task`'s own envs, as the run's observations give the state."""
         self.instruction(task)  # refuses an unknown task
-        return self.state_size, self.action_size
+        return (self.lerobot_state_size if self.config.lerobot_observations else self.state_size), self.action_size
 
     def cameras(self, task: str) -> list[str]:
         """The camera names `task`'s envs can render (what policy.cameras may list)."""
@@ -250,12 +282,18 @@ class Suite(ABC):
 
     def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
                  film: ImageConfig | None = None) -> SuiteEnv:  # fmt: skip
-        """An env of `task` under the run's episode rules (config), rendering `cameras` on demand, starting from
-        `layout` (default: the first training layout); with `film`, it keeps that camera's view of every step. In a
-        multi-task run its state ends in the task's one-hot (TaskIndicator)."""
+        """An env of `task` under the run's episode rules (config), rendering `cameras` on demand as env.render says,
+        starting from `layout` (default: the first training layout); with `film`, it keeps that camera's view of every
+        step. In a multi-task run its state ends in the task's one-hot (TaskIndicator), but for lerobot's observations,
+        which tell tasks apart by their sentences alone."""
+        cameras = [dataclasses.replace(camera, fast=self.config.fast_render) for camera in cameras]
         env = self.build_env(task, cameras, layout or Layout(task, self.config.train_benchmark_seeds[0], 0), film)
         tasks = self.tasks()
-        return env if len(tasks) == 1 else TaskIndicator(env, tasks.index(task), len(tasks))
+        return env if len(tasks) == 1 or self.config.lerobot_observations else TaskIndicator(env, tasks.index(task), len(tasks))
+
+    def task_indicator(self) -> bool:
+        """The run's states end in a one-hot of the task (several tasks, the project's observations)."""
+        return len(self.tasks()) > 1 and not self.config.lerobot_observations
 
     def state_dim(self) -> int:
         """The state a policy of the run reads: its tasks' own, and the task one-hot when there are several."""
@@ -263,7 +301,7 @@ class Suite(ABC):
         widths = {self.sizes(task)[0] for task in tasks}
         if len(widths) != 1:
             raise ValueError(f"the tasks of {self.config.task!r} have states of different sizes {sorted(widths)}")
-        return widths.pop() + (len(tasks) if len(tasks) > 1 else 0)
+        return widths.pop() + (len(tasks) if self.task_indicator() else 0)
 
     def task_state_bounds(self, task: str) -> tuple[np.ndarray, np.ndarray] | None:
         """The task's state bounds (low, high), when the suite knows finite ones; None: it does not."""
@@ -277,7 +315,7 @@ class Suite(ABC):
         if any(bound is None for bound in bounds):
             return None
         low, high = np.min([low for low, _ in bounds], axis=0), np.max([high for _, high in bounds], axis=0)
-        if len(tasks) > 1:
+        if self.task_indicator():
             low, high = np.concatenate([low, np.zeros(len(tasks))]), np.concatenate([high, np.ones(len(tasks))])
         return low, high
 
@@ -311,11 +349,23 @@ class Suite(ABC):
                 unknown = [camera for camera in policy.cameras if camera not in self.cameras(task)]
                 if unknown:
                     raise ConfigError(f"policy.cameras {unknown} are not cameras of {self.name} task {task}: it has {self.cameras(task)}")
+            self.check_image_keys(policy, tasks[0])
         what = f"{self.name} task {tasks[0]}" if len(tasks) == 1 else f"the {len(tasks)} tasks of {self.config.task} (with their one-hot)"
         for name, value, expected, kind in (("obs_dim", policy.obs_dim, state_dim, "state"),
                                             ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action")):  # fmt: skip
             if value != expected:
                 raise ConfigError(f"policy.{name}={value} but the {kind} of {what} has {expected} elements: set policy.{name}={expected}")
+
+    def check_image_keys(self, policy: PolicyConfig, task: str) -> None:
+        """A ConfigError unless each of the policy's frames (policy.image_features(), after policy.rename_map) is one the
+        run's observations give, from the camera policy.cameras names for it."""
+        sources = self.image_sources(task)
+        env_key = {policy.rename_map.get(key, key): key for key in sources}  # the key a policy reads -> the env's
+        for camera, key in zip(policy.cameras, policy.image_features()):
+            if sources.get(env_key.get(key, "")) != camera:
+                given = ", ".join(f"{key} ({camera})" for key, camera in sources.items())
+                raise ConfigError(f"policy reads {key} from camera {camera}, which env.observations {self.config.observations!r} of "
+                                  f"{self.name} does not give (it gives {given}): map an env key to it with policy.rename_map")  # fmt: skip
 
     # The layouts some suites compute before they can build an env (Metaworld simulates 50 resets per seed): built
     # once by the run's start-up, handed to the rollout actors, and read back from a cache file by later processes.

@@ -179,6 +179,9 @@ class LiberoSuite(Suite):
     layouts_per_seed = LAYOUTS_PER_SEED
     film_camera = "agentview"
     state_size, action_size, camera_names = STATE_DIM, ACTION_DIM, tuple(CAMERAS)
+    # lerobot's LiberoEnv: the same state and sentence, its two frames under its keys, at its 256 pixels and 30 fps
+    lerobot_images = {"observation.images.image": "image", "observation.images.image2": "image2"}
+    lerobot_state_size, lerobot_frame_size, lerobot_fps, lerobot_robot = STATE_DIM, 256, 30, "panda"
 
     def __init__(self, config: EnvConfig) -> None:
         super().__init__(config)
@@ -197,20 +200,23 @@ class LiberoSuite(Suite):
 class _View:
     """One camera at one size, drawn as lerobot presents LIBERO's frames. MuJoCo's Renderer gives the camera's view
     upright; robosuite's raw frames are that view upside down, and lerobot turns them by 180 degrees, which leaves
-    the upright view mirrored left to right."""
+    the upright view mirrored left to right. Fast (ImageConfig.fast): without multisampling, shadows and reflections,
+    which cost most of a CPU frame; else with the model's own settings, as robosuite draws."""
 
-    def __init__(self, model: mujoco.MjModel, image: ImageConfig) -> None:
+    def __init__(self, model: mujoco.MjModel, image: ImageConfig, offsamples: int) -> None:
+        """offsamples: the model's own multisampling, which a default-settings context is made with."""
         self.camera = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERAS[image.camera])
         model.vis.global_.offwidth = max(model.vis.global_.offwidth, image.width)  # read when the context is made
         model.vis.global_.offheight = max(model.vis.global_.offheight, image.height)
-        model.vis.quality.offsamples = 0  # multisampling, shadows and reflections cost most of a CPU frame
+        model.vis.quality.offsamples = 0 if image.fast else offsamples
         try:
             self.renderer = mujoco.Renderer(model, height=image.height, width=image.width)
         except mujoco.FatalError as error:  # MuJoCo fixes its GL backend when first imported
             raise RuntimeError("no OpenGL context for LIBERO's cameras: mujoco was imported before MUJOCO_GL was set; "
                                "export MUJOCO_GL=egl, or import common.suites.libero first") from error  # fmt: skip
-        self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
-        self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        if image.fast:
+            self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+            self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
         self.option = mujoco.MjvOption()
         self.option.geomgroup[0] = 0  # robosuite's collision meshes: its own renders leave them out too
 
@@ -248,8 +254,9 @@ class LiberoTaskEnv(SuiteEnv):
         self._env = ControlEnv(bddl_file_name=str(bddl), use_camera_obs=False, has_offscreen_renderer=False, hard_reset=False,
                                ignore_done=True)  # fmt: skip
         model = self._env.sim.model._model
-        self._cameras = [_View(model, camera) for camera in cameras]
-        self._film = None if film is None else _View(model, film)
+        offsamples = model.vis.quality.offsamples
+        self._cameras = [_View(model, camera, offsamples) for camera in cameras]
+        self._film = None if film is None else _View(model, film, offsamples)
 
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
         self.observation_space = spaces.Box(-np.inf, np.inf, shape=(STATE_DIM,), dtype=np.float32)

@@ -18,6 +18,7 @@ import copy
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import pickle
 import threading
@@ -34,7 +35,7 @@ from gymnasium import spaces
 from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
 from metaworld.policies import ENV_POLICY_MAP
 
-from common.config import EnvConfig, cache_dir
+from common.config import ConfigError, EnvConfig, cache_dir
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 
 GymObservation = np.ndarray | dict[str, np.ndarray]
@@ -123,6 +124,26 @@ TASK_SETS = {"MT10": tuple(metaworld.env_dict.MT10_V3), "MT50": tuple(metaworld.
 
 REWARD_MODES = ("success", "dense", "shaped")
 DENSE_REWARD_SCALE = 10.0  # every v3 task pays at most 10 per step (at success)
+
+
+# lerobot's Metaworld env (lerobot.envs.metaworld, env.type=metaworld): the state is the first four elements of the
+# task's (hand position, gripper), and its one frame, observation.image, comes from "corner2" moved to where Metaworld's
+# own "corner4" is and turned right way up: corner4's view, drawn at 480 x 480 with MuJoCo's default render settings.
+LEROBOT_STATE_DIM = 4
+LEROBOT_IMAGES = {"observation.image": "corner4"}
+
+
+@functools.cache
+def lerobot_sentences() -> dict[str, str]:
+    """lerobot's sentence for each Metaworld task (its metaworld_config.json's TASK_DESCRIPTIONS), read from the installed
+    lerobot's file without importing lerobot; a ConfigError when no lerobot is installed."""
+    spec = importlib.util.find_spec("lerobot")
+    folders = [] if spec is None else list(spec.submodule_search_locations or [])
+    path = Path(folders[0]) / "envs" / "metaworld_config.json" if folders else None
+    if path is None or not path.is_file():
+        raise ConfigError("env.observations 'lerobot' reads lerobot's Metaworld task sentences from its envs/metaworld_config.json, "
+                          "and no installed lerobot has one: install the smolvla or lerobot extra (docs/smolvla.md)")  # fmt: skip
+    return dict(json.loads(path.read_text())["TASK_DESCRIPTIONS"])
 
 
 def _task_spec(task: str) -> TaskSpec:
@@ -240,13 +261,12 @@ def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ..
 
 
 class _CameraRenderer:
-    """Renders RGB frames of one scene camera, with settings chosen for speed on CPU rasterisers.
+    """Renders RGB frames of one scene camera: fast (ImageConfig.fast: no multisampling, shadows or reflections, which
+    cost about 10x in frame rate on llvmpipe and add little at policy-input resolutions) or with MuJoCo's default
+    settings, as gymnasium's MuJoCo renderer draws for lerobot's env."""
 
-    Multisampling, shadows and reflections cost about 10x in frame rate on llvmpipe and add little
-    at policy-input resolutions, so they are turned off.
-    """
-
-    def __init__(self, model: mujoco.MjModel, data: mujoco.MjData, config: ImageConfig) -> None:
+    def __init__(self, model: mujoco.MjModel, data: mujoco.MjData, config: ImageConfig, offsamples: int) -> None:
+        """offsamples: the model's own multisampling, which a default-settings context is made with."""
         self._camera_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, config.camera)
         if self._camera_id == -1:
             known = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
@@ -254,7 +274,7 @@ class _CameraRenderer:
         # The render context reads the framebuffer size and sample count when it is created.
         model.vis.global_.offwidth = max(model.vis.global_.offwidth, config.width)
         model.vis.global_.offheight = max(model.vis.global_.offheight, config.height)
-        model.vis.quality.offsamples = 0
+        model.vis.quality.offsamples = 0 if config.fast else offsamples
         try:
             self._renderer = mujoco.Renderer(model, height=config.height, width=config.width)
         except mujoco.FatalError as error:
@@ -265,8 +285,9 @@ class _CameraRenderer:
                 "which happened before MUJOCO_GL was set. Export MUJOCO_GL=egl, or import "
                 "common.suites.metaworld before anything that imports mujoco"
             ) from error
-        self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
-        self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        if config.fast:
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
         # Several Metaworld cameras ("corner", "corner2", "corner3") are defined with their image-up
         # axis pointing below the horizon, so their raw frames are upside down. Rotating by 180
         # degrees is what turning the camera right way up about its optical axis would show; a
@@ -394,13 +415,16 @@ class MetaworldTaskEnv(SuiteEnv):
         cameras: Sequence[ImageConfig] = (),
         layout: Layout | None = None,
         metaworld_shortcuts: bool = True,
+        lerobot_observations: bool = False,
     ) -> None:
         """layout: the one used until set_layout (a rollout actor passes one of its own benchmark seeds, so that it
         builds no benchmark seed 0 just to start). metaworld_shortcuts: the faster reset (TaskSpec.reset_model_once)
         and contact check (_touching_object), both bit for bit Metaworld's; False runs Metaworld's own, for
-        bench/env_step.py's comparison."""
+        bench/env_step.py's comparison. lerobot_observations: the state is lerobot's (its first LEROBOT_STATE_DIM
+        elements) and the instruction lerobot's sentence (env.observations "lerobot")."""
         self.task = task
-        self.instruction = _task_spec(task).instruction
+        self.instruction = lerobot_sentences()[task] if lerobot_observations else _task_spec(task).instruction
+        self._state_size = LEROBOT_STATE_DIM if lerobot_observations else METAWORLD_STATE_DIM
         self._reset_model_once = metaworld_shortcuts and _task_spec(task).reset_model_once
         if reward not in REWARD_MODES:
             raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
@@ -420,12 +444,16 @@ class MetaworldTaskEnv(SuiteEnv):
         # set_task makes the goal observable, which widens the goal bounds of
         # `sawyer_observation_space`; Metaworld's `observation_space` attribute keeps the stale ones.
         self.set_layout(self._layout)
-        self._renderer = None if image is None else _CameraRenderer(self._env.model, self._env.data, image)
-        self._cameras = [_CameraRenderer(self._env.model, self._env.data, camera) for camera in cameras]
+        model, data = self._env.model, self._env.data
+        offsamples = model.vis.quality.offsamples
+        self._renderer = None if image is None else _CameraRenderer(model, data, image, offsamples)
+        self._cameras = [_CameraRenderer(model, data, camera, offsamples) for camera in cameras]
 
         self.action_space = spaces.Box(-1.0, 1.0, shape=self._env.action_space.shape, dtype=np.float32)
         mw_space = self._env.sawyer_observation_space
-        state_space = spaces.Box(mw_space.low.astype(np.float32), mw_space.high.astype(np.float32), dtype=np.float32)
+        low, high = (bound[: self._state_size].astype(np.float32) for bound in (mw_space.low, mw_space.high))
+        state_space = spaces.Box(low, high, dtype=np.float32)
+        self._full_state = np.zeros(METAWORLD_STATE_DIM, dtype=np.float32)
         if image is None:
             self.observation_space = state_space
         else:
@@ -498,10 +526,14 @@ class MetaworldTaskEnv(SuiteEnv):
         self._env.close()
 
     def _observation(self, state: np.ndarray) -> GymObservation:
-        state = state.astype(np.float32)
+        self._full_state = state.astype(np.float32)
+        state = self._full_state[: self._state_size]
         if self._renderer is None:
             return state
         return {"state": state, "image": self._renderer.render(self._env.data)}
+
+    def privileged_state(self) -> np.ndarray:
+        return self._full_state
 
 
 class ScriptedExpert:
@@ -530,7 +562,7 @@ class FilmedTaskEnv(MetaworldTaskEnv):
 
     def __init__(self, config: EnvConfig, task: str, cameras: Sequence[ImageConfig], film: ImageConfig, layout: Layout) -> None:
         super().__init__(task, config.max_episode_steps, config.stop_on_success, config.reward, image=film, cameras=cameras,
-                         layout=layout)  # fmt: skip
+                         layout=layout, lerobot_observations=config.lerobot_observations)  # fmt: skip
         self.observation_space = self.observation_space["state"]
         self.frames: list[np.ndarray] = []
 
@@ -554,9 +586,12 @@ class MetaworldSuite(Suite):
     state_size, action_size, camera_names = METAWORLD_STATE_DIM, METAWORLD_ACTION_DIM, METAWORLD_CAMERAS
     film_camera = "corner4"  # the view that keeps gripper, object and goal large and in frame
     dense_reward_scale = DENSE_REWARD_SCALE
+    lerobot_images, lerobot_state_size = LEROBOT_IMAGES, LEROBOT_STATE_DIM
+    lerobot_frame_size, lerobot_fps, lerobot_robot = 480, 80, "sawyer"
 
     def instruction(self, task: str) -> str:
-        return _task_spec(task).instruction
+        spec = _task_spec(task)
+        return lerobot_sentences()[task] if self.config.lerobot_observations else spec.instruction
 
     def episode_limit(self, task: str) -> int:
         _task_spec(task)
@@ -566,7 +601,8 @@ class MetaworldSuite(Suite):
         if film is not None:
             return FilmedTaskEnv(self.config, task, cameras, film, layout)
         c = self.config
-        return MetaworldTaskEnv(task, c.max_episode_steps, c.stop_on_success, c.reward, cameras=cameras, layout=layout)
+        return MetaworldTaskEnv(task, c.max_episode_steps, c.stop_on_success, c.reward, cameras=cameras, layout=layout,
+                                lerobot_observations=c.lerobot_observations)  # fmt: skip
 
     def expert(self, task: str) -> ScriptedExpert:
         return ScriptedExpert(task)

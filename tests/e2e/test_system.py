@@ -4,6 +4,12 @@ embedded default, an exact resume."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import av
@@ -13,7 +19,7 @@ import ray
 from safetensors.numpy import load_file
 
 from learner.main import main
-from tests.conftest import tiny_config, tiny_run
+from tests.conftest import REPO, tiny_config, tiny_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -117,11 +123,15 @@ def test_policy_lag_sets_which_version_samples_each_iteration(lagged_runs, polic
     assert sorted(state["published"]) == ([] if policy_lag == 0 else [2, 3])  # what iterations 3 and 4 would sample with
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint, lagged_runs) -> None:
-    """Stopped after 2 of 3 iterations and resumed, at the default lag 1: iteration 3 was sampled with v1 in the
-    uninterrupted run, so the checkpoint must hand v1 out again; the weights and every logged figure match. (Lag 0's
-    resume: tests/integration/test_learner.py::test_checkpoint_resume_reproduces_weights.) The interrupted run keeps
-    only its newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint (the default)."""
+def test_a_run_stopped_by_sigterm_exits_143_after_its_checkpoint_and_resumes_as_the_uninterrupted_run(tmp_path, bc_checkpoint,
+                                                                                                       lagged_runs) -> None:  # fmt: skip
+    """`python -m learner.main` stopped by SIGTERM (as a scheduler stops a job) once it has logged its first iteration,
+    before any checkpoint:
+    it saves its progress, says so, exits 143 and prints no error-level line (ray.init's own SIGTERM handler, which
+    logs errors and aborts, is replaced once Ray is up). Resumed at the default lag 1 to 3 iterations: iteration 3 was
+    sampled with v1 in the uninterrupted run, so the checkpoint must hand v1 out again; the weights and every logged
+    figure match. (Lag 0's resume: tests/integration/test_learner.py::test_checkpoint_resume_reproduces_weights.) The
+    interrupted run keeps only its newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint."""
     straight, interrupted = lagged_runs[1], tmp_path / "interrupted"
     evaluation = LAGGED_EVALUATION[1]
 
@@ -129,8 +139,25 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, bc_checkpoint, lagged
         return sorted(p.name for p in (run / "checkpoints").iterdir())
 
     assert checkpoints(straight) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
-    assert main(tiny_args(interrupted, bc_checkpoint, 2, *evaluation, "--set", "keep_checkpoints=1")) == 0
-    assert checkpoints(interrupted) == ["iter_000002", "latest"]
+    address = ray.get_runtime_context().gcs_address  # the command joins the tests' Ray, as a run joins a cluster
+    # that Ray listens on loopback only; in Ray's loopback mode a joining process dials 127.0.0.1 as given, not the
+    # machine's routable address
+    loopback_mode = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # rows logged as each iteration ends (no evaluation to wait for), no checkpoint before the signal: what it saves is its own
+    argv = tiny_args(interrupted, bc_checkpoint, 3, "--set", "eval_every=0", "--set", "checkpoint_every=10", "--set", "keep_checkpoints=1",
+                     "--address", address)  # fmt: skip
+    command = subprocess.Popen([sys.executable, "-m", "learner.main", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "RAY_ADDRESS": "", **loopback_mode})  # fmt: skip
+    rows = interrupted / "metrics.jsonl"
+    while command.poll() is None and not (rows.is_file() and rows.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    command.send_signal(signal.SIGTERM)
+    output = command.communicate(timeout=300)[0]
+    assert command.returncode == 143, output[-3000:]
+    saved = re.search(r"\[stopped by SIGTERM\] saved iter_(\d{6}); continue with --resume", output)
+    assert saved is not None and int(saved.group(1)) in (1, 2), output[-3000:]
+    assert not [line for line in output.splitlines() if " ERROR " in line or "SIGTERM received" in line], output[-3000:]
+    assert checkpoints(interrupted) == [f"iter_{saved.group(1)}", "latest"]
     assert main(tiny_args(interrupted, bc_checkpoint, 3, *evaluation, "--set", "keep_checkpoints=1", "--resume")) == 0
     assert checkpoints(interrupted) == ["iter_000003", "latest"]
     a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")

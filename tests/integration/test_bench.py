@@ -15,6 +15,7 @@ from bench import (
     actors_per_gpu,
     compile_cache,
     env_step,
+    frame_cost,
     libero_step,
     overhead,
     policy_load,
@@ -67,6 +68,15 @@ def test_env_step_smallest_compares_both_variants_on_both_kinds_of_actions(capsy
         assert results[f"expert_over_random_{variant}"] == pytest.approx(
             results[f"expert_{variant}_us_per_step"] / results[f"random_{variant}_us_per_step"], rel=1e-12
         )
+
+
+def test_frame_cost_smallest_prices_both_drawings_and_how_far_apart_they_are(capsys):
+    results = frame_cost.main(["--sizes", "48", "--frames", "2", "--rounds", "1", "--resized", "16"])
+    assert printed(capsys) == json.loads(json.dumps(results))
+    assert_positive(results["48_fast_ms_per_frame"], results["48_default_ms_per_frame"])
+    assert results["48_default_over_fast"] == pytest.approx(results["48_default_ms_per_frame"] / results["48_fast_ms_per_frame"], rel=1e-12)
+    assert 0 < results["48_fast_pixels_differ"] <= 1 and results["48_fast_mean_abs_diff"] > 0  # shadows, at the least
+    assert 0 < results["48_fast_resized_16_mean_abs_diff"] < 255
 
 
 def test_libero_step_smallest_prices_a_state_step_each_render_and_a_reset(capsys):

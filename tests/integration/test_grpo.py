@@ -34,7 +34,7 @@ def test_smolvla_reference_copies_only_what_trains() -> None:
         features = policy.encode(obs)  # the frozen encoder's features serve both (Learner.prepare relies on this)
         chains = sample_chain(policy, features, 4).chain
         kl, _ = kl_to_reference(chain_log_prob(policy, features, chains), chain_log_prob(reference, reference.encode(obs), chains),
-                                num_log_prob_elements(policy), "exact")  # fmt: skip
+                                num_log_prob_elements(policy.config), "exact")  # fmt: skip
     assert torch.equal(kl, torch.zeros_like(kl))
 
 

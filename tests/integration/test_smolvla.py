@@ -21,10 +21,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.config import ConfigError, EnvConfig, PolicyConfig
+from common.config import ConfigError, EnvConfig, PolicyConfig, RunConfig
 from common.config_loading import load_config
 from common.diagnostics import RatioSensitivityWarning, check_ratio_sensitivity
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
+from common.lerobot_checkpoint import check_features
 from common.policy import CheckpointError, FlowPolicy, build_policy, index_features, write_directory_atomically
 from common.policy.lerobot_compat import LEROBOT_LINE, denoise_cache, dynamic_cache, kv_layers, lerobot_line, resize_with_pad
 from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy, fused_attention
@@ -33,7 +34,6 @@ from common.policy.torchvision_shim import META_MODULE
 from common.policy.vla_common import lerobot_flow_time, one_vision_pass
 from common.rl import normalize, ppo_policy_loss
 from common.suites import make_suite
-from learner.startup import check_lerobot_features
 from tests.conftest import REPO
 from tests.helpers.vla import IMAGE_SIZE, smolvla_config, tiny_observations, tiny_smolvla
 from tests.helpers.vla_checks import (
@@ -433,7 +433,7 @@ def clip_fraction_after_one_update(normalization: str, batch: int = 16) -> dict[
             chain_log_prob(policy, features, sample.chain).log_prob, sample.scores.log_prob, advantages, ppo.clip_eps
         )
     return {
-        "elements": num_log_prob_elements(policy),
+        "elements": num_log_prob_elements(policy.config),
         "clipfrac_before": float(before["clipfrac"]),
         "clipfrac": float(after["clipfrac"]),
         "ratio_min": float(after["ratio_min"]),
@@ -464,31 +464,31 @@ if __name__ == "__main__":
 
 
 def test_a_lerobot_checkpoints_input_features_are_checked_against_the_suite_before_any_work(policy, tmp_path) -> None:
-    """A checkpoint as lerobot saves it names the cameras and the state it reads (input_features): the run must list
-    those cameras, the suite must render them, and the state width must be the run's unless state_proj is learnt
-    anew; each mismatch is one line naming the field to set."""
+    """A checkpoint as lerobot saves it names the frames and the state it reads (input_features): the run's policy must
+    be given those frames, from cameras the suite renders, and the state width must be the run's unless state_proj is
+    learnt anew; each mismatch is one line naming the field to set. (A frame no layout gives, and the map that gives it:
+    tests/integration/test_lerobot_layout.py.)"""
     lerobot_dir = tmp_path / "smolvla_lerobot"
     policy.vla.save_pretrained(lerobot_dir)  # reads observation.images.corner and a 39-element observation.state
     suite = make_suite(EnvConfig())
-    check_lerobot_features(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}), suite)  # matches: no error
+
+    def run_of(policy_config: PolicyConfig) -> RunConfig:
+        return RunConfig(policy=policy_config)
+
+    check_features(run_of(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)})), suite)  # matches: no error
 
     def refused(config: PolicyConfig, pattern: str) -> None:
         with pytest.raises(ConfigError, match=pattern) as caught:
-            check_lerobot_features(config, suite)
+            check_features(run_of(config), suite)
         assert "\n" not in str(caught.value)
 
     refused(smolvla_config(cameras=["corner2"], smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
-            r"reads the cameras \['corner'\] .* policy\.cameras is \['corner2'\]: set policy\.cameras: \['corner'\]")  # fmt: skip
+            r"reads the frames \['observation\.images\.corner'\] .* given \['observation\.images\.corner2'\] .*rename_map")  # fmt: skip
     saved = json.loads((lerobot_dir / "config.json").read_text())
-    saved["input_features"]["observation.images.wrist_image"] = saved["input_features"]["observation.images.corner"]
     saved["input_features"]["observation.state"]["shape"] = [8]
     (lerobot_dir / "config.json").write_text(json.dumps(saved))
     refused(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
-            r"policy\.smolvla\.lerobot_checkpoint reads observation\.images\.\{wrist_image\}, which metaworld does not render")  # fmt: skip
-    del saved["input_features"]["observation.images.wrist_image"]
-    (lerobot_dir / "config.json").write_text(json.dumps(saved))
-    refused(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir)}),
             r"reads a 8-element observation\.state but the run's state has 39 .*\.reinit_state_proj: true")  # fmt: skip
-    check_lerobot_features(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir), "reinit_state_proj": True}), suite)
+    check_features(run_of(smolvla_config(smolvla={"lerobot_checkpoint": str(lerobot_dir), "reinit_state_proj": True})), suite)
     with pytest.raises(ConfigError, match=r"policy\.cameras \['ceiling'\] are not cameras of metaworld task pick-place-v3"):
         suite.check(smolvla_config(cameras=["ceiling"]))

@@ -147,9 +147,9 @@ def _changed(value, hint):
     if isinstance(value, (int, float)):
         return value + 1
     if isinstance(value, list):
-        return [*value, "extra" if value and isinstance(value[0], str) else 99]
+        return [*value, "extra" if typing.get_args(hint)[0] is str else 99]
     if isinstance(value, dict):
-        return {**value, "extra": 1 if typing.get_args(hint)[1] is int else 1.0}
+        return {**value, "extra": {int: 1, str: "x"}.get(typing.get_args(hint)[1], 1.0)}
     return value + "_changed"
 
 

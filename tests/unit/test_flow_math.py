@@ -56,7 +56,7 @@ def test_chain_log_prob_matches_torch_distributions(num_steps: int, normalizatio
         expected_sum = independent_log_prob(policy, obs, chain)
         scored = chain_log_prob(policy, policy.encode(Observation(obs)), chain, steps_in_one_pass=steps_in_one_pass)
     elements = (num_steps + 1) * 2 * 3
-    assert num_log_prob_elements(policy) == elements
+    assert num_log_prob_elements(policy.config) == elements
     torch.testing.assert_close(scored.log_prob_per_element, expected_sum / elements, rtol=1e-5, atol=1e-5)
     expected = expected_sum if normalization == "sum" else expected_sum / elements
     torch.testing.assert_close(scored.log_prob, expected, rtol=1e-5, atol=1e-4)
@@ -163,6 +163,25 @@ def test_deterministic_sampling_is_noise_free_and_repeatable() -> None:
         b = sample_chain(policy, policy.encode(Observation(obs)), 3, deterministic=True, generator=torch.Generator().manual_seed(2)).chain
     assert torch.equal(a, b)
     assert torch.all(a[:, 0] == 0)
+
+
+def test_deterministic_sampling_from_lerobots_start_draws_a0_and_injects_no_noise() -> None:
+    """eval_init_noise_std 1.0: a_0 from N(0, I) drawn by the generator (lerobot's sampler starts there), then every
+    step the transition's mean, its noise left out; the same generator gives the same chain. It needs a policy trained
+    from random starts (init_noise_std > 0)."""
+    policy = make_policy(3, eval_init_noise_std=1.0)
+    obs = torch.randn(3, 6)
+    with torch.no_grad():
+        features = policy.encode(Observation(obs))
+        chain = sample_chain(policy, features, 3, deterministic=True, generator=torch.Generator().manual_seed(4)).chain
+        again = sample_chain(policy, features, 3, deterministic=True, generator=torch.Generator().manual_seed(4)).chain
+        assert torch.equal(chain, again)
+        assert torch.equal(chain[:, 0], torch.randn((3, 2, 3), generator=torch.Generator().manual_seed(4)))
+        for k in range(3):
+            t = torch.full((3,), k / 3)
+            torch.testing.assert_close(chain[:, k + 1], chain[:, k] + policy.velocity(chain[:, k], t, features) / 3, rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"eval_init_noise_std must be 0, or > 0 with policy\.init_noise_std > 0"):
+        PolicyConfig(init_noise_std=0.0, eval_init_noise_std=1.0).validate()
 
 
 def test_sigma_is_bounded() -> None:

@@ -158,7 +158,7 @@ def scores_on_policy_chains(policy: FlowPolicy, reference: FlowPolicy, num_chain
 
 def test_kl_term_is_zero_for_the_reference_and_grows_as_the_policy_diverges() -> None:
     reference = frozen_reference(small_policy())
-    elements = num_log_prob_elements(reference)
+    elements = num_log_prob_elements(reference.config)
     kls: dict[str, list[float]] = {name: [] for name in ("exact", "k1", "k2", "k3")}
     for scale in (0.0, 0.01, 0.03, 0.1):
         policy = small_policy()  # the reference's weights, then moved along one fixed direction
@@ -179,7 +179,7 @@ def test_k3_term_estimates_kl_policy_to_reference_and_the_reversed_formula_does_
     policy = small_policy()
     reference = frozen_reference(policy)
     perturb(policy, 0.03)
-    elements = num_log_prob_elements(policy)
+    elements = num_log_prob_elements(policy.config)
     policy_scores, reference_scores = scores_on_policy_chains(policy, reference, 100_000)
     exact = kl_to_reference(policy_scores, reference_scores, elements, "exact")[0].mean().item()
     assert 0.05 < exact * elements < 2.0  # a chain KL where the two directions differ visibly

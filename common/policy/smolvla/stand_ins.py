@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +151,23 @@ def tiny_vlm_dir(spec: TinyVLMSpec | None = None) -> Path:
     if not (path / "config.json").is_file():
         write_directory_atomically(path, lambda tmp: write_tiny_vlm(tmp, spec))
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m common.policy.smolvla.stand_ins --image-size 64`: writes (once) the tiny SmolVLM backbone for that
+    frame size and prints its directory, which lerobot-train takes as --policy.vlm_model_name (docs/lerobot.md)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.policy.smolvla.stand_ins", description=main.__doc__)
+    parser.add_argument("--image-size", type=int, default=TinyVLMSpec.image_size, help="the vision tower's square input side")
+    args = parser.parse_args(argv)
+    try:
+        print(tiny_vlm_dir(dataclasses.replace(TinyVLMSpec(), image_size=args.image_size)))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Demonstrations as a LeRobotDataset, written and read with lerobot's own dataset API, so that the same files train
+lerobot's policies (lerobot-train) and the project's behaviour cloning (pretrain.dataset).
+
+A dataset holds what the run's policy observes (env.observations): each camera's frame under its lerobot key
+(policy.image_features(): lerobot's Metaworld layout is one observation.image), observation.state as the policy reads
+it, the executed action, and each episode's task sentence. Frames are stored as images (PNG), not video: what a policy
+trains on is then exactly what the env drew. One episode per demonstration layout (env.demo_benchmark_seed), written
+as it ends, so a dataset of 480-pixel frames never sits in memory whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import ConfigError, PolicyConfig, RunConfig
+from common.demonstrations import Episode, demonstration_episodes
+from common.observation import Observation
+from common.policy.torchvision_shim import install_cpu_torchvision_shim
+from common.suites import ImageConfig, Suite, make_suite
+
+STATE_KEY, ACTION_KEY = "observation.state", "action"
+INSTALL = "a LeRobotDataset is written and read with lerobot's own API: install the smolvla or lerobot extra (docs/smolvla.md)"
+
+
+def lerobot_dataset_class() -> type:
+    """lerobot's LeRobotDataset (its import after the project's torchvision guard); a ConfigError without lerobot."""
+    install_cpu_torchvision_shim()
+    try:
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    except ImportError as exc:
+        raise ConfigError(f"{INSTALL} ({exc})") from None
+    return LeRobotDataset
+
+
+def dataset_features(policy: PolicyConfig) -> dict[str, dict[str, Any]]:
+    """lerobot's feature table for what `policy` observes and does: its frames, state and action."""
+    side = policy.image_size
+    frames = {key: {"dtype": "image", "shape": (side, side, 3), "names": ["height", "width", "channel"]} for key in policy.image_features()}
+    return {
+        **(frames if side > 0 else {}),
+        STATE_KEY: {"dtype": "float32", "shape": (policy.obs_dim,), "names": None},
+        ACTION_KEY: {"dtype": "float32", "shape": (policy.action_dim,), "names": None},
+    }
+
+
+def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite: bool = False,
+                         progress: Callable[[str, Episode], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`episodes` scripted demonstrations of each of the run's tasks, on the first layouts of env.demo_benchmark_seed,
+    with pretrain.demo_noise and pretrain.seed as behaviour cloning draws them, into a new LeRobotDataset at `out`
+    (repo id flowrl/<suite>). Returns what was written. A ConfigError before anything is written when `out` exists
+    (unless `overwrite`), the suite has no expert or fewer layouts, or lerobot is missing; the directory is removed again
+    if writing fails."""
+    suite, policy = make_suite(config.env), config.policy
+    tasks = suite.tasks()
+    if episodes < 1 or episodes > suite.layouts_per_seed:
+        raise ConfigError(f"--episodes must be in [1, {suite.layouts_per_seed}] (the layouts of env.demo_benchmark_seed), got {episodes}")
+    missing = [task for task in tasks if suite.expert(task) is None]
+    if missing:
+        raise ConfigError(f"{suite.name} has no scripted expert for {missing}: no demonstrations to write")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists: choose another directory, or pass --overwrite to replace it")
+    dataset_class = lerobot_dataset_class()
+    if out.exists():
+        shutil.rmtree(out)
+    cameras = [ImageConfig(policy.image_size, policy.image_size, camera) for camera in policy.cameras] if policy.image_size else []
+    fps = suite.lerobot_fps or 30
+    dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=out,
+                                   robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
+    written = {"episodes": 0, "frames": 0, "successes": 0}
+    try:
+        for task in tasks:
+            layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[:episodes]
+            sentence = suite.instruction(task)
+            for episode in demonstration_episodes(suite, task, layouts, config.pretrain.demo_noise, config.pretrain.seed, cameras):
+                for t in range(len(episode.actions)):
+                    frame = {STATE_KEY: episode.observations[t], ACTION_KEY: episode.actions[t], "task": sentence}
+                    for c, key in enumerate(policy.image_features() if cameras else []):
+                        frame[key] = episode.frames[t, c]
+                    dataset.add_frame(frame)
+                dataset.save_episode()
+                written["episodes"] += 1
+                written["frames"] += len(episode.actions)
+                written["successes"] += int(episode.success)
+                if progress is not None:
+                    progress(task, episode)
+        dataset.finalize()
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return {**written, "fps": fps, "features": sorted(dataset_features(policy)), "tasks": tasks}
+
+
+def read_demonstrations(directory: Path, policy: PolicyConfig, suite: Suite) -> tuple[Observation, np.ndarray, list[str], list[int]]:
+    """A LeRobotDataset's frames as behaviour cloning reads them: the observations (frames under the policy's keys,
+    uint8; the state), the (M, A) actions, each row's task sentence, and each row's episode. A ConfigError naming the
+    feature when the dataset does not hold what the policy reads (its keys, widths and frame size), or a sentence
+    the run's tasks do not have."""
+    dataset = lerobot_dataset_class()("flowrl/local", root=directory)
+    expected = dataset_features(policy)
+    for key, feature in expected.items():
+        found = dataset.meta.features.get(key)
+        shape = None if found is None else tuple(found["shape"])
+        if shape != tuple(feature["shape"]):
+            raise ConfigError(f"pretrain.dataset {directory}: {key} is {shape or 'missing'}, the policy reads {tuple(feature['shape'])} "
+                              f"(its features: {sorted(dataset.meta.features)})")  # fmt: skip
+    sentences = {suite.instruction(task) for task in suite.tasks()}
+    rows = dataset.hf_dataset.with_format(None)
+    tasks = list(dataset.meta.tasks.index)
+    task_sentences = [tasks[index] for index in rows["task_index"]]
+    strangers = sorted(set(task_sentences) - sentences)
+    if strangers:
+        raise ConfigError(f"pretrain.dataset {directory} holds the tasks {strangers}, which are not the run's {sorted(sentences)} "
+                          "(env.task, env.observations)")  # fmt: skip
+    image_keys = policy.image_features() if policy.image_size else []
+    images = None
+    if image_keys:
+        images = np.stack([np.stack([np.asarray(row[key].convert("RGB")) for key in image_keys]) for row in rows])
+    state = np.asarray(rows[STATE_KEY], dtype=np.float32)
+    actions = np.asarray(rows[ACTION_KEY], dtype=np.float32)
+    return Observation(state, images), actions, task_sentences, list(rows["episode_index"])
