@@ -34,7 +34,7 @@ from common.config import RunConfig
 from common.metrics import MetricsLog
 from common.storage import RunFileWriteError
 from learner.actor_pool import ActorPool, PendingCall
-from learner.failures import LearnerDiedError
+from learner.failures import LearnerDiedError, stops_held
 from learner.learner_handle import LearnerHandle
 from learner.monitoring import actor_health
 from learner.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
@@ -102,23 +102,24 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
             try:
                 batch_refs = rollouts.collect(iteration)
                 summary.note_first_rollout(clock)
-                metrics = learner.update(batch_refs, verbose=single_batch)
-                rollouts.publish(learner.publish())
-                iteration_seconds = time.perf_counter() - t0
-                done = iteration + 1 == config.iterations
-                due = not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0))
-                evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
-                env_steps += int(metrics["rollout/env_steps"])
-                metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps,
-                                "time/iteration_seconds": iteration_seconds,
-                                "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
-                                "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
-                                "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
-                                **cost.charge(len(pool.actors))})  # fmt: skip
-                if done or (iteration + 1) % config.checkpoint_every == 0:
-                    rows.keep_held(metrics)  # on disk before the checkpoint passes them
-                    learner.save(iteration + 1)
-                rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
+                with stops_held("finishing the update and logging it"):  # the learner finishes it whatever happens here
+                    metrics = learner.update(batch_refs, verbose=single_batch)
+                    rollouts.publish(learner.publish())
+                    iteration_seconds = time.perf_counter() - t0
+                    done = iteration + 1 == config.iterations
+                    due = not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0))
+                    evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
+                    env_steps += int(metrics["rollout/env_steps"])
+                    metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps,
+                                    "time/iteration_seconds": iteration_seconds,
+                                    "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
+                                    "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
+                                    "rollout/actors": float(len(pool.actors)), **pool.faults, **actor_health(pool.actors),
+                                    **cost.charge(len(pool.actors))})  # fmt: skip
+                    if done or (iteration + 1) % config.checkpoint_every == 0:
+                        rows.keep_held(metrics)  # on disk before the checkpoint passes them
+                        learner.save(iteration + 1)
+                    rows.add(metrics, evaluation, wait=done)  # an evaluation still fetching the weights dies with their learner
             except LearnerDiedError as failure:  # a new learner, from the latest checkpoint: the iterations since are redone
                 iteration, env_steps = learner.restart(failure)
                 rollouts.restart(learner.publish_in_flight())

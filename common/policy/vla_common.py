@@ -176,7 +176,7 @@ def grouped_query_attention(query: Tensor, key: Tensor, value: Tensor, bias: Ten
     bias = bias.to(dtype).expand(batch, 1, queries, key.shape[2])
     bias = bias[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)  # each group's rows under the same bias
     out = nn.functional.scaled_dot_product_attention(folded, key.to(dtype), value.to(dtype), attn_mask=bias, scale=scale)
-    return out.view(batch, heads, queries, dim)
+    return out.reshape(batch, heads, queries, dim)  # a GPU kernel may return its rows in another layout
 
 
 def local_directory(config: PolicyConfig, section: str, field: str, marker: str, what: str, offline: Callable[[], Path]) -> Path:

@@ -125,9 +125,11 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         for key in ("ppo/optimizer_steps", "ppo/epochs_run", "ppo/kl_early_stop", "ppo/batch_size", "rollout/env_steps",
                     "rollout/episodes", "rollout/decisions"):  # fmt: skip
             assert group[key] == one[key], key
-        for key in ("losses/approx_kl", "losses/pg_loss", "losses/clipfrac", "logprob/old_mean", "rollout/success_rate",
-                    "rollout/reward_per_decision"):  # fmt: skip
+        for key in ("losses/approx_kl", "losses/clipfrac", "logprob/old_mean", "rollout/success_rate", "rollout/reward_per_decision"):
             assert group[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7, nan_ok=True), key
+        # The policy loss is a mean of terms of order 1 (normalised advantages times ratios near 1) that cancel to about
+        # 1e-3: the terms' float32 rounding, not the mean's size, sets how far the two may lie apart.
+        assert group["losses/pg_loss"] == pytest.approx(one["losses/pg_loss"], rel=0, abs=1e-6)
         if "values/advantage_raw_std" in one:  # PPO's: over every rank's decisions, not the mean of the ranks' stds
             assert group["values/advantage_raw_std"] == pytest.approx(one["values/advantage_raw_std"], rel=1e-5)
     if "algorithm.target_kl" in fields:  # stopped early, at the same step
