@@ -45,7 +45,7 @@ from common.trajectory import RolloutBatch, WeightsPayload
 from common.vector_env import ChunkedVectorEnv
 
 if TYPE_CHECKING:
-    from learner.run_files import RunFiles
+    from actors.run_files import RunFiles
 
 
 def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
@@ -67,13 +67,13 @@ class RolloutActor:
                  benchmark_tables: dict | str | None = None, niceness: int | None = None,
                  known_digests: dict | None = None, files: RunFiles | None = None):  # fmt: skip
         """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a dict, or the name
-        of the run's learner.startup.LayoutTables actor, whose tables the driver's start-up tasks may still be building,
+        of the run's learner.runtime.startup.LayoutTables actor, whose tables the driver's start-up tasks may still be building,
         read only once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed
         it needs itself (50 simulated resets each). niceness: the process's scheduling niceness from now on, if higher than it is
-        (learner.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
+        (learner.runtime.startup.ACTOR_NICENESS for the run's actors; None, as in a process that only hosts one: unchanged).
         known_digests: the driver's file digests (common.file_digests.known_digests), so that the checkpoint's
         checksums, verified by the driver, are not hashed again where its files are unchanged. files: where the run's
-        files are (learner.run_files): an actor on another node reads `checkpoint_dir` from there; None: here."""
+        files are (actors.run_files): an actor on another node reads `checkpoint_dir` from there; None: here."""
         if niceness is not None:
             os.setpriority(os.PRIO_PROCESS, 0, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
         trust_digests(known_digests)

@@ -37,11 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
+from bench.report import REPO_ROOT, emit, load_average, ratio
 
 GIB = 2.0**30
 READY, GO = "ready", "go"  # the protocol's words: an actor's line once it has warmed up, the parent's release

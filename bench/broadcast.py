@@ -5,7 +5,7 @@ torch state_dict path, side by side in one run (one Ray instance, the same actor
     python bench/broadcast.py --actors 1 --sizes 1MB --repeats 1         # a smoke run, seconds
 
 Each case is N actors x one payload (float32 tensors of at most 16 MB each; MB = 10^6 bytes). Three paths:
-  - project: what learner/driver.py and actors/rollout_actor.py do. `Learner.broadcast` makes a
+  - project: what learner/runtime/driver.py and actors/rollout_actor.py do. `Learner.broadcast` makes a
     `common.trajectory.WeightsPayload` (WeightsPayload.from_state, copy=False: numpy views of the learner's tensors), the
     learner publishes it with ONE `ray.put`, every actor receives the same reference and loads it with
     `RolloutActor.load_weights` itself (here bound to a stand-in actor holding tensors of the payload's shapes).
@@ -42,20 +42,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import ray
+import torch
+from torch import nn
 
-from bench.report import available_memory_bytes, emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from actors.rollout_actor import RolloutActor  # noqa: E402
-from common.trajectory import WeightsPayload  # noqa: E402
-from learner.ray_runtime import start_local_ray  # noqa: E402
+from actors.rollout_actor import RolloutActor
+from bench.report import available_memory_bytes, emit, load_average, ratio
+from common.trajectory import WeightsPayload
+from learner.runtime.ray_runtime import start_local_ray
 
 PATHS = ("floor", "project", "state_dict")
 MAX_TENSOR_ELEMENTS = 4_000_000  # 16 MB of float32 per tensor

@@ -33,11 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
+from bench.report import REPO_ROOT, emit, load_average, ratio
 
 COMPILES = ("actors.speed.compile_steps=true", "actors.speed.compile_vision=true")
 CACHE_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss")

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.report import emit, load_average  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv, ScriptedExpert  # noqa: E402
-from common.vector_env import ChunkedVectorEnv  # noqa: E402
+from bench.report import emit, load_average
+from common.config import RunConfig
+from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv, ScriptedExpert
+from common.vector_env import ChunkedVectorEnv
 
 VARIANTS = {"metaworld": False, "project": True}
 

@@ -22,6 +22,7 @@ log=$report_dir/gpu_check.log
 budget_seconds=${GPU_CHECK_SECONDS:-540}  # the whole check; the compiled paths get what the first part leaves
 parts=${GPU_CHECK_PARTS:-smolvla compiled}  # which parts run
 export MUJOCO_GL=${MUJOCO_GL:-egl} PYOPENGL_PLATFORM=${PYOPENGL_PLATFORM:-egl} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout, where the project is not installed (a bare GPU machine)
 
 note() { echo "[gpu_check] $*" | tee -a "$log" >&2; }
 

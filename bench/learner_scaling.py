@@ -9,16 +9,16 @@ and the cost of the gradient all-reduce that each of the group's optimiser steps
 
 - rollouts: one iteration's, sampled once in this process by --actors rollout actors (actors.rollout_actor.RolloutActor,
   plain objects, no Ray) from the behaviour-cloned checkpoint (--checkpoint, else the config's cached BC checkpoint,
-  built on first use: learner.startup.resolve_init_checkpoint), so version-0 rollouts of the learner's own weights.
+  built on first use: learner.runtime.startup.resolve_init_checkpoint), so version-0 rollouts of the learner's own weights.
   The update's batch is --actors x --envs-per-actor x --decisions decisions (decisions_per_update), whatever the
   ranks. The config is the embedded default (or --config) with those sizes, algorithm.critic_warmup_iters=0 (the
   update trains the actor, as every iteration after the critic's warm-up does) and --set over them.
-- ranks: N=1 is the learner alone, a plain LearnerActor started with ray.remote (learner.data_parallel.SingleRank,
+- ranks: N=1 is the learner alone, a plain LearnerActor started with ray.remote (learner.group.ranks.SingleRank,
   no process group), so that it is reached through Ray as the group's ranks are; N>1 is a learner group of N
-  LearnerActors (learner.learner_group.start_learner_group: a placement group, torch.distributed gloo). Every rank
+  LearnerActors (learner.runtime.learner_group.start_learner_group: a placement group, torch.distributed gloo). Every rank
   asks for --cpus-per-rank CPUs (torch then runs that many threads in it: torch_threads_per_rank), so N ranks use N
   times the cores of one; a rank gets a consecutive share of the actors' rollouts, as the driver hands them out
-  (learner.learner_handle). Each N has its own fresh actors for the whole run, all started at once and idle
+  (learner.runtime.learner_handle). Each N has its own fresh actors for the whole run, all started at once and idle
   while another N runs; the local Ray is sized for all of them together (the sum of --ranks x --cpus-per-rank).
 - update: each N's update on the same rollouts (in the object store once; each rank fetches its share), --warmup
   times untimed and then --repeats times, the repeats of the Ns taking turns; before every update each rank's
@@ -50,27 +50,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
 
-from bench.report import emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from actors.rollout_actor import RolloutActor  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from common.config_loading import load_config  # noqa: E402
-from common.policy import FlowPolicy  # noqa: E402
-from common.trajectory import RolloutBatch  # noqa: E402
-from learner.learner import Learner  # noqa: E402
-from learner.learner_actor import LearnerActor  # noqa: E402
-from learner.learner_group import LearnerRanks, start_learner_group  # noqa: E402
-from learner.ray_runtime import ResourceRequest, start_local_ray  # noqa: E402
-from learner.startup import check_checkpoint_matches, resolve_init_checkpoint  # noqa: E402
+from actors.rollout_actor import RolloutActor
+from bench.report import emit, load_average, ratio
+from common.config import RunConfig
+from common.config_loading import load_config
+from common.policy import FlowPolicy
+from common.trajectory import RolloutBatch
+from learner.runtime.learner_actor import LearnerActor
+from learner.runtime.learner_group import LearnerRanks, start_learner_group
+from learner.runtime.ray_runtime import ResourceRequest, start_local_ray
+from learner.runtime.startup import check_checkpoint_matches, resolve_init_checkpoint
+from learner.update.learner import Learner
 
 # Untimed all-reduces before the timed ones (the first ones set up gloo's buffers).
 ALL_REDUCE_WARMUP_CALLS = 2

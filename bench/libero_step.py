@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MUJOCO_GL", "egl")  # before MuJoCo's import, which fixes its GL backend (as common.suites.libero)
 
-import mujoco  # noqa: E402
-import numpy as np  # noqa: E402
+import mujoco
+import numpy as np
 
-from bench.report import emit, load_average  # noqa: E402
-from common.config import EnvConfig  # noqa: E402
-from common.suites import ImageConfig, Layout, make_suite  # noqa: E402
-from common.suites.libero import LiberoTaskEnv  # noqa: E402
+from bench.report import emit, load_average
+from common.config import EnvConfig
+from common.suites import ImageConfig, Layout, make_suite
+from common.suites.libero import LiberoTaskEnv
 
 DEFAULT_TASK = "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"
 

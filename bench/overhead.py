@@ -10,7 +10,7 @@
   update) / iteration, over the timed iterations: what the iteration spends outside the work (scheduling, object
   transfers, weight publication, the driver's waits). The goal: under 0.05.
 - in one process: the same config's rollout actors (actors.rollout_actor.RolloutActor) and learner
-  (learner.learner.Learner) as plain objects, each actor sampling in turn with the published weights, then the
+  (learner.update.learner.Learner) as plain objects, each actor sampling in turn with the published weights, then the
   update and the broadcast: no Ray, no parallelism. Rollouts are a pure function of (weights, seed, iteration,
   actor), so these are the same rollouts and updates as on Ray: same_final_weights is 1 when the in-process
   learner ends with the Ray run's checkpoint, bit for bit.
@@ -26,27 +26,21 @@ import argparse
 import hashlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from safetensors.torch import load_file
 
-from bench.report import emit, load_average, put_repo_on_path, ratio, record_arrays  # noqa: E402
-
-put_repo_on_path()
-
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from actors.rollout_actor import RolloutActor  # noqa: E402
-from bench.throughput import main_job  # noqa: E402
-from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy  # noqa: E402
-from common.trajectory import RolloutBatch  # noqa: E402
-from learner.learner import Learner  # noqa: E402
-from learner.main import parse_args, resolve_config  # noqa: E402
-from learner.startup import resolve_init_checkpoint  # noqa: E402
+from actors.rollout_actor import RolloutActor
+from bench.report import emit, load_average, ratio, record_arrays
+from bench.throughput import main_job
+from common.policy import WEIGHTS_FILE, FlowPolicy, build_policy
+from common.trajectory import RolloutBatch
+from learner.main import parse_args, resolve_config
+from learner.runtime.startup import resolve_init_checkpoint
+from learner.update.learner import Learner
 
 
 def in_process(

@@ -1,5 +1,5 @@
-"""Shared by the bench/ scripts: the repo on the import path (of Ray workers too), and the output: one JSON object,
-then the same figures as `name: value` lines."""
+"""Shared by the bench/ scripts: the output (one JSON object, then the same figures as `name: value` lines), ratios, and
+the machine's load and memory around a measurement."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,16 +15,6 @@ from typing import Any
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def put_repo_on_path() -> None:
-    """`python bench/x.py` puts bench/ first on sys.path, not the repo; Ray workers started afterwards inherit
-    PYTHONPATH, so actors can import the project's modules (actors.rollout_actor, common.*) as the driver does."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(REPO_ROOT) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
 
 
 def flatten(results: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -32,20 +32,14 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gymnasium
+import numpy as np
 
-from bench.report import emit, load_average, put_repo_on_path  # noqa: E402
-
-put_repo_on_path()
-
-import gymnasium  # noqa: E402
-import numpy as np  # noqa: E402
-
-from common.config import RunConfig  # noqa: E402
-from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv  # noqa: E402
+from bench.report import emit, load_average
+from common.config import RunConfig
+from common.suites.metaworld import Layout, MetaworldSuite, MetaworldTaskEnv
 
 ENV_NAME = "flowrl-metaworld-training-layouts"
 
@@ -158,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
-    from learner.ray_runtime import start_local_ray
+    from learner.runtime.ray_runtime import start_local_ray
 
     envs_per_runner = math.ceil(args.envs / args.env_runners)
     hidden = [int(units) for units in args.hidden.split(",")]

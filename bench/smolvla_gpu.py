@@ -41,7 +41,7 @@ beside the eager attention lerobot runs. A variant that sets an actors field sam
 by an actor of its own first, so `--update-variants "actors.speed.send_image_embeddings=true"` sets the update on records
 of the vision tower's tokens (`sample_record_bytes_per_decision`) beside the update on frames. `--group-of-one N` times
 the recipe's update N times by a learner alone and N times by the learner group's code path with one rank
-(learner.data_parallel.RankGroup, its collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on
+(learner.group.ranks.RankGroup, its collectives over a one-process torch.distributed group: NCCL on a GPU, gloo on
 CPU), fresh learners taking turns on the same rollouts: `group_of_one/over_alone` is the ratio of their median seconds,
 `max_abs_weight_difference` how far the last two updates' trainable weights lie apart.
 """
@@ -71,18 +71,16 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.report import REPO_ROOT, emit, ratio, record_arrays  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from common.config_loading import apply_override, from_dict, load_config  # noqa: E402
-from common.diagnostics import BehaviourGapWarning  # noqa: E402
-from common.observation import Observation  # noqa: E402
-from common.op_count import OpCounter  # noqa: E402
-from common.policy import FlowPolicy, build_policy, write_directory_atomically  # noqa: E402
-from common.policy.smolvla.stand_ins import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm  # noqa: E402
-from common.trajectory import RolloutBatch  # noqa: E402
-from learner.data_parallel import RankGroup, free_address, join_learner_group  # noqa: E402
+from bench.op_count import OpCounter
+from bench.report import REPO_ROOT, emit, ratio, record_arrays
+from common.config import PolicyConfig, RunConfig
+from common.config_loading import apply_override, from_dict, load_config
+from common.diagnostics import BehaviourGapWarning
+from common.observation import Observation
+from common.policy import FlowPolicy, build_policy, write_directory_atomically
+from common.policy.smolvla.stand_ins import SMOLVLM2_500M_SHAPES, TinyVLMSpec, write_tiny_vlm
+from common.trajectory import RolloutBatch
+from learner.group.ranks import RankGroup, free_address, join_learner_group
 
 RECIPE = REPO_ROOT / "configs" / "smolvla_pick.yaml"
 OPTIONAL_STAGES = ("decision_latency", "prepare", "publish_load_sample_v1")  # --skip: what a short GPU run can leave out
@@ -135,6 +133,21 @@ def run_stage(results: dict[str, Any], name: str, stage: Callable[[], dict[str, 
         return False
 
 
+def write_lerobot_stand_in(directory: str | Path, config: PolicyConfig, device: str | torch.device = "cpu") -> Path:
+    """A lerobot-format pi0 / pi0.5 checkpoint (lerobot's own save_pretrained: config.json + model.safetensors) of the
+    model `config` describes, with random weights: a stand-in for pi0_base / pi05_base at their real sizes where the
+    real weights are not at hand (GPU benchmarks). Built on `device` (lerobot's full sizes initialise far faster on a
+    GPU); policy.pi0.lerobot_checkpoint = `directory` then loads it strictly, with pi_tokenizer_dir(PALIGEMMA_VOCAB)
+    as the tokenizer."""
+    from common.policy.pi0.model import PiFlowPolicy  # lerobot 0.6 only: imported when a pi0 recipe is measured
+
+    config = dataclasses.replace(config, pi0=dataclasses.replace(config.pi0, lerobot_checkpoint="", reinit_state_proj=False))
+    with torch.device(device):
+        policy = PiFlowPolicy(config)
+    policy.vla.save_pretrained(Path(directory))
+    return Path(directory)
+
+
 def write_inputs(work: Path, size: str, sets: list[str], recipe: Path) -> tuple[RunConfig, Path, dict[str, Any]]:
     """The offline backbone/tokenizer directory, a stand-in for the recipe's lerobot checkpoint, the run config that
     loads it (strictly), and the policy saved as a run saves its checkpoints (with checksums, which every load verifies)."""
@@ -171,7 +184,7 @@ def write_smolvla_stand_in(work: Path, size: str, sets: list[str], recipe: Path)
 def write_pi_stand_in(work: Path, size: str, sets: list[str], recipe: Path) -> RunConfig:
     """A pi0 / pi0.5 stand-in at the recipe's (full) sizes, built on the GPU when there is one, and the offline
     tokenizer at PaliGemma's vocabulary size."""
-    from common.policy.pi0.stand_ins import PALIGEMMA_VOCAB, pi_tokenizer_dir, write_lerobot_stand_in
+    from common.policy.pi0.stand_ins import PALIGEMMA_VOCAB, pi_tokenizer_dir
 
     if size == "full":
         base_sets = [f"policy.pi0.tokenizer_path={pi_tokenizer_dir(PALIGEMMA_VOCAB)}", "policy.pi0.lerobot_checkpoint=''", *sets]
@@ -437,8 +450,8 @@ def rollout_figures(batch, seconds: float) -> dict[str, Any]:
 def measure(args: argparse.Namespace, results: dict[str, Any], device: torch.device) -> None:
     """Every stage into `results`, on `device`."""
     from actors.rollout_actor import RolloutActor
-    from learner.learner import Learner
-    from learner.micro_batches import MicroBatchPlan
+    from learner.update.learner import Learner
+    from learner.update.micro_batches import MicroBatchPlan
 
     cuda, clock = device.type == "cuda", Clock(device)
     # stdout carries the figures only: what lerobot and the stages print goes to stderr.

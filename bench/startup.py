@@ -11,7 +11,7 @@
   times the subprocess from launch until its first metrics.jsonl row appears and subtracts that row's
   time/update_seconds: command_to_first_rollout_seconds, which still holds the weight publication and the
   checkpoint the single batch saves (tens of milliseconds for the MLP policy).
-- main_stages: where the main command's start-up went, from its summary.json ("startup", learner.startup.STARTUP_STAGES):
+- main_stages: where the main command's start-up went, from its summary.json ("startup", learner.runtime.startup.STARTUP_STAGES):
   seconds since learner.main.run began (the interpreter's start and learner.main's imports come before) at which
   Ray was up, the input checked, the learner and all the actors constructed, the weights published and the first
   rollout collected.
@@ -44,11 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.report import REPO_ROOT, ProcessTreeCPU, emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
+from bench.report import REPO_ROOT, ProcessTreeCPU, emit, load_average, ratio
 
 # A console line at an error level: Ray's C++ log ("[2026-01-01 00:00:00,000 E 123 456] file.cc:1: ...") or a Python
 # logging record at ERROR.
@@ -94,7 +90,7 @@ def floor_stages(actors: int) -> tuple[dict[str, float], dict[str, float]]:
     seconds this process and Ray's spent until then, by kind."""
     import ray
 
-    from learner.ray_runtime import start_local_ray
+    from learner.runtime.ray_runtime import start_local_ray
 
     try:
         with ProcessTreeCPU(os.getpid(), process_kind(os.getpid())) as tree:  # its last reading comes before Ray's shutdown

@@ -51,16 +51,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-from bench.report import REPO_ROOT, emit, load_average, put_repo_on_path, ratio  # noqa: E402
-
-put_repo_on_path()
-
-import numpy as np  # noqa: E402
-
-from common.config import RunConfig  # noqa: E402
-from learner.main import parse_args, resolve_config  # noqa: E402
+from bench.report import REPO_ROOT, emit, load_average, ratio
+from common.config import RunConfig
+from learner.main import parse_args, resolve_config
 
 
 def step_bare_envs(config: RunConfig, seconds: float, seed: int, start: multiprocessing.synchronize.Barrier, results) -> None:

@@ -8,14 +8,13 @@ model (common.policy.<backend>_config) and is a field of PolicyConfig here.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.file_digests import short_digest
 from common.policy.pi0.config import Pi0Config
 from common.policy.registry import BACKENDS
 from common.policy.smolvla.config import SmolVLAConfig
@@ -525,7 +524,7 @@ class LearnerConfig:
     num_cpus: float | None = None
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
-    # Ranks of a data-parallel learner group, each a Ray actor with the resources above (learner.learner_group): each
+    # Ranks of a data-parallel learner group, each a Ray actor with the resources above (learner.runtime.learner_group): each
     # scores and trains on a share of the iteration's rollouts and the gradients are summed, so the update is the
     # one-rank update up to float rounding. 1: the learner alone.
     num_learners: int = 1
@@ -570,11 +569,11 @@ class PretrainConfig:
     """Behaviour cloning from scripted demonstrations (the starting point for RL)."""
 
     # One expert episode per layout of env.demo_benchmark_seed. None: chosen per task so the BC policy's held-out
-    # success lands in [target_success_min, target_success_max], leaving room for RL (learner.pretrain.DEMO_LADDER).
+    # success lands in [target_success_min, target_success_max], leaving room for RL (learner.bc.training.DEMO_LADDER).
     num_demos: int | None = None
     # Demonstrations of named tasks, in place of num_demos for them (a multi-task run, e.g. {reach-v3: 3}). With
     # num_demos null, a multi-task run chooses the count of each task not named here: the fewest that put that
-    # task's held-out success in the window (learner.pretrain.search_task_demos).
+    # task's held-out success in the window (learner.bc.starting_checkpoint.search_task_demos).
     task_demos: dict[str, int] = field(default_factory=dict)
     target_success_min: float = 0.2
     target_success_max: float = 0.7
@@ -715,7 +714,7 @@ class RunConfig:
 
     def fingerprint(self) -> str:
         """Short hash of the resolved config, printed in the banner and stored with checkpoints."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        return short_digest(self.to_dict(), 12)
 
 
 def _ray_resources(path: str, num_gpus: float, resources: dict[str, float]) -> None:

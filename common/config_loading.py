@@ -20,47 +20,8 @@ from typing import Any
 
 import yaml
 
-from common.config import AlgorithmConfig, ConfigError, RunConfig
+from common.config import ConfigError, RunConfig
 from common.lerobot_checkpoint import with_checkpoint_features
-
-# Fields that moved: an old YAML or --set gets the new place in one line, and a run's recorded config is read with
-# them in their new places (with_moved_fields). The speed and fault knobs of actors and learner each have a subsection.
-MOVED_FIELDS = {f"learner.{f.name}": f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)} | {
-    f"{section}.{knob.name}": f"{section}.{sub}.{knob.name}"
-    for section in ("actors", "learner")
-    for sub in ("speed", "faults")
-    for knob in dataclasses.fields(getattr(getattr(RunConfig(), section), sub))
-}
-# Fields the schema no longer has -> (the value that behaves as the schema now does, why the field is gone). A config
-# file, a run's recorded config or a checkpoint that holds one at that value still loads, the field dropped; any other
-# value is refused, naming the reason.
-RETIRED_FIELDS = {
-    "policy.dropout": (0.0, "dropout while scoring makes the recomputed log-probs random; a policy has none"),
-}
-
-
-def is_retired_at_rest(dotted: str, value: Any) -> bool:
-    """`dotted` is a retired field at the value that behaves as the schema now does."""
-    return dotted in RETIRED_FIELDS and value == RETIRED_FIELDS[dotted][0]
-
-
-def with_moved_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a recorded config (nested, as run_config.json holds it) with every moved field in its new place, so
-    that a run recorded before a move resumes and replays."""
-    data = copy.deepcopy(data)
-    for old, new in MOVED_FIELDS.items():
-        *path, leaf = old.split(".")
-        section = data
-        for part in path:
-            section = section.get(part) if isinstance(section, dict) else None
-        if isinstance(section, dict) and leaf in section:
-            value = section.pop(leaf)
-            *path, leaf = new.split(".")
-            target = data
-            for part in path:
-                target = target.setdefault(part, {})
-            target[leaf] = value
-    return data
 
 
 def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None) -> Any:
@@ -74,14 +35,6 @@ def from_dict(cls: type, data: dict[str, Any], path: str = "", base: Any = None)
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    for name in unknown:
-        dotted = _join(path, name)
-        if dotted in MOVED_FIELDS:
-            raise ConfigError(f"{dotted} is now {MOVED_FIELDS[dotted]}")
-        if dotted in RETIRED_FIELDS and not is_retired_at_rest(dotted, data[name]):
-            raise ConfigError(f"{dotted}={data[name]!r} is no longer a setting: {RETIRED_FIELDS[dotted][1]}; remove it")
-    data = {name: value for name, value in data.items() if not is_retired_at_rest(_join(path, name), value)}
     unknown = sorted(set(data) - known)
     if unknown:
         hints = [f"{_join(path, k)} -> {match}?" for k in unknown if (match := closest_field(_join(path, k))) is not None]

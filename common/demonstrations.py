@@ -65,9 +65,3 @@ def demonstration_episodes(
             yield Episode(np.stack(observations), np.stack(actions), success, layout, np.stack(frames) if cameras else None)
     finally:
         env.close()
-
-
-def evaluate_expert(suite: Suite, task: str, layouts: Sequence[Layout], action_noise: float = 0.0, seed: int = 0) -> float:
-    """Fraction of `layouts` on which the (optionally noisy) scripted expert succeeds."""
-    episodes = collect_demonstrations(suite, task, layouts, action_noise, seed)
-    return float(np.mean([episode.success for episode in episodes]))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -96,15 +96,6 @@ def check_ratio_is_one(logratio: Tensor, module: nn.Module, tolerance: float) ->
     if not math.isfinite(deviation) or deviation > tolerance:
         raise NonDeterministicPolicyError(nondeterminism_report(module, float(logratio.detach().abs().max())))
     return deviation
-
-
-def assert_deterministic(module: nn.Module, evaluate: Callable[[], Tensor], tolerance: float = 1e-6) -> None:
-    """Evaluate twice without changing anything in between; raise if the two results differ."""
-    with torch.no_grad():
-        first, second = evaluate(), evaluate()
-    gap = float((first - second).abs().max())
-    if not gap <= tolerance:
-        raise NonDeterministicPolicyError(nondeterminism_report(module, gap))
 
 
 # -- ratio sensitivity ------------------------------------------------------------------------------

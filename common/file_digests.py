@@ -1,4 +1,5 @@
-"""sha256 of files, each computed once per file version in a process, and handed to the processes it starts.
+"""sha256 digests: of files, each computed once per file version in a process and handed to the processes it starts; and
+short ones (short_digest) that name what a cache keeps.
 
 A checkpoint's checksums are verified by every load (common.policy.base.verify_checksums), and a run reads its
 initial weights in the driver (the checks before any work, the banner, the manifest), the learner and every rollout
@@ -14,8 +15,10 @@ file system's clock could leave its identity unchanged (git's "racily clean" ent
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 RACY_SECONDS = 2.0  # coarser than any file system's timestamps a checkpoint lives on (FAT's 2 s included)
 
@@ -58,6 +61,8 @@ def trust_digests(digests: dict[FileIdentity, str] | None) -> None:
     _digests.update(digests or {})
 
 
-def forget_digests() -> None:
-    """Drop every kept digest: the next file_sha256 of each file reads it (bench/policy_load.py times both)."""
-    _digests.clear()
+def short_digest(content: str | dict[str, Any], length: int = 16) -> str:
+    """The first `length` hex digits of the sha256 of `content`: text as it is, a mapping as JSON with its keys sorted (the
+    same mapping, the same digest, in any order)."""
+    text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]

@@ -222,11 +222,14 @@ def grpo_advantages(
     group_size: int,
     std_normalization: bool,
     eps: float = 1e-4,
+    states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Per-decision GRPO advantages of a rollout whose env n belongs to group n // group_size.
 
     Inputs (T, N) as in `gae`, N a multiple of group_size; the k-th episodes of a group's members must share
-    their initial state (the rollout's job). valid (T, N) bool is False on every decision of an episode that
+    their initial state (the rollout's job): given `states` (T, N, D), the state each decision saw, a group episode whose
+    members did not start alike is refused (ValueError naming the group and the episode: unrelated returns would be
+    compared). valid (T, N) bool is False on every decision of an episode that
     its env broke (ended with NaN/Inf output; RolloutBatch.valid). The group-episode (g, k) counts only when
     all G members completed their k-th episode and none broke it; otherwise all its decisions are masked (a
     partial group would compare the short episodes, often the successes, among themselves, and a broken
@@ -252,6 +255,8 @@ def grpo_advantages(
     table_complete[env_ids, episode_index] = complete
     table_started[env_ids, episode_index] = True
     table_valid[env_ids, episode_index] = valid.to(device)
+    if states is not None:
+        check_groups_start_alike(states, episode_index, table_started, group_size)
     group_ended = table_complete.view(num_groups, group_size, num_episodes).all(1)  # (num_groups, E)
     group_broken = group_ended & ~table_valid.view(num_groups, group_size, num_episodes).all(1)
     group_complete = group_ended & ~group_broken
@@ -273,3 +278,22 @@ def grpo_advantages(
         "episode_return": group_returns[group_complete].mean(),  # over complete groups; NaN with none
     })  # fmt: skip
     return advantages, mask, metrics
+
+
+def check_groups_start_alike(states: Tensor, episode_index: Tensor, started: Tensor, group_size: int) -> None:
+    """GRPO's premise: the k-th episodes of a group's members start from the same state. states (T, N, D) the state each
+    decision saw, episode_index (T, N) its episode, started (N, E) the env's episodes that began in the rollout."""
+    num_envs, num_episodes = started.shape
+    begins = torch.ones_like(episode_index, dtype=torch.bool)  # t = 0, or the decision after an episode's end
+    begins[1:] = episode_index[1:] != episode_index[:-1]
+    first = torch.zeros(num_envs, num_episodes, states.shape[-1], dtype=states.dtype, device=states.device)
+    t_idx, n_idx = begins.nonzero(as_tuple=True)
+    first[n_idx, episode_index[t_idx, n_idx]] = states[t_idx, n_idx]
+    first = first.view(num_envs // group_size, group_size, num_episodes, -1)
+    differ = (first != first[:, :1]).any(-1).any(1) & started.view(-1, group_size, num_episodes).all(1)  # (groups, E)
+    if differ.any():
+        group, episode = (int(i) for i in differ.nonzero()[0])
+        raise ValueError(
+            f"GRPO group {group} (envs {group * group_size}..{(group + 1) * group_size - 1} of the batch) started episode {episode} "
+            "from different states: a group's members must reset to the same layouts (RolloutActor does with algorithm.algo=grpo)"
+        )

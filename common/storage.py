@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,10 +42,13 @@ class RunFileWriteError(CheckpointWriteError):
 
 
 def write_file_atomically(path: Path, text: str, error: type[CheckpointWriteError] = CheckpointWriteError) -> None:
-    """`text` into `path` through a temporary sibling renamed over it: a failed write (a full disk) leaves the previous
-    file as it was, and no temporary one, and raises `error` naming `path` in one line."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """`text` into `path` (its folder made if need be) through a temporary sibling of this process and thread renamed
+    over it: a reader sees the previous file or the new one whole, writers racing each other leave one of their files
+    whole, and a failed write (a full disk) leaves the previous file as it was, and no temporary one, raising `error`
+    naming `path` in one line."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common.config import ConfigError
 from common.config_loading import load_config
+from common.console import log
 from common.lerobot_dataset import write_demonstrations
 
 
@@ -33,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     def progress(task: str, episode) -> None:
-        print(f"[dataset] {task} layout {episode.layout.benchmark_seed}-{episode.layout.index:02d}: {len(episode.actions)} frames, "
-              f"{'success' if episode.success else 'no success'} ({time.perf_counter() - start:.0f}s)", flush=True)  # fmt: skip
+        log.info(f"[dataset] {task} layout {episode.layout.benchmark_seed}-{episode.layout.index:02d}: {len(episode.actions)} frames, "
+                 f"{'success' if episode.success else 'no success'} ({time.perf_counter() - start:.0f}s)")  # fmt: skip
 
     try:
         config = load_config(args.config, args.set)
@@ -42,11 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--out is empty: name the dataset directory")
         written = write_demonstrations(config, Path(args.out), args.episodes, args.overwrite, progress)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
-    print(f"[dataset] {written['episodes']} episodes ({written['successes']} successes), {written['frames']} frames at "
-          f"{written['fps']} fps, features {written['features']}: {args.out} in {time.perf_counter() - start:.0f}s",
-          flush=True)  # fmt: skip
+    log.info(f"[dataset] {written['episodes']} episodes ({written['successes']} successes), {written['frames']} frames at "
+             f"{written['fps']} fps, features {written['features']}: {args.out} in {time.perf_counter() - start:.0f}s")  # fmt: skip
     return 0
 
 

@@ -34,11 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from common.config import RunConfig
-from common.config_loading import from_dict, with_moved_fields
+from common.config_loading import from_dict
+from common.console import log
 from common.metrics import success_interval
 from common.storage import write_file_atomically
 from common.suites import Layout, make_suite
-from learner.run_dir import RUN_CONFIG_FILE, policy_directory
+from learner.files.run_dir import RUN_CONFIG_FILE, policy_directory
 
 EXIT_BAD_INPUT = 2
 DIAGNOSIS_FILE = "diagnosis.json"
@@ -90,7 +91,7 @@ def check_input(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Path], d
     config_file = run_dir / RUN_CONFIG_FILE
     if not config_file.is_file():
         raise ValueError(f"{run_dir} is not a run directory: it has no {RUN_CONFIG_FILE}")
-    config = from_dict(RunConfig, with_moved_fields(json.loads(config_file.read_text())))
+    config = from_dict(RunConfig, json.loads(config_file.read_text()))
     config.validate()
     start = policy_directory(Path(args.start)) if args.start else starting_checkpoint(run_dir)
     end = policy_directory(Path(args.checkpoint) if args.checkpoint else run_dir)
@@ -142,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, checkpoints, layouts = check_input(args)
     except (ValueError, OSError, KeyError) as exc:  # ConfigError is a ValueError
-        print(f"python -m learner.diagnose: error: {exc}", file=sys.stderr)
+        log.error(f"python -m learner.diagnose: error: {exc}")
         return EXIT_BAD_INPUT
     episodes = len(layouts["held-out"]) // len(make_suite(config.env).tasks())
-    print(f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
-          f"episodes per task each; one process per checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+    log.error(f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
+              f"episodes per task each; one process per checkpoint")  # fmt: skip
     began = time.monotonic()
     # Spawned, not forked: a forked child inherits the parent's MuJoCo and torch thread state.
     distinct = list(dict.fromkeys(checkpoints.values()))  # a start given as the end is run once
@@ -155,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         diagnosis = {}
         for label, path in checkpoints.items():
             diagnosis[label] = {"checkpoint": str(path), "cells": cells(futures[path].result(), layouts)}
-            print(f"[diagnose] {label} ({path}) done at {time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
+            log.error(f"[diagnose] {label} ({path}) done at {time.monotonic() - began:.0f}s")
     report = {**diagnosis, "episodes_per_task": episodes, "seed": args.seed,
               "layout_sets": {"training": f"drawn from env.train_benchmark_seeds {config.env.train_benchmark_seeds} with seed {args.seed}",
                               "held-out": f"the first of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}"}}  # fmt: skip
     write_file_atomically(Path(args.run_dir) / DIAGNOSIS_FILE, json.dumps(report, indent=2))
-    print(markdown(diagnosis))
+    log.info(markdown(diagnosis))
     return 0
 
 

@@ -22,6 +22,7 @@ import contextlib
 import sys
 from pathlib import Path
 
+from common.console import log
 from common.metrics import MetricsLog
 from common.policy import (
     CHECKSUMS_FILE,
@@ -35,7 +36,7 @@ from common.policy import (
 from common.policy.registry import BACKENDS
 from common.policy.torchvision_shim import plain_import_advice, plain_import_fails
 from common.validation import require_hub_id
-from learner.run_dir import policy_directory
+from learner.files.run_dir import policy_directory
 
 EXIT_BAD_INPUT = 2
 
@@ -134,25 +135,25 @@ def main(argv: list[str] | None = None) -> int:
             policy = load(checkpoint)
             hub_id = args.hub_id or policy.lerobot_hub_id()
         except (ValueError, OSError, ImportError, CheckpointError) as exc:  # ConfigError is a ValueError
-            print(f"python -m learner.export: error: {exc}", file=sys.stderr)
+            log.error(f"python -m learner.export: error: {exc}")
             return EXIT_BAD_INPUT
         try:
             write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp, hub_id)))
         except CheckpointWriteError as exc:  # a full disk or an unwritable directory: nothing was left at --out
-            print(f"python -m learner.export: error: {exc}", file=sys.stderr)
+            log.error(f"python -m learner.export: error: {exc}")
             return 1
-    print(f"wrote a lerobot {policy.lerobot_type} checkpoint of {checkpoint} to {out}:")
+    log.info(f"wrote a lerobot {policy.lerobot_type} checkpoint of {checkpoint} to {out}:")
     for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
-        print(f"  {', '.join(names)}: {what}")
-    print(how_to_load(out.resolve(), policy))
+        log.info(f"  {', '.join(names)}: {what}")
+    log.info(how_to_load(out.resolve(), policy))
     if hub_id is None:
-        print(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
-              "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
+        log.info(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
+                 "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
     clipped = beyond_clip_note(checkpoint)
     if clipped:
-        print(clipped)
+        log.info(clipped)
     if plain_import_fails():
-        print(f"note: {plain_import_advice()}")
+        log.info(f"note: {plain_import_advice()}")
     return 0
 
 

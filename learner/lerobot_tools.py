@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from common.console import log
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 
 COMMANDS = {"train": ("lerobot-train", "lerobot.scripts.lerobot_train"), "eval": ("lerobot-eval", "lerobot.scripts.lerobot_eval")}
@@ -23,7 +24,7 @@ COMMANDS = {"train": ("lerobot-train", "lerobot.scripts.lerobot_train"), "eval":
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m learner.lerobot_tools {{{','.join(COMMANDS)}}} [lerobot's arguments]", file=sys.stderr)
+        log.error(f"usage: python -m learner.lerobot_tools {{{','.join(COMMANDS)}}} [lerobot's arguments]")
         return 2
     name, module_name = COMMANDS[argv[0]]
     os.environ.setdefault("MUJOCO_GL", "egl")  # before MuJoCo's first import picks its OpenGL backend

@@ -1,8 +1,8 @@
 """The command line: `python -m learner.main --num-actors 10`.
 
 Resolves the config (embedded defaults, `--config`, `--set`, flags), refuses bad input before anything is
-written (learner.startup.preflight, checked while Ray starts), takes the run directory (learner.run_dir), and
-hands over to the training loop in learner.driver. Importing this module brings in Ray but not torch or the envs,
+written (learner.runtime.startup.preflight, checked while Ray starts), takes the run directory (learner.files.run_dir), and
+hands over to the training loop in learner.runtime.driver. Importing this module brings in Ray but not torch or the envs,
 so that Ray's start-up can overlap theirs.
 """
 
@@ -20,9 +20,10 @@ import ray
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import fields_of, load_config
-from learner.cluster_yaml import check_cluster
-from learner.failures import Terminated
-from learner.ray_runtime import cluster_to_join, connect_ray
+from common.console import log
+from learner.runtime.cluster_yaml import check_cluster
+from learner.runtime.failures import Terminated
+from learner.runtime.ray_runtime import cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
 
@@ -74,20 +75,19 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
         include_dashboard: bool = True, **options: Any) -> dict[str, Any]:  # fmt: skip
     """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout.
 
-    Ray starts while the input is checked (learner.startup.preflight): importing it brings in torch, the
+    Ray starts while the input is checked (learner.runtime.startup.preflight): importing it brings in torch, the
     policies and the envs, seconds that would otherwise come before Ray's own seconds of start-up. Bad input still
     stops the run before its directory is created or touched, and a Ray started here is shut down when the run
     fails."""
     began = time.perf_counter()
-    startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.startup.STARTUP_STAGES)
+    startup: dict[str, float] = {}  # stage -> seconds since `began` (learner.runtime.startup.STARTUP_STAGES)
     connected_here = False
     try:
         # Before the input checks start: an address nothing answers at is refused at once, not after them.
         on_a_ray_already = ray.is_initialized()
         joining = None if on_a_ray_already else cluster_to_join(address)
         ray_line = "this process's Ray" if on_a_ray_already else f"joining Ray at {joining}" if joining else "starting a local Ray"
-        print(f"[start] flowrl: {'resuming' if resume else 'a new run in'} {config.run_dir}; {ray_line} while the input is checked",
-              flush=True)  # fmt: skip
+        log.info(f"[start] flowrl: {'resuming' if resume else 'a new run in'} {config.run_dir}; {ray_line} while the input is checked")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as checking:
             checked = checking.submit(check_input, config, address, resume)
             checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
@@ -98,11 +98,11 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         if joining or on_a_ray_already:  # a local Ray this run started is one node, whose files preflight has checked
-            from learner.node_files import check_every_node_holds, paths_every_node_reads
+            from learner.files.node_files import check_every_node_holds, paths_every_node_reads
 
             check_every_node_holds(paths_every_node_reads(config))  # a cluster's nodes: each holds what the config names
-        from learner.driver import train
-        from learner.run_dir import RunDirectory
+        from learner.files.run_dir import RunDirectory
+        from learner.runtime.driver import train
 
         directory = RunDirectory(config.run_dir)
         if resume:
@@ -123,8 +123,8 @@ def stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def check_input(config: RunConfig, address: str | None, resume: bool) -> list:
-    """learner.startup.preflight, imported here: in run's checking thread, beside Ray's start."""
-    from learner.startup import preflight
+    """learner.runtime.startup.preflight, imported here: in run's checking thread, beside Ray's start."""
+    from learner.runtime.startup import preflight
 
     return preflight(config, address, resume)
 
@@ -134,18 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve_config(args)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        log.error(f"config error: {exc}")
         return 2
     if args.check_cluster:  # offline: no Ray is started
         try:
-            print(check_cluster(args.check_cluster, config))
+            log.info(check_cluster(args.check_cluster, config))
         except ConfigError as exc:
-            print(f"cluster config error: {exc}", file=sys.stderr)
+            log.error(f"cluster config error: {exc}")
             return 2
         return 0
     unknown = sorted(set(args.allow_config_change) - fields_of(config))
     if unknown:
-        print(f"error: --allow-config-change names no config field: {unknown}", file=sys.stderr)
+        log.error(f"error: --allow-config-change names no config field: {unknown}")
         return 2
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # SIGTERM saves a checkpoint like Ctrl-C (run keeps it once Ray is up)
     try:
@@ -156,21 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ConfigError as exc:  # bad input: a clear message, no traceback, nothing written
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
     except Exception as exc:
         # Imported only now (run imported them already): importing them up front would bring torch and the envs in
         # before run() starts Ray, the very seconds run() overlaps.
         from common.diagnostics import RandomInitError
         from common.policy import CheckpointError, CheckpointWriteError
-        from learner.failures import ActorsExhaustedError, LearnerDiedError
+        from learner.runtime.failures import ActorsExhaustedError, LearnerDiedError
 
         if isinstance(exc, (CheckpointError, RandomInitError, FileExistsError, FileNotFoundError)):
-            print(f"error: {exc}", file=sys.stderr)  # bad input too
+            log.error(f"error: {exc}")  # bad input too
             return 2
         if isinstance(exc, (ActorsExhaustedError, LearnerDiedError, CheckpointWriteError)):
             # An error of the learner's arrives as Ray's RayTaskError, whose text is the remote traceback: its cause is the error.
-            print(f"error: {getattr(exc, 'cause', exc)}; the latest checkpoint is kept: continue with --resume", file=sys.stderr)
+            log.error(f"error: {getattr(exc, 'cause', exc)}; the latest checkpoint is kept: continue with --resume")
             return 1
         raise
     return 0

@@ -35,13 +35,14 @@ from pathlib import Path
 import numpy as np
 
 from common.config import RunConfig
-from common.config_loading import from_dict, load_config, with_moved_fields
+from common.config_loading import from_dict, load_config
+from common.console import log
 from common.policy import CheckpointError, read_policy_config
 from common.recording import VIDEO_SIZE, EpisodeRecording, layout_id
 from common.suites import Layout, make_suite
 from common.video import side_by_side, write_mp4
-from learner.pretrain import REPORT_FILE
-from learner.run_dir import RUN_CONFIG_FILE, policy_directory
+from learner.bc.training import REPORT_FILE
+from learner.files.run_dir import RUN_CONFIG_FILE, policy_directory
 
 EXIT_BAD_INPUT = 2
 
@@ -67,7 +68,7 @@ def run_config(checkpoint: Path, config_file: str | None, task: str | None) -> R
     if config_file is not None:
         config = load_config(config_file)
     elif checkpoint.parent.name == "checkpoints" and run_file.is_file():
-        config = from_dict(RunConfig, with_moved_fields(json.loads(run_file.read_text())))
+        config = from_dict(RunConfig, json.loads(run_file.read_text()))
     else:
         report = checkpoint / REPORT_FILE
         env = json.loads(report.read_text())["config"]["env"] if report.is_file() else {}
@@ -130,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
 
         actors = [RolloutActor(config, 0, checkpoint) for checkpoint, config in replays]
     except (ValueError, OSError, KeyError, CheckpointError) as exc:  # ConfigError is a ValueError
-        print(f"python -m learner.replay: error: {exc}", file=sys.stderr)
+        log.error(f"python -m learner.replay: error: {exc}")
         return EXIT_BAD_INPUT
     checkpoints = [checkpoint for checkpoint, _ in replays]
     try:
         for number, layout in enumerate(chosen, 1):
-            print(f"[replay] episode {number}/{len(chosen)}: {layout.task} layout {layout_id(layout)} "
-                  f"({' vs '.join(map(label, checkpoints))})", file=sys.stderr, flush=True)  # fmt: skip
+            log.error(f"[replay] episode {number}/{len(chosen)}: {layout.task} layout {layout_id(layout)} "
+                      f"({' vs '.join(map(label, checkpoints))})")  # fmt: skip
             recordings = [actor.record_episodes(None, [layout], args.size, camera=args.camera)[0] for actor in actors]
-            print(summary(recordings, checkpoints, write(Path(args.out), recordings, checkpoints)), flush=True)
+            log.info(summary(recordings, checkpoints, write(Path(args.out), recordings, checkpoints)))
     finally:
         for actor in actors:
             actor.close()

@@ -25,10 +25,11 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import load_config
+from common.console import log
 from common.metrics import MetricsLog, evaluated_tasks, plot_seed_curves, task_key, tasks_against_start
 from learner.main import run
-from learner.ray_runtime import actor_request, learner_request, start_local_ray
-from learner.startup import resolve_init_checkpoint
+from learner.runtime.ray_runtime import actor_request, learner_request, start_local_ray
+from learner.runtime.startup import resolve_init_checkpoint
 
 TRIAL_CPUS = 0.01  # the trial's own process: it only orchestrates, its learner and actors hold the real reservation
 
@@ -205,17 +206,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
                               "seed's placement group; set learner.num_learners: 1")  # fmt: skip
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        log.error(f"config error: {exc}")
         return 2
     sweep_dir = Path(args.sweep_dir or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     taken = [seed for seed in args.seeds if (sweep_dir / f"seed_{seed}" / "metrics.jsonl").exists()]
     if taken:
-        print(f"error: {sweep_dir} already holds runs of seeds {taken}: pick another --sweep-dir", file=sys.stderr)
+        log.error(f"error: {sweep_dir} already holds runs of seeds {taken}: pick another --sweep-dir")
         return 2
     rows = run_sweep(base, args.seeds, sweep_dir, args.address)
     title = f"{base.env.task}: {len(args.seeds)} seeds, {base.iterations} iterations"
-    print(write_report(rows, sweep_dir, title))
-    print(f"[sweep] table {sweep_dir / 'results.md'}, curves {sweep_dir / 'seeds.png'}", flush=True)
+    log.info(write_report(rows, sweep_dir, title))
+    log.info(f"[sweep] table {sweep_dir / 'results.md'}, curves {sweep_dir / 'seeds.png'}")
     return 0 if all(row["status"] == "ok" for row in rows) else 1
 
 

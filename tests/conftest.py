@@ -68,7 +68,7 @@ def tiny_run(run_dir: Path, checkpoint: Path | None, *argv: str, config_file: st
 @pytest.fixture(scope="session")
 def bc_checkpoint(tmp_path_factory) -> Path:
     """A small behaviour-cloned MLP checkpoint of pick-place, built once per test session (simulates demonstrations)."""
-    from learner.pretrain import pretrain
+    from learner.bc.training import pretrain
 
     out = tmp_path_factory.mktemp("bc") / "checkpoint"
     pretrain(tiny_config(tmp_path_factory.mktemp("cfg")), out, progress=False)
@@ -107,13 +107,13 @@ def _local_ray_session(fault_plan):
 
 @pytest.fixture(scope="module")
 def local_ray(_local_ray_session, fault_plan) -> None:
-    """A local Ray of 2 CPUs on loopback, started the way a run starts its own (learner.ray_runtime.start_local_ray):
+    """A local Ray of 2 CPUs on loopback, started the way a run starts its own (learner.runtime.ray_runtime.start_local_ray):
     one for every module that asks for it, started again for a module after one whose tests shut it down (no_ray). Its
     workers carry tests.helpers.fault_injection, idle until a test arms the plan. A run in this process uses this Ray
     instead of starting one."""
     import ray
 
-    from learner.ray_runtime import start_local_ray
+    from learner.runtime.ray_runtime import start_local_ray
     from tests.helpers import fault_injection
 
     if not ray.is_initialized():

@@ -109,7 +109,7 @@ class FlowPolicy(nn.Module, ABC):
         """True only when a trainable parameter (requires_grad) feeds encode()."""
 
     def behaviour_cloning_parameters(self) -> list[nn.Parameter]:
-        """What behaviour cloning (learner.pretrain) trains. By default every parameter, made trainable: the
+        """What behaviour cloning (learner.bc.training) trains. By default every parameter, made trainable: the
         flow-matching loss reaches only what feeds the velocity, so the noise head and critic keep their
         initial values (the optimiser skips parameters without a gradient). A backend overrides this to train
         less; RL chooses its own trainable set when it loads the checkpoint."""

@@ -546,7 +546,7 @@ def load_lerobot_checkpoint(vla: nn.Module, config: PolicyConfig, section: str, 
     afresh (nn.Linear's initialisation, drawn here) at policy.<section>.max_state_dim (the file's copy, of another
     width or absent, is not read) and max_state_dim may differ from the file's. Every other tensor is still required from the
     file. The robot state the checkpoint was trained on has other elements than Metaworld's, so its columns
-    are not reused; behaviour cloning (learner/pretrain.py) trains the new projection.
+    are not reused; behaviour cloning (learner/bc/training.py) trains the new projection.
     """
     settings = getattr(config, section)
     directory = Path(settings.lerobot_checkpoint).expanduser()

@@ -42,9 +42,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import difflib
 import functools
-import hashlib
 import importlib.util
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,8 @@ import yaml
 from gymnasium import spaces
 
 from common.config import ConfigError, EnvConfig, cache_dir
+from common.file_digests import short_digest
+from common.storage import CheckpointWriteError, write_file_atomically
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 from common.suites.gym_env import layout_seed
 
@@ -119,20 +119,16 @@ def _write_config(package: Path, assets: Path) -> None:
     of the user's is left as it is, and written only when missing (what LIBERO's own prompt writes on its default answer)."""
     own = "LIBERO_CONFIG_PATH" not in os.environ
     if own:  # one directory per install: two environments on one machine each keep their own locations
-        os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero") / hashlib.sha256(str(package).encode()).hexdigest()[:16])
+        os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero") / short_digest(str(package)))
     path = Path(os.environ["LIBERO_CONFIG_PATH"]) / "config.yaml"
     content = yaml.safe_dump({"benchmark_root": str(package), "bddl_files": str(package / "bddl_files"),
                               "init_states": str(package / "init_files"), "datasets": str(package.parent / "datasets"),
                               "assets": str(assets)})  # fmt: skip
     if path.is_file() and (not own or path.read_text() == content):
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(content)
-        os.replace(tmp, path)  # processes starting together each write the same file whole
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        write_file_atomically(path, content)  # processes starting together each write the same file whole
+    except CheckpointWriteError as exc:
         raise ConfigError(f"cannot write LIBERO's config {path} ({exc}): set LIBERO_CONFIG_PATH to a writable directory") from None
 
 

@@ -21,7 +21,6 @@ import importlib.metadata
 import importlib.util
 import json
 import pickle
-import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
 from metaworld.policies import ENV_POLICY_MAP
 
 from common.config import ConfigError, EnvConfig, cache_dir
+from common.storage import CheckpointWriteError, write_file_atomically
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 
 GymObservation = np.ndarray | dict[str, np.ndarray]
@@ -217,13 +217,9 @@ def _write_layout_cache(task: str, benchmark_seed: int, tasks: tuple[metaworld.T
         return
     path = layout_cache_file(task, benchmark_seed)
     content = {"task": task, "benchmark_seed": benchmark_seed, "goals": goals.tolist(), "tasks_sha256": _tasks_digest(tasks)}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(content))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        write_file_atomically(path, json.dumps(content))
+    except CheckpointWriteError as exc:
         warnings.warn(f"could not keep the layouts of {task} benchmark seed {benchmark_seed} in {path} ({exc}): "
                       "every process will simulate them", stacklevel=3)  # fmt: skip
 

@@ -24,12 +24,12 @@ def test_the_tiny_smolvla_runs_on_three_nodes_placed_by_the_vla_cluster_files_re
     workers declaring configs/cluster_smolvla.yaml's custom resources, learner_slot on the first, rollout_gpu on both;
     here without GPUs): the tiny SmolVLA's learner lands on the first worker and one rollout actor on each, frames and
     instruction tokens reach the learner, which updates with the ratio check, and the frozen VLM stays bit-identical.
-    The learner's checkpoints reach the run directory on the driver's node through it (learner.run_files), and the
+    The learner's checkpoints reach the run directory on the driver's node through it (actors.run_files), and the
     actors read the starting weights from there."""
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from learner.run_files import FETCHED_DIR
+    from actors.run_files import FETCHED_DIR
 
     site = load_config([SMOLVLA_TINY_CONFIG, REPO / "configs" / "cluster_smolvla.yaml"])
     (learner_slot,), (rollout_gpu,) = site.learner.resources, site.actors.resources
@@ -104,8 +104,8 @@ def test_a_local_rays_learner_keeps_the_drivers_priority_and_its_rollout_actors_
     lowers its own priority to ACTOR_NICENESS."""
     import os
 
-    from learner.ray_runtime import start_local_ray
-    from learner.startup import ACTOR_NICENESS, plan_resources, start_actors, start_learner
+    from learner.runtime.ray_runtime import start_local_ray
+    from learner.runtime.startup import ACTOR_NICENESS, plan_resources, start_actors, start_learner
 
     def niceness(_actor) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
@@ -131,7 +131,7 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
     from ray.cluster_utils import Cluster
 
     from common.config import ConfigError
-    from learner.node_files import check_every_node_holds, paths_every_node_reads
+    from learner.files.node_files import check_every_node_holds, paths_every_node_reads
 
     homes = {name: tmp_path / name for name in ("head_home", "worker_home")}
     (homes["head_home"] / "models" / "backbone").mkdir(parents=True)
@@ -155,15 +155,15 @@ def test_a_directory_the_config_names_missing_on_one_node_is_refused_naming_the_
 
 
 def test_a_node_without_the_run_files_reads_and_writes_them_through_the_drivers_node(tmp_path: Path) -> None:
-    """learner.run_files on two Ray nodes: the driver on a head that hosts no work, a task on the worker. There the
+    """actors.run_files on two Ray nodes: the driver on a head that hosts no work, a task on the worker. There the
     run's files are elsewhere: a checkpoint is read through a copy fetched into the worker's temporary directory (the
     same files, kept by content: a second read takes the same copy), and a directory written there arrives in the
     driver's run directory whole, checksums listed. On the head they are read in place."""
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from actors.run_files import FETCHED_DIR, RunFiles
     from common.storage import directory_contents, write_directory_atomically
-    from learner.run_files import FETCHED_DIR, RunFiles
 
     start, written = tmp_path / "start", tmp_path / "run" / "checkpoints" / "iter_000001"
     write_directory_atomically(start, lambda directory: (directory / "model.safetensors").write_bytes(b"weights"))

@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from learner.main import run
-from learner.monitoring import gauge_name
-from learner.ray_runtime import start_local_ray
+from learner.runtime.monitoring import gauge_name
+from learner.runtime.ray_runtime import start_local_ray
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.usefixtures("no_ray")  # the run starts its own Ray, whose every listener is watched

@@ -34,10 +34,10 @@ import ray
 from ray._private import state
 from ray.exceptions import OwnerDiedError
 
-from learner.actor_pool import ActorPool
-from learner.failures import ActorsExhaustedError, LearnerDiedError
+from learner.files.run_dir import RunDirectory
 from learner.main import main
-from learner.run_dir import RunDirectory
+from learner.runtime.actor_pool import ActorPool
+from learner.runtime.failures import ActorsExhaustedError, LearnerDiedError
 from tests.conftest import tiny_config, tiny_run
 from tests.helpers import fault_injection
 from tests.helpers.flaky_actor import Flaky, Owner
@@ -54,14 +54,14 @@ def pool_of(tmp_path: Path, modes: list[str], seconds: float = 0.0, **faults: fl
     remote = ray.remote(Flaky)
     pool = ActorPool(config, lambda i: remote.options(num_cpus=0, max_restarts=config.actors.faults.max_restarts).remote(
         str(tmp_path / f"marker{i}"), modes[i], seconds))  # fmt: skip
-    ray.get([actor.__ray_ready__.remote() for actor in pool.actors.values()])  # start-up is not part of a call's time
+    pool.wait_started()  # start-up is not part of a call's time
     return pool
 
 
 def test_dead_and_wedged_actors_are_restarted_and_their_calls_retried(tmp_path) -> None:
     pool = pool_of(tmp_path, ["die", "hang", "ok"], call_timeout_s=10)  # the hanging call costs this long
     results = pool.call("work", lambda i: (10 * (i + 1),))
-    assert {i: ray.get(refs[0]) for i, refs in results.items()} == {0: {"env_steps": 10}, 1: {"env_steps": 20}, 2: {"env_steps": 30}}
+    assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 10, 1: 20, 2: 30}
     assert pool.restarts == {0: 1, 1: 1, 2: 0}
     assert pool.faults["faults/actor_timeouts"] == 1 and pool.faults["faults/actor_restarts"] == 2
     assert pool.faults["faults/resampled_env_steps"] == 30  # the retried calls' work, counted once each
@@ -72,7 +72,7 @@ def test_a_restarted_actors_start_up_and_its_call_each_have_the_whole_deadline(t
     own deadline, so it is restarted once and never timed out (a VLA actor reloading its model on a short deadline)."""
     pool = pool_of(tmp_path, ["slow_restart"], seconds=3.0, call_timeout_s=5)
     results = pool.call("work", lambda i: (7,))
-    assert {i: ray.get(refs[0]) for i, refs in results.items()} == {0: {"env_steps": 7}}
+    assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 7}
     assert pool.restarts == {0: 1} and pool.faults["faults/actor_timeouts"] == 0
 
 
@@ -160,7 +160,7 @@ class Signals:
 
 
 def test_the_summary_reports_what_the_run_held_for_how_long_and_where_its_start_went(undisturbed) -> None:
-    from learner.startup import STARTUP_STAGES
+    from learner.runtime.startup import STARTUP_STAGES
 
     summary, last_row = json.loads((undisturbed / "summary.json").read_text()), rows_by_iteration(undisturbed)[ITERATIONS]
     cost = summary["cost"]
@@ -184,7 +184,7 @@ DRIVER_BUG_AFTER = 17  # the iteration whose console line raises, in a launch th
 def test_a_run_survives_one_fault_of_each_kind_counted_once_with_the_undisturbed_results(
     tmp_path, bc_checkpoint, undisturbed, fault_plan, monkeypatch, capsys
 ) -> None:
-    from learner import reporting
+    from learner.runtime import reporting
 
     fault_injection.arm(fault_plan)
     run_dir = tmp_path / "run"
@@ -249,7 +249,7 @@ def kill_the_learner_while_the_final_evaluation_fetches_its_weights(monkeypatch)
     """At the final checkpoint, with the final evaluation (submitted just before) under way on the actors: the rollout
     actors are killed (so that their restarts fetch the evaluation's weights again), then, once the checkpoint is
     written, the learner that owns those weights, until Ray sees it dead. Returns the killed pids."""
-    from learner.learner_handle import LearnerHandle
+    from learner.runtime.learner_handle import LearnerHandle
 
     real_save, killed = LearnerHandle.save, []
 
@@ -353,8 +353,8 @@ def test_a_row_a_checkpoint_passed_unlogged_is_logged_after_the_driver_dies(tmp_
     death skips the driver's stop, so here its writing of the held rows and the learner's last save do nothing. The resume
     goes on from that checkpoint, so iteration 2 is never redone: its row comes from held_rows.json, without the
     evaluation that never finished, and the log holds every iteration once."""
-    from learner.learner_handle import LearnerHandle
-    from learner.reporting import Evaluator, MetricsRows
+    from learner.runtime.learner_handle import LearnerHandle
+    from learner.runtime.reporting import Evaluator, MetricsRows
 
     real_save = LearnerHandle.save
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from learner.checkpoints import REFERENCE_DIR
+from learner.files.checkpoints import REFERENCE_DIR
 from learner.main import main
 from tests.conftest import tiny_run
 

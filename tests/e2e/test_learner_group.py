@@ -61,7 +61,7 @@ def test_a_run_goes_on_with_another_number_of_learner_ranks(tmp_path, bc_checkpo
     number of ranks. Iteration 3 samples with the checkpoint's weights, so its rollouts are those of the same run left
     alone, and its update is that run's up to float rounding. The two-rank launch is sharded: its run is the unsharded
     group's up to float rounding, and its checkpoint, gathered from the shards, is what a learner alone goes on from."""
-    from learner import reporting
+    from learner.runtime import reporting
 
     fault_injection.arm(fault_plan)
     first, then, sharding = ranks

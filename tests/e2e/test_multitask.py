@@ -44,7 +44,7 @@ def test_a_runs_diagnosis_scores_its_own_evaluations_and_is_the_same_in_each_pro
     the run's initial and final evaluations, task by task; diagnosing the BC policy as both start and end scores the
     same in the two processes, noisy cells included (the noise is seeded); a run that names no starting checkpoint is
     refused in one line, before anything is written."""
-    from learner.pretrain import pretrain
+    from learner.bc.training import pretrain
 
     fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "env.max_episode_steps": 100, "eval_episodes": 6,
               "pretrain.num_demos": 5, "pretrain.train_steps": 400}  # fmt: skip

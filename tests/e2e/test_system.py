@@ -37,7 +37,7 @@ def test_evaluations_do_not_stop_training(tmp_path, bc_checkpoint, monkeypatch) 
     """A held-out evaluation is submitted to the actors and collected once finished, while the loop goes on sampling
     and training. With no evaluation ever reported finished, all 3 iterations still run before any of their
     evaluations is collected, and the rows are written in order at the end, each with its own evaluation."""
-    from learner import actor_pool
+    from learner.runtime import actor_pool
 
     events = []
     collect_sample, collect_evaluate = actor_pool.ActorPool.collect_sample, actor_pool.ActorPool.collect_evaluate
@@ -191,7 +191,7 @@ def test_layout_tables_built_by_start_up_tasks_reach_the_actors_unresolved(tmp_p
     already, or reads from the layout cache, go through one put."""
     import common.suites.metaworld as envs_module
     from actors.rollout_actor import RolloutActor
-    from learner.startup import LayoutTables, build_benchmark_tables
+    from learner.runtime.startup import LayoutTables, build_benchmark_tables
 
     config = tiny_config(tmp_path, **{"env.train_benchmark_seeds": [2, 3], "env.eval_benchmark_seeds": [1]})
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})  # a process that has built no table

@@ -16,7 +16,7 @@ ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # its worker
 
 from actors.rollout_actor import RolloutActor
 from common.suites import make_suite
-from learner.startup import LayoutTables
+from learner.runtime.startup import LayoutTables
 from tests.conftest import tiny_config
 
 config = tiny_config(Path(sys.argv[2]))

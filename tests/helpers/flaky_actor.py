@@ -18,6 +18,9 @@ class Flaky:
         if mode == "slow_restart" and self.marker.exists():
             time.sleep(seconds)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def work(self, value: int) -> dict[str, int]:
         if self.mode != "ok" and not self.marker.exists():
             self.marker.touch()
@@ -26,7 +29,7 @@ class Flaky:
             time.sleep(3600)
         if self.mode == "slow_restart":
             time.sleep(self.seconds)
-        return {"env_steps": value}
+        return {"env_steps": value, "pid": os.getpid()}
 
 
 class Owner:

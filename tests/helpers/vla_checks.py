@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
+from bench.op_count import OpCounter
 from common.config import RunConfig
 from common.diagnostics import check_ratio_is_one
 from common.flow import ChainSample, chain_log_prob, compile_steps, gaussian_step, sample_chain, step_time, transition
 from common.observation import Observation
-from common.op_count import OpCounter
 from common.policy import CheckpointError, FlowPolicy
 from common.rl import normalize, ppo_policy_loss, value_loss
 
@@ -275,7 +275,7 @@ def check_fused_attention_in_actor_and_learner(checkpoint: Path, run_config: Cal
     attending so starts at ratio 1 and trains the weights to where the eager learner's update puts them, up to float
     rounding."""
     from actors.rollout_actor import RolloutActor
-    from learner.learner import Learner
+    from learner.update.learner import Learner
 
     config = run_config("actors.speed.fused_attention")
     actor = RolloutActor(config, 0, checkpoint)
@@ -297,7 +297,7 @@ def check_sent_image_embeddings_in_actor_and_learner(checkpoint: Path, frames: R
     those observations alone, where on the frames record it runs it over every decision's too, and otherwise makes the
     same update: the same scores, the ratio at 1, the weights within float rounding."""
     from actors.rollout_actor import RolloutActor
-    from learner.learner import Learner
+    from learner.update.learner import Learner
 
     with_frames, sent = RolloutActor(frames, 0, checkpoint).sample(None, 0), RolloutActor(sending, 0, checkpoint).sample(None, 0)
     assert with_frames.obs.images is not None and with_frames.obs.image_embeddings is None

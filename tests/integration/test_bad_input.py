@@ -20,8 +20,8 @@ from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
 from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, FlowPolicy
 from common.suites.metaworld import MetaworldTaskEnv
-from learner.learner import Learner
 from learner.main import main
+from learner.update.learner import Learner
 from tests.conftest import tiny_config, tiny_run
 
 

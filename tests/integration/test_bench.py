@@ -5,6 +5,8 @@ lines). The SmolVLA bench runs the full-size path with the tiny VLM on CPU."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -18,15 +20,12 @@ from bench import (
     frame_cost,
     libero_step,
     overhead,
-    policy_load,
-    recompute,
-    record_bytes,
     rllib_ppo,
     smolvla_gpu,
-    videos,
 )
 from bench.report import flatten
 from common.config import RunConfig
+from tests.conftest import REPO
 from tests.helpers.bench_output import TINY_MAIN_ARGS, assert_positive, printed
 
 
@@ -43,17 +42,6 @@ def test_overheads_fingerprint_repeats_for_the_same_job_and_changes_with_any_bit
     capsys.readouterr()
     assert fingerprints[0] == fingerprints[1]
     assert len(set(fingerprints)) == 3
-
-
-def test_recompute_smallest_plots_and_prints_each_case(capsys, tmp_path):
-    results = recompute.main(["--repeats", "1", "--steps", "2,4", "--horizons", "4", "--batches", "20", "--plot", str(tmp_path / "r.png")])
-    assert printed(capsys) == json.loads(json.dumps(results))
-    assert set(results["cases"]) == {"K2_H4_B500", "K4_H4_B500", "K4_H4_B20"}
-    for case in results["cases"].values():
-        assert_positive(case["sample_seconds"], case["recompute_seconds"], case["train_seconds"])
-        assert case["recompute_over_sample"] == pytest.approx(case["recompute_seconds"] / case["sample_seconds"], rel=1e-12)
-        assert case["train_over_sample"] == pytest.approx(case["train_seconds"] / case["sample_seconds"], rel=1e-12)
-    assert (tmp_path / "r.png").stat().st_size > 1000
 
 
 def test_env_step_smallest_compares_both_variants_on_both_kinds_of_actions(capsys):
@@ -191,20 +179,30 @@ def test_an_actor_started_over_a_filled_compile_cache_compiles_nothing_again(cap
     assert results["warm_over_cold_compile"] == warm["compile_seconds"] / cold["compile_seconds"]
 
 
-def test_smolvla_gpu_bench_sets_the_group_path_with_one_rank_against_the_learner_alone(capsys):
-    """--group-of-one: the same update by the learner alone and by the group's code path with one rank (a one-process
-    gloo group, no Ray), on the same rollouts: the same weights within the learner group tests' tolerance, the same
-    bytes held, and the ratio of their median times; the process group is gone afterwards."""
-    argv = ["--size", "tiny", "--rollouts", "1", "--group-of-one", "1", "--skip", "decision_latency,prepare,publish_load_sample_v1"]
-    assert smolvla_gpu.main(argv) == 0
-    results = printed(capsys)
+def test_the_prepared_gpu_check_runs_its_parts_at_test_size_and_writes_each_report(tmp_path):
+    """bench/gpu_check.sh --tiny, the SmolVLA part: one report with the update and its two variants (the fused attention,
+    the actors' tokens) and the group path with one rank against the learner alone (a one-process gloo group, no Ray)
+    on the same rollouts: the same weights within the learner group tests' tolerance, the same bytes held, and the ratio
+    of their median times."""
+    environment = {**os.environ, "REPORT_DIR": str(tmp_path), "GPU_CHECK_PARTS": "smolvla"}
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--tiny"], env=environment, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, (tmp_path / "gpu_check.log").read_text()[-3000:]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gpu_check.log", "smolvla.txt"]
+    lines = (tmp_path / "smolvla.txt").read_text().splitlines()
+    results = json.loads(lines[0])
+    assert not [name for name, value in flatten(results).items() if name.endswith("/error")]
+    assert len(lines) == 1 + len(flatten(results))  # then every figure as a `name: value` line
     group, update = results["group_of_one"], results["update"]
     assert group["max_abs_weight_difference"] <= 1e-5 and group["ppo/first_minibatch_ratio_dev"] <= 1e-5
     assert group["over_alone"] == group["group_seconds"] / group["alone_seconds"] and group["turns"] == 1
     for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
         assert group[name] == update[name] > 0
     assert update["parameter_bytes"] > update["gradient_bytes"]  # only the trainable weights have gradients
-    assert not torch.distributed.is_initialized()
+    for variant in ("learner.speed.fused_attention=true", "actors.speed.send_image_embeddings=true"):
+        assert results[f"update[{variant}]"]["ppo/first_minibatch_ratio_dev"] <= 1e-5
+    assert results["update[actors.speed.send_image_embeddings=true]"]["sample_record_bytes_per_decision"] > 0
+    assert "eager_fused_batch2_seconds" in results["decision_latency"]
 
 
 def test_actors_sharing_a_device_each_sample_every_timed_rollout_and_the_rates_are_set_against_one_actor(capsys):
@@ -236,7 +234,7 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     is gone, whose memory would otherwise count in the variant's peak; a variant of the actors samples rollouts of its own."""
     import weakref
 
-    from learner import learner as learner_module
+    from learner.update import learner as learner_module
 
     built, alive_at_build = [], []
 
@@ -289,38 +287,3 @@ def test_smolvla_gpu_bench_updates_again_by_a_fresh_learner_per_variant_with_the
     # The compiled steps: compiled by an update of their own, then timed with no new graph and fewer ops dispatched.
     assert results[f"update[{compiled}]"]["first_update_seconds"] > 0 and results[f"update[{compiled}]"]["graphs_compiled"] == 0
     assert 0 < results[f"update[{compiled}]"]["aten_ops"] < results["update[learner.speed.steps_in_one_pass=true]"]["aten_ops"]
-
-
-def test_record_bytes_weighs_every_array_of_a_real_rollout_once(capsys):
-    """Each field of one actor's record at the run's shapes, and the record as Ray stores it: every array once, the
-    observations the chunks led to only on the bootstrap rows (the episode ends and the last decision)."""
-    sets = ["actors.envs_per_actor=2", "actors.decisions_per_rollout=6", "env.max_episode_steps=12", "policy.chunk_size=4",
-            "policy.hidden_dim=32", "policy.num_layers=1", "actors.num_actors=3"]  # fmt: skip
-    results = record_bytes.main([f"--set={item}" for item in sets])
-    assert printed(capsys) == json.loads(json.dumps(results))
-    fields = results["field_bytes_per_actor"]
-    assert results["decisions_per_actor"] == 12 and fields["obs.state"] == 12 * 39 * 4 and fields["chains"] == 12 * 5 * 4 * 4 * 4
-    # Episodes of 12 steps in chunks of 4 actions end at decisions 2 and 5, the last: two bootstrap rows per env.
-    assert fields["bootstrap_at"] == 4 * 2 * 8 and fields["bootstrap_obs.state"] == 4 * 39 * 4
-    assert not {"next_obs", "actions", "values"} & set(fields)
-    assert sum(fields.values()) == results["record_bytes_per_actor"] < results["serialized_bytes_per_actor"]
-    assert results["serialized_bytes_per_iteration"] == 3 * results["serialized_bytes_per_actor"]
-
-
-def test_policy_load_bench_loads_the_same_tensors_by_both_paths(capsys):
-    """The tiny SmolVLA's checkpoint loaded twice by each path (built with its initialisation, and without): the same
-    tensors, the buffers no file holds included, and the speed-up is the quotient of the two times."""
-    assert policy_load.main(["--size", "tiny", "--repeats", "2"]) == 0
-    results = printed(capsys)
-    assert results["same_tensors"] is True and results["policy_type"] == "smolvla"
-    assert_positive(results["load_initialised_init_seconds"], results["load_skipped_init_seconds"], results["parameters"],
-                    results["lerobot_checkpoint_load_seconds"], results["verify_checksums_hashed_seconds"],
-                    results["verify_checksums_digests_kept_seconds"])  # fmt: skip
-    assert results["speedup"] == results["load_initialised_init_seconds"] / results["load_skipped_init_seconds"]
-
-
-def test_the_bench_films_the_episodes_it_evaluated(bc_checkpoint, capsys) -> None:
-    results = videos.main(["--checkpoint", str(bc_checkpoint), "--layouts", "3", "--episodes", "2", "--size", "32"])
-    assert results["recorded_outcomes_match"] is True and results["episodes_filmed"] == 2
-    assert results["film_over_eval"] == pytest.approx((results["record_seconds"] + results["write_seconds"]) / results["eval_seconds"])
-    assert f"film_over_eval: {results['film_over_eval']}" in capsys.readouterr().out

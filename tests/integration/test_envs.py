@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, EnvConfig
-from common.demonstrations import collect_demonstrations, evaluate_expert
+from common.demonstrations import collect_demonstrations
 from common.suites import SUITE_CLASSES, make_suite
 from common.suites import metaworld as envs_module
 from common.vector_env import ChunkedVectorEnv
@@ -61,7 +61,8 @@ def test_every_task_builds_and_has_an_expert():
 
 
 def test_expert_solves_pick_place():
-    success_rate = evaluate_expert(SUITE, DEFAULT_TASK, layouts(DEFAULT_TASK, [0])[:20], seed=0)
+    episodes = collect_demonstrations(SUITE, DEFAULT_TASK, layouts(DEFAULT_TASK, [0])[:20], 0.0, 0)
+    success_rate = float(np.mean([episode.success for episode in episodes]))
     assert success_rate >= 0.9
 
 
@@ -437,7 +438,7 @@ def test_layouts_built_once_are_adopted_without_simulating_the_benchmark_again(m
 
 
 def test_counting_layouts_simulates_no_benchmark(tmp_path, monkeypatch) -> None:
-    """A run is planned and checked (learner.startup.preflight) before any MT1 benchmark is built: layouts() counts by
+    """A run is planned and checked (learner.runtime.startup.preflight) before any MT1 benchmark is built: layouts() counts by
     LAYOUTS_PER_BENCHMARK, and building a benchmark holds Metaworld to that count."""
     monkeypatch.setattr(envs_module, "_BENCHMARK_TASKS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached layouts: benchmark_tasks must build

@@ -31,8 +31,8 @@ from common.policy import OBS_CLIP, build_policy, write_directory_atomically
 from common.policy.smolvla.model import SmolVLAFlowPolicy, SmolVLAPolicy
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from common.policy.torchvision_shim import plain_import_fails
-from learner.checkpoints import TRAINER_STATE_FILE
-from learner.run_dir import RUN_CONFIG_FILE, RunDirectory
+from learner.files.checkpoints import TRAINER_STATE_FILE
+from learner.files.run_dir import RUN_CONFIG_FILE, RunDirectory
 from tests.conftest import REPO
 from tests.helpers.lerobot_export import (  # lerobot's names through it: imported after its torchvision shim
     ACTION,

@@ -9,8 +9,8 @@ from actors.rollout_actor import RolloutActor
 from common import file_digests
 from common.file_digests import file_sha256, known_digests
 from common.policy import WEIGHTS_FILE
-from learner.learner_actor import LearnerActor
-from learner.startup import resolve_init_checkpoint
+from learner.runtime.learner_actor import LearnerActor
+from learner.runtime.startup import resolve_init_checkpoint
 from tests.conftest import tiny_config
 
 
@@ -23,7 +23,7 @@ def test_the_driver_verifies_the_initial_checkpoint_once_and_the_learner_and_act
     shutil.copytree(bc_checkpoint, checkpoint)
     weights = checkpoint / WEIGHTS_FILE
     config = tiny_config(tmp_path)
-    monkeypatch.setattr("learner.startup.ensure_bc_checkpoint", lambda config: checkpoint)
+    monkeypatch.setattr("learner.runtime.startup.ensure_bc_checkpoint", lambda config: checkpoint)
     assert resolve_init_checkpoint(config) == checkpoint
     file_sha256(weights)  # the banner's and the manifest's
     assert hashed_files.count(weights) == 1

@@ -12,8 +12,8 @@ from actors.rollout_actor import RolloutActor
 from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.policy import CheckpointError, FlowPolicy
 from common.rl import kl_to_reference
-from learner.checkpoints import REFERENCE_DIR
-from learner.learner import Learner, frozen_reference
+from learner.files.checkpoints import REFERENCE_DIR
+from learner.update.learner import Learner, frozen_reference
 from tests.conftest import tiny_config
 from tests.helpers.vla import tiny_observations, tiny_smolvla
 

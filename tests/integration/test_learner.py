@@ -28,10 +28,12 @@ from common.observation import Observation
 from common.policy import FlowPolicy
 from common.rl import ppo_policy_loss
 from common.trajectory import RolloutBatch
-from learner import learner as learner_module
-from learner.learner import Learner, lr_scale
-from learner.micro_batches import micro_batches_within
-from learner.numeric_checks import PRECISION_GAP_ROWS
+from learner.update import algorithms as algorithms_module
+from learner.update import learner as learner_module
+from learner.update import scoring as scoring_module
+from learner.update.learner import Learner, lr_scale
+from learner.update.micro_batches import micro_batches_within
+from learner.update.numeric_checks import PRECISION_GAP_ROWS
 from tests.conftest import tiny_config
 from tests.helpers.dropout import with_dropout
 
@@ -42,6 +44,12 @@ def setup(tmp_path, bc_checkpoint):
     actor = RolloutActor(config, 0, bc_checkpoint)
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     return config, actor, learner
+
+
+def patch_chain_log_prob(monkeypatch, scored) -> None:
+    """`scored` in place of chain_log_prob wherever the learner scores chains: its scoring pass and its update's passes."""
+    for module in (scoring_module, learner_module):
+        monkeypatch.setattr(module, "chain_log_prob", scored)
 
 
 def params(policy) -> dict[str, torch.Tensor]:
@@ -81,7 +89,7 @@ def test_recomputed_denoising_steps_update_to_the_same_bits(setup, bc_checkpoint
     again = learner_with(config, bc_checkpoint, recompute_steps=True)
     metrics = plain.update(batch)
     asked, score = [], learner_module.chain_log_prob
-    monkeypatch.setattr(learner_module, "chain_log_prob", lambda *args, **kwargs: asked.append(args[3:4]) or score(*args, **kwargs))
+    patch_chain_log_prob(monkeypatch, lambda *args, **kwargs: asked.append(args[3:4]) or score(*args, **kwargs))
     metrics_again = again.update(batch)
     assert (True,) in asked  # the update's passes recompute (the scoring pass, without gradients, has nothing to keep)
     after, after_again = params(plain.policy), params(again.policy)
@@ -102,7 +110,7 @@ def test_denoising_steps_in_one_pass_update_within_rounding_of_step_by_step(setu
         asked.append(kwargs["steps_in_one_pass"] if "steps_in_one_pass" in kwargs else args[4])
         return score(*args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "chain_log_prob", scored)
+    patch_chain_log_prob(monkeypatch, scored)
     metrics_one_pass = one_pass.update(batch)
     assert len(asked) > 2 and all(asked)  # the scoring pass and every step
     assert metrics_one_pass["ppo/first_minibatch_ratio_dev"] <= 1e-6
@@ -237,7 +245,7 @@ def test_next_observation_values_encode_only_the_bootstrap_observations(tmp_path
         features = policy.encode(batch.obs.flatten_leading().to_torch())
         encoded, encode = [], policy.encode
         monkeypatch.setattr(policy, "encode", lambda obs: encoded.append(obs.batch_shape[0]) or encode(obs))
-        values = learner_module.next_observation_values(policy, batch, features, rows)
+        values = scoring_module.next_observation_values(policy, batch, features, rows)
     assert torch.equal(values.flatten(), plain)
     assert sum(encoded) == int(bootstrap.sum()) and max(encoded) <= rows
 
@@ -291,7 +299,7 @@ def scoring_out_of_memory(monkeypatch, fails: Callable[[int], bool]) -> list[int
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(chains)} chains\nmore of the message")
         return score(policy, features, chains, *args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "chain_log_prob", tight_memory)
+    patch_chain_log_prob(monkeypatch, tight_memory)
     return asked
 
 
@@ -352,7 +360,7 @@ class MeasuredMemory:
                 self.rows = max(self.rows, len(chains))
             return score(policy, features, chains, *args, **kwargs)
 
-        monkeypatch.setattr(learner_module, "chain_log_prob", measured)
+        patch_chain_log_prob(monkeypatch, measured)
 
     def allocated(self) -> int:
         return self.base
@@ -443,14 +451,14 @@ def test_nan_loss_at_minibatch_2_rolls_back_weights_and_optimiser(setup, monkeyp
     batch = actor.sample(learner.broadcast(), 1)
     before, optimizer, version = params(learner.policy), optimizer_state(learner), learner.version
     calls = []
-    original = learner_module.ppo_policy_loss
+    original = algorithms_module.ppo_policy_loss
 
     def nan_on_minibatch_2(new_log_probs, *args):
         calls.append(1)
         loss, metrics = original(new_log_probs, *args)
         return (loss * float("nan") if len(calls) == 2 else loss), metrics
 
-    monkeypatch.setattr(learner_module, "ppo_policy_loss", nan_on_minibatch_2)
+    monkeypatch.setattr(algorithms_module, "ppo_policy_loss", nan_on_minibatch_2)
     with pytest.warns(NonFiniteUpdateWarning, match=r"epoch 1 minibatch 0: non-finite values \(NaN/Inf\) in \['pg_loss'\]"):
         metrics = learner.update(batch)
     assert len(calls) == 2, "the first minibatch stepped, the second met the NaN"
@@ -567,7 +575,7 @@ def test_a_rollout_one_version_behind_is_scored_with_its_own_weights(tmp_path, b
         calls.append((logp_new.detach(), logp_old.detach(), behaviour_weight))
         return ppo_policy_loss(logp_new, logp_old, advantages, clip_eps, behaviour_weight)
 
-    monkeypatch.setattr(learner_module, "ppo_policy_loss", spy)
+    monkeypatch.setattr(algorithms_module, "ppo_policy_loss", spy)
     metrics = learner.update(ahead)
     assert ahead.weight_version == 0 and learner.version == 2
     assert metrics["logprob/behaviour_gap_max"] < 1e-5  # the learner's v0 scores match the actor's v0 scores
@@ -686,10 +694,10 @@ def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
 
 
 def test_the_learners_process_imports_no_envs() -> None:
-    """Ray starts the learner's worker by importing learner.learner_actor: Metaworld, MuJoCo and the rollout actors
+    """Ray starts the learner's worker by importing learner.runtime.learner_actor: Metaworld, MuJoCo and the rollout actors
     cost its start about 0.6 CPU-seconds, taken from the rollout actors starting beside it."""
     envs = {"metaworld", "mujoco", "actors.rollout_actor", "common.suites.metaworld"}
-    code = f"import sys, learner.learner_actor; print(sorted({envs!r} & set(sys.modules)))"
+    code = f"import sys, learner.runtime.learner_actor; print(sorted({envs!r} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert imported == "[]"
 
@@ -726,16 +734,16 @@ def test_every_decision_enters_each_epochs_loss_once(tmp_path, bc_checkpoint, mo
 
 def approx_kl_per_minibatch(learner: Learner, batch: RolloutBatch, monkeypatch) -> tuple[list[float], dict[str, float]]:
     kls: list[float] = []
-    original = learner_module.ppo_policy_loss
+    original = algorithms_module.ppo_policy_loss
 
     def spy(*args):
         loss, metrics = original(*args)
         kls.append(float(metrics["approx_kl"]))
         return loss, metrics
 
-    monkeypatch.setattr(learner_module, "ppo_policy_loss", spy)
+    monkeypatch.setattr(algorithms_module, "ppo_policy_loss", spy)
     metrics = learner.update(batch)
-    monkeypatch.setattr(learner_module, "ppo_policy_loss", original)
+    monkeypatch.setattr(algorithms_module, "ppo_policy_loss", original)
     return kls, metrics
 
 
@@ -815,7 +823,7 @@ def test_recomputed_log_probs_do_not_depend_on_minibatch_size_or_order(tmp_path,
 
 def test_the_banner_states_the_updates_shape_in_one_line() -> None:
     from common.config_loading import load_config
-    from learner.reporting import banner
+    from learner.runtime.reporting import banner
 
     assert learner_module.update_shape(RunConfig()) == "1000 decisions per iteration, 2 minibatches x 500, 8 epochs"
     sixteen = load_config(None, ["actors.num_actors=16", "algorithm.num_minibatches=3", "algorithm.grad_accum=2"])
@@ -832,7 +840,7 @@ def banner_config(config: RunConfig) -> dict:
     """The YAML block of the run banner, read back."""
     import yaml
 
-    from learner.reporting import banner
+    from learner.runtime.reporting import banner
 
     lines = banner(config, None, None, {}, 1.0).splitlines()
     return yaml.safe_load("\n".join(lines[3 : lines.index("-" * 78)]))

@@ -23,13 +23,13 @@ from common.config import ConfigError, RunConfig
 from common.metrics import rollout_metrics
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
 from common.trajectory import RolloutBatch
-from learner.checkpoints import LearnerCheckpoint
-from learner.data_parallel import RENDEZVOUS_PORTS, PeerRankError, free_address
-from learner.learner import Learner
-from learner.learner_actor import LearnerActor
-from learner.learner_group import start_learner_group
-from learner.ray_runtime import ResourceRequest
-from learner.startup import plan_resources
+from learner.files.checkpoints import LearnerCheckpoint
+from learner.group.ranks import RENDEZVOUS_PORTS, PeerRankError, free_address
+from learner.runtime.learner_actor import LearnerActor
+from learner.runtime.learner_group import start_learner_group
+from learner.runtime.ray_runtime import ResourceRequest
+from learner.runtime.startup import plan_resources
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN, with_test_normalization
 
@@ -234,7 +234,7 @@ def test_the_rendezvous_port_is_free_and_drawn_below_the_ephemeral_ports(monkeyp
     port = ports.pop()
     with socket.socket() as taken:  # the range holds one port, and another process holds it
         taken.bind(("127.0.0.1", port))
-        monkeypatch.setattr("learner.data_parallel.RENDEZVOUS_PORTS", (port, port + 1))
+        monkeypatch.setattr("learner.group.ranks.RENDEZVOUS_PORTS", (port, port + 1))
         address = free_address("127.0.0.1", tries=3)
     assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) != port
     with socket.socket() as rank_zero:

@@ -20,7 +20,7 @@ from common.config_loading import load_config
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.suites import ImageConfig, make_suite
 from common.suites.metaworld import MetaworldTaskEnv, _tasks_from_goals
-from learner.startup import preflight
+from learner.runtime.startup import preflight
 from tests.conftest import REPO
 
 install_cpu_torchvision_shim()
@@ -135,7 +135,7 @@ def test_the_gpu_recipe_reads_smolvla_bases_cameras_through_its_camera_map(tmp_p
     assert config.policy.image_keys == [f"observation.images.camera{i}" for i in (1, 2, 3)]
     assert (config.env.observations, config.policy.obs_dim) == ("project", 39)
     make_suite(config.env).check(config.policy)
-    from learner.startup import check_features
+    from learner.runtime.startup import check_features
 
     check_features(config, make_suite(config.env))
     recipe = yaml.safe_load((REPO / "configs" / "smolvla_pick.yaml").read_text())

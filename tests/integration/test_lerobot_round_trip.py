@@ -17,7 +17,8 @@ from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
 from common.policy.lerobot_compat import pad_vector
 from common.suites import ImageConfig, make_suite
-from learner.pretrain import lerobot_start_checkpoint, pretrain
+from learner.bc.starting_checkpoint import lerobot_start_checkpoint
+from learner.bc.training import pretrain
 from tests.helpers.lerobot_export import get_policy_class, make_pre_post_processors, preprocess_observation
 
 TINY = ["policy.type=smolvla", "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=3", "policy.hidden_dim=32",

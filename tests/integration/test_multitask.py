@@ -14,9 +14,9 @@ from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.suites import Layout, make_suite
 from common.suites.metaworld import MetaworldTaskEnv
-from learner.learner import Learner
-from learner.pretrain import demonstrations, pretrain
-from learner.startup import preflight
+from learner.bc.training import demonstrations, pretrain
+from learner.runtime.startup import preflight
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 
 TWO_TASKS = "reach-v3,pick-place-v3"

@@ -16,7 +16,7 @@ from common.diagnostics import BehaviourGapWarning
 from common.policy import FlowPolicy
 from common.suites.metaworld import ImageConfig, Layout, MetaworldTaskEnv
 from common.vector_env import ChunkedVectorEnv
-from learner.learner import Learner
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 
 

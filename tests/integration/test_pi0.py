@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bench import activation_bytes
 from common.config import ConfigError
 from common.policy.lerobot_compat import LEROBOT_LINE, SUPPORTED_LEROBOT
 
@@ -29,11 +28,11 @@ if LEROBOT_LINE < (0, 6):
 from lerobot.policies.common.vla_utils import prepare_attention_masks_4d  # noqa: E402
 from transformers.models.gemma import modeling_gemma  # noqa: E402
 
+from bench.smolvla_gpu import write_lerobot_stand_in  # noqa: E402
 from common.policy import OBS_CLIP, CheckpointError, build_policy  # noqa: E402
 from common.policy.pi0.model import PiFlowPolicy, gemma_attention, resolve_tokenizer_path  # noqa: E402
-from common.policy.pi0.stand_ins import tiny_gemma_sizes, write_lerobot_stand_in  # noqa: E402
+from common.policy.pi0.stand_ins import tiny_gemma_sizes  # noqa: E402
 from tests.helpers import vla_checks  # noqa: E402
-from tests.helpers.bench_output import printed  # noqa: E402
 from tests.helpers.vla import INSTRUCTIONS, PI_TYPES, HostReads, pi_config, tiny_observations, tiny_pi  # noqa: E402
 
 
@@ -202,28 +201,6 @@ def test_a_policy_with_fused_attention_scores_as_the_eager_one_does_and_keeps_le
     with torch.no_grad():
         fused.vla.model.sample_actions(images, image_masks, tokens, token_mask, *state)
     assert fused.attention_fused and all(gemma.config._attn_implementation == "eager" for gemma in fused.gemmas())
-
-
-@pytest.mark.parametrize("recipe", ["configs/pi0_pick.yaml", "configs/pi05_pick.yaml"])
-def test_activation_bench_counts_what_each_learner_path_keeps_per_layer(recipe, capsys) -> None:
-    """bench/activation_bytes.py on the recipe at the tiny sizes: the 1- and 2-layer counts grow with the layer where the
-    steps' activations are kept, the tiny model's own depth (2) takes the 2-layer count whole, and the fused attention
-    keeps less on the paths that keep them, for the same log-probs."""
-    tiny = {"policy.pi0.paligemma_variant": "tiny", "policy.pi0.action_expert_variant": "tiny_expert", "policy.pi0.image_resolution": 32,
-            "policy.image_size": 32, "policy.chunk_size": 4, "policy.num_steps": 3}  # fmt: skip
-    activation_bytes.main(["--recipe", recipe, *(f"--set={name}={value}" for name, value in tiny.items())])
-    results = printed(capsys)
-    assert results["depth"] == 2 and results["decisions"] == 2
-    for path, tolerance in (("float32_steps", 1e-5), ("float32_recompute", 1e-5), ("bfloat16_one_pass", 0.05)):
-        for name in (path, f"{path}_fused"):
-            grows = results[f"{name}_layers2_bytes"] - results[f"{name}_layers1_bytes"]
-            assert results[f"{name}_layers1_bytes"] > 0 and (grows == 0 if path == "float32_recompute" else grows > 0)
-            assert results[f"{name}_gib_per_decision"] * 2 * 2**30 == results[f"{name}_layers2_bytes"]
-            assert results[f"{name}_gib_per_micro_batch"] == results[f"{name}_gib_per_decision"] * results["micro_batch_decisions"]
-        assert results[f"{path}_fused_over_eager"] == 1 if path == "float32_recompute" else 0 < results[f"{path}_fused_over_eager"] < 1
-        assert results[f"{path}_fused_log_prob_max_diff"] <= tolerance
-    # Recomputed steps keep their inputs alone through the forward pass, the same at any depth.
-    assert results["float32_recompute_layers2_bytes"] < results["float32_steps_layers2_bytes"] / 2
 
 
 @pytest.mark.parametrize("policy_type", PI_TYPES)

@@ -23,8 +23,8 @@ if LEROBOT_LINE < (0, 6):
 from actors.rollout_actor import RolloutActor  # noqa: E402
 from common.policy import FlowPolicy  # noqa: E402
 from common.suites.metaworld import TASKS  # noqa: E402
-from learner.learner import Learner  # noqa: E402
-from learner.pretrain import pretrain  # noqa: E402
+from learner.bc.training import pretrain  # noqa: E402
+from learner.update.learner import Learner  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.helpers.vla import TINY_VLA_RUN  # noqa: E402
 from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner, check_sent_image_embeddings_in_actor_and_learner  # noqa: E402

@@ -11,7 +11,8 @@ import torch
 from common.demonstrations import Episode
 from common.policy import FlowPolicy
 from common.suites import Layout
-from learner.pretrain import REPORT_FILE, bc_cache_key, chunk_dataset, ensure_bc_checkpoint, pretrain
+from learner.bc.starting_checkpoint import bc_cache_key, ensure_bc_checkpoint
+from learner.bc.training import REPORT_FILE, chunk_dataset, demo_counts, pretrain
 from tests.conftest import tiny_config
 
 
@@ -65,7 +66,7 @@ def test_bc_cache_is_created_once_and_keyed_by_config(tmp_path, monkeypatch) -> 
 def test_demo_count_search_lands_in_the_window(tmp_path, monkeypatch, success_by_demos, expected, tried, warns) -> None:
     import warnings as warnings_module
 
-    import learner.pretrain as pretrain_module
+    import learner.bc.starting_checkpoint as pretrain_module
 
     calls = []
 
@@ -86,7 +87,7 @@ def test_demo_count_search_lands_in_the_window(tmp_path, monkeypatch, success_by
 def test_a_multi_task_run_raises_each_tasks_count_from_the_fewest_until_it_reaches_the_window(tmp_path, monkeypatch) -> None:
     import warnings as warnings_module
 
-    import learner.pretrain as pretrain_module
+    import learner.bc.starting_checkpoint as pretrain_module
 
     tasks = ["reach-v3", "push-v3", "pick-place-v3", "door-open-v3"]
     success = {"reach-v3": {1: 0.1, 2: 0.15, 3: 0.3}, "push-v3": {1: 0.9}, "pick-place-v3": {}}  # pick-place: 0 at every count
@@ -94,7 +95,7 @@ def test_a_multi_task_run_raises_each_tasks_count_from_the_fewest_until_it_reach
 
     def fake_cached(config):
         resolved.append(config.pretrain)
-        counts = pretrain_module.demo_counts(config.pretrain, tasks)
+        counts = demo_counts(config.pretrain, tasks)
         per_task = {task: [success[task].get(count, 0.0) if task in success else 0.5, 0.0, 1.0] for task, count in counts.items()}
         return tmp_path / f"bc{len(resolved)}", {"per_task": per_task}
 

@@ -21,8 +21,8 @@ from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
 from common.rollout import decide
 from common.suites.metaworld import TASKS
-from learner.learner import Learner
-from learner.pretrain import REPORT_FILE, pretrain
+from learner.bc.training import REPORT_FILE, pretrain
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 from tests.helpers.vla import SMOLVLA_TINY_CONFIG, TINY_VLA_RUN
 from tests.helpers.vla_checks import check_fused_attention_in_actor_and_learner, check_sent_image_embeddings_in_actor_and_learner

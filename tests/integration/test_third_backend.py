@@ -15,8 +15,8 @@ from actors.rollout_actor import RolloutActor
 from common.config import PolicyConfig
 from common.observation import Observation
 from common.policy import BACKENDS, Backend, FlowPolicy, build_policy
-from learner.learner import Learner
-from learner.pretrain import REPORT_FILE, pretrain
+from learner.bc.training import REPORT_FILE, pretrain
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 
 BACKEND = "projected_flow"

@@ -21,8 +21,8 @@ from common.recording import filmed_slots, record_layouts, save_evaluation_video
 from common.rollout import evaluate_layouts
 from common.suites.metaworld import FilmedTaskEnv, ImageConfig, MetaworldSuite, MetaworldTaskEnv
 from learner import replay
-from learner.checkpoints import TRAINER_STATE_FILE
-from learner.run_dir import LATEST_FILE, RUN_CONFIG_FILE
+from learner.files.checkpoints import TRAINER_STATE_FILE
+from learner.files.run_dir import LATEST_FILE, RUN_CONFIG_FILE
 from tests.conftest import tiny_config
 
 layouts = MetaworldSuite(EnvConfig()).layouts

@@ -15,9 +15,9 @@ import yaml
 
 from common.config import ConfigError, RunConfig
 from common.config_loading import load_config
-from learner.cluster_yaml import NodeType, check_cluster, plan_placement
 from learner.main import main
-from learner.ray_runtime import ResourceRequest, actor_request
+from learner.runtime.cluster_yaml import NodeType, check_cluster, plan_placement
+from learner.runtime.ray_runtime import ResourceRequest, actor_request
 from tests.conftest import REPO
 
 CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))
@@ -207,7 +207,7 @@ def test_an_address_whose_port_takes_connections_but_is_not_ray_is_refused_withi
                                                                                                 capsys) -> None:  # fmt: skip
     """A port that accepts TCP and never speaks Ray's protocol (another service, a stale forward): ray.init would wait on
     it with no deadline; the run refuses it after the probe's own."""
-    from learner import ray_runtime
+    from learner.runtime import ray_runtime
 
     ray.shutdown()
     monkeypatch.setattr(ray_runtime, "GCS_PROBE_TIMEOUT_S", 1.0)

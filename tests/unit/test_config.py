@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from operator import attrgetter
 
 import pytest
 import torch
 import yaml
 
 from common.config import ConfigError, RunConfig
-from common.config_loading import MOVED_FIELDS, closest_field, load_config
+from common.config_loading import closest_field, load_config
 from tests.conftest import REPO
 
 
@@ -69,22 +68,6 @@ def test_a_sharded_learner_refuses_a_compiled_graph_naming_both_fields(knob: str
         load_config(None, ["learner.num_learners=2", "learner.sharding=fsdp", f"learner.speed.{knob}=true"])
 
 
-@pytest.mark.parametrize("old, new", sorted(MOVED_FIELDS.items()))
-def test_a_moved_field_in_its_old_place_names_its_new_one_in_one_line(tmp_path, old: str, new: str) -> None:
-    """An algorithm field under learner, a speed or fault knob directly under actors or learner: a YAML file or a --set
-    that puts it there is told where it lives now, and there it is accepted."""
-    section, _, leaf = new.rpartition(".")
-    value = getattr(attrgetter(section)(RunConfig()), leaf)
-    path = tmp_path / "old.yaml"
-    old_section, _, old_leaf = old.rpartition(".")
-    path.write_text(yaml.safe_dump({old_section: {old_leaf: value, "num_gpus": 0.0}}))
-    for source, overrides in ((path, []), (None, [f"{old}={json.dumps(value)}"])):
-        with pytest.raises(ConfigError) as error:
-            load_config(source, overrides)
-        assert str(error.value) == f"{old} is now {new}"
-    assert getattr(attrgetter(section)(load_config(None, [f"{new}={json.dumps(value)}"])), leaf) == value
-
-
 def test_an_unknown_field_is_pointed_to_the_closest_one_its_own_section_first() -> None:
     assert closest_field("learner.clip_epsilon") == "algorithm.clip_eps"  # the section an old config misplaced it in
     assert closest_field("learner.precison") == "learner.speed.precision" and closest_field("actors.precison") == "actors.speed.precision"
@@ -97,8 +80,6 @@ def test_missing_config_file_is_named(tmp_path) -> None:
 
 
 def test_shipped_config_is_the_embedded_default_with_every_field_written_out() -> None:
-
-    import yaml
 
     path = REPO / "configs" / "pick_place.yaml"
     assert load_config(path) == RunConfig()
@@ -156,7 +137,6 @@ def _changed(value, hint):
 def test_an_override_changes_only_the_field_it_names() -> None:
     """Every leaf of RunConfig: `--set path=value` moves that path and leaves all others at the run defaults
     (a section rebuilt from its class defaults would undo what the run's defaults set in it)."""
-    import json
 
     from common.config_loading import apply_override, from_dict
 

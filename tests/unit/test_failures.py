@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from learner.failures import Terminated, stops_held
+from learner.runtime.failures import Terminated, stops_held
 
 
 def stop_on_sigterm(signum, frame) -> None:

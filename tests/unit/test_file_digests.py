@@ -14,7 +14,7 @@ import pytest
 from common import file_digests
 from common.file_digests import file_sha256, known_digests
 from common.policy import WEIGHTS_FILE, CheckpointError, FlowPolicy, verify_checksums
-from learner.startup import resolve_init_checkpoint
+from learner.runtime.startup import resolve_init_checkpoint
 from tests.conftest import tiny_config
 
 
@@ -72,6 +72,6 @@ def test_a_corrupt_cached_bc_checkpoint_stops_the_driver_before_the_learner_star
     data = bytearray((checkpoint / WEIGHTS_FILE).read_bytes())
     data[-1] ^= 0xFF
     (checkpoint / WEIGHTS_FILE).write_bytes(bytes(data))
-    monkeypatch.setattr("learner.startup.ensure_bc_checkpoint", lambda config: checkpoint)
+    monkeypatch.setattr("learner.runtime.startup.ensure_bc_checkpoint", lambda config: checkpoint)
     with pytest.raises(CheckpointError, match="does not match its sha256"):
         resolve_init_checkpoint(tiny_config(tmp_path))

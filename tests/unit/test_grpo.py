@@ -3,6 +3,7 @@ Gaussian KL, the reference's shared and copied parts, and the settings refused b
 
 from __future__ import annotations
 
+import re
 import statistics
 
 import pytest
@@ -13,7 +14,7 @@ from common.flow import chain_log_prob, num_log_prob_elements, sample_chain
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
 from common.rl import group_advantages, grpo_advantages, k3, kl_to_reference
-from learner.learner import frozen_reference
+from learner.update.learner import frozen_reference
 from tests.conftest import tiny_config
 
 # Group rollouts need whole episodes: 10 decisions x 4 steps cover tiny_config's 40-step episodes.
@@ -219,3 +220,23 @@ def test_reference_shares_frozen_parts_and_copies_trainable_ones() -> None:
 def test_bad_grpo_and_kl_settings_name_the_field(tmp_path, overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, **{**GRPO, **overrides})
+
+
+@pytest.mark.parametrize("differs_at, message", [(None, None), ((0, 1), "group 0 (envs 0..1 of the batch) started episode 0"),
+                                                 ((3, 3), "group 1 (envs 2..3 of the batch) started episode 1")])  # fmt: skip
+def test_grpo_refuses_a_group_whose_members_started_an_episode_from_different_states(differs_at, message):
+    """The k-th episodes of a group's members must start alike: checked on the episodes grpo_advantages finds, each start
+    (t = 0 or the decision after an end) against the group's first member's. A state that differs mid-episode is no start."""
+    terminated = torch.zeros(6, 4, dtype=torch.bool)
+    terminated[2, :] = True  # every env ends its first episode at t = 2: the second starts at t = 3
+    states = torch.arange(6, dtype=torch.float32)[:, None, None].expand(6, 4, 3).clone()  # each t alike across envs
+    states[4, 1] += 1.0  # mid-episode: not a start
+    if differs_at is not None:
+        states[differs_at] += 0.5
+    rewards, valid = torch.ones(6, 4), torch.ones(6, 4, dtype=torch.bool)
+    arguments = (rewards, torch.ones(6, 4), terminated, torch.zeros(6, 4, dtype=torch.bool), valid, 2, True)
+    if message is None:
+        grpo_advantages(*arguments, states=states)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message) + " from different states"):
+            grpo_advantages(*arguments, states=states)

@@ -13,8 +13,8 @@ from common.config_loading import load_config
 from common.rollout import env_tasks, group_tasks
 from common.suites import make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
-from learner.monitoring import GaugeExporter
-from learner.startup import preflight
+from learner.runtime.monitoring import GaugeExporter
+from learner.runtime.startup import preflight
 from tests.conftest import REPO, tiny_config
 
 TWO_TASKS = "reach-v3,pick-place-v3"
@@ -113,10 +113,10 @@ def test_the_mt10_recipe_runs_on_five_other_tasks_with_no_other_change() -> None
 
 
 def test_a_task_the_starting_policy_solves_gets_the_solved_weight_and_a_resumed_run_keeps_its_weights(tmp_path) -> None:
-    """learner.startup.with_solved_task_weights: a task whose BC held-out success (pretrain.json, per task) is above
+    """learner.runtime.startup.with_solved_task_weights: a task whose BC held-out success (pretrain.json, per task) is above
     pretrain.target_success_max takes env.solved_task_weight, unless env.task_weights names it; a resumed run keeps the
     weights its start chose; the start line counts each task's envs; a weight for a task outside the run is refused."""
-    from learner.startup import describe_task_weights, with_solved_task_weights
+    from learner.runtime.startup import describe_task_weights, with_solved_task_weights
 
     checkpoint = tmp_path / "bc"
     checkpoint.mkdir()

@@ -12,7 +12,7 @@ from common.diagnostics import RandomInitError
 from common.observation import Observation
 from common.policy import CheckpointError, FlowPolicy, MLPFlowPolicy
 from common.policy.initialisation import initialisation_skipped
-from learner.learner import require_pretrained
+from learner.update.learner import require_pretrained
 
 
 def small_policy(**overrides) -> MLPFlowPolicy:
@@ -121,7 +121,7 @@ def test_out_of_distribution_states_saturate_instead_of_exploding() -> None:
 
 
 def test_a_checkpoint_copied_through_its_contents_is_the_same_and_a_corrupt_copy_writes_nothing(tmp_path) -> None:
-    """directory_contents / write_directory_contents carry a checkpoint between nodes (learner.run_files): the copy is
+    """directory_contents / write_directory_contents carry a checkpoint between nodes (actors.run_files): the copy is
     the same files byte for byte, checksum listing included, and loads to the same weights; a file whose bytes no
     longer match the listing, or a name outside the directory, is refused and leaves nothing behind."""
     from common.storage import directory_contents, write_directory_atomically, write_directory_contents

@@ -29,9 +29,8 @@ from common.policy import (
     read_policy_config,
     write_directory_atomically,
 )
-from learner.learner import Learner
-from learner.replay import run_config as replay_config
-from learner.run_dir import LOCK_FILE, RUN_CONFIG_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
+from learner.files.run_dir import LOCK_FILE, RUN_CONFIG_FILE, DiskSpaceWarning, RunDirectory, RunDirLockedError
+from learner.update.learner import Learner
 from tests.conftest import tiny_config
 from tests.helpers.errors import one_line_error
 
@@ -74,72 +73,40 @@ def test_resume_refuses_a_changed_config_and_names_the_fields(tmp_path, mlp_chec
         directory.resume(tiny_config(tmp_path, iterations=1))
 
 
-def test_a_retired_field_at_rest_loads_from_checkpoints_recorded_configs_and_files_and_is_refused_otherwise(
-    tmp_path, mlp_checkpoint
-) -> None:
-    """policy.dropout left the schema: a checkpoint, a run's recorded config and a config file that hold it at 0.0
-    (what every run had) load and resume as before; any other value is refused in one line, naming the reason."""
+def test_a_field_the_schema_lacks_is_refused_in_one_line_from_a_file_a_checkpoint_or_a_recorded_run(tmp_path, mlp_checkpoint) -> None:
+    """A field the schema does not have (policy.dropout: a policy has no dropout, which would make the rescored log-probs
+    random) is named in one line wherever it comes from, with the known fields; a field the schema gained since a run
+    was recorded differs from nothing at its default, and is a change at another value."""
     config = tiny_config(tmp_path)
 
-    def with_retired_dropout(path: Path, value: float) -> None:
+    def with_dropout_field(path: Path, value: float) -> None:
         data = json.loads(path.read_text())
         (data["policy"] if "policy" in data else data)["dropout"] = value
         path.write_text(json.dumps(data))
 
-    def old_checkpoint(value: float) -> Path:
+    def checkpoint_with_dropout() -> Path:
         def write(tmp: Path) -> None:
             FlowPolicy.from_pretrained(mlp_checkpoint).save_pretrained(tmp)
-            with_retired_dropout(tmp / CONFIG_FILE, value)
+            with_dropout_field(tmp / CONFIG_FILE, 0.0)
 
-        return write_directory_atomically(tmp_path / f"old_{value}", write)
+        return write_directory_atomically(tmp_path / "with_dropout", write)
 
-    assert read_policy_config(old_checkpoint(0.0)) == read_policy_config(mlp_checkpoint)
-    one_line_error(CheckpointError, lambda: read_policy_config(old_checkpoint(0.2)), "policy.dropout=0.2 is no longer a setting")
+    one_line_error(CheckpointError, lambda: read_policy_config(checkpoint_with_dropout()), "unknown field(s) ['policy.dropout']")
+    yaml_file = tmp_path / "with_dropout.yaml"
+    yaml_file.write_text("policy:\n  dropout: 0.0\n")
+    one_line_error(ConfigError, lambda: load_config(yaml_file), "unknown field(s) ['policy.dropout']")
+    one_line_error(ConfigError, lambda: load_config(None, ["policy.dropout=0.5"]), "unknown field(s) ['policy.dropout']")
     directory = RunDirectory(config.run_dir)
     with directory.locked():
         directory.start_new(config)
         Learner(config, FlowPolicy.from_pretrained(mlp_checkpoint)).save_checkpoint(directory.checkpoints / "iter_000001")
         directory.write_latest("iter_000001")
-    with_retired_dropout(directory.path / RUN_CONFIG_FILE, 0.0)
-    assert directory.config_changes(config) == {} and directory.resume(tiny_config(tmp_path, iterations=5)).name == "iter_000001"
-    with_retired_dropout(directory.path / RUN_CONFIG_FILE, 0.2)
-    assert directory.config_changes(config) == {"policy.dropout": (0.2, None)}
-    # A field the schema gained since the run was recorded is no change at its default, and one at another value is.
     recorded = json.loads((directory.path / RUN_CONFIG_FILE).read_text())
-    del recorded["policy"]["dropout"], recorded["policy"]["smolvla"]["vlm_hub_id"]
+    del recorded["policy"]["smolvla"]["vlm_hub_id"]
     (directory.path / RUN_CONFIG_FILE).write_text(json.dumps(recorded))
     assert directory.config_changes(config) == {}
     named = tiny_config(tmp_path, **{"policy.smolvla.vlm_hub_id": "owner/backbone"})
     assert directory.config_changes(named) == {"policy.smolvla.vlm_hub_id": (None, "owner/backbone")}
-    yaml_file = tmp_path / "old.yaml"
-    for value, outcome in ((0.0, None), (0.2, "policy.dropout=0.2 is no longer a setting: dropout while scoring")):
-        yaml_file.write_text(f"policy:\n  dropout: {value}\n")
-        if outcome is None:
-            assert load_config(yaml_file) == load_config(None)
-        else:
-            one_line_error(ConfigError, lambda: load_config(yaml_file), outcome)
-    one_line_error(ConfigError, lambda: load_config(None, ["policy.dropout=0.5"]), "policy.dropout=0.5 is no longer a setting")
-
-
-def test_a_run_recorded_with_the_speed_and_fault_knobs_in_their_old_places_resumes_and_replays(tmp_path, mlp_checkpoint) -> None:
-    """A run_config.json written before actors' and learner's speed and fault knobs had their subsections names them as
-    `actors.precision`, `learner.max_restarts`, ...: --resume reads them in their new places, and so does replay."""
-    config = tiny_config(tmp_path, **{"learner.speed.precision": "bfloat16", "actors.faults.min_alive": 2})
-    directory = RunDirectory(config.run_dir)
-    with directory.locked():
-        directory.start_new(config)
-        Learner(config, FlowPolicy.from_pretrained(mlp_checkpoint)).save_checkpoint(directory.checkpoints / "iter_000001")
-        directory.write_latest("iter_000001")
-    recorded = json.loads((directory.path / RUN_CONFIG_FILE).read_text())
-    for section in ("actors", "learner"):
-        recorded[section] |= recorded[section].pop("speed") | recorded[section].pop("faults")
-    (directory.path / RUN_CONFIG_FILE).write_text(json.dumps(recorded))
-    assert recorded["learner"]["precision"] == "bfloat16" and "speed" not in recorded["actors"]
-    assert directory.config_changes(config) == {}
-    changed = tiny_config(tmp_path, **{"learner.speed.precision": "float32", "actors.faults.min_alive": 2})
-    assert directory.config_changes(changed) == {"learner.speed.precision": ("bfloat16", "float32")}
-    assert directory.resume(tiny_config(tmp_path, iterations=5, **{"learner.speed.precision": "bfloat16", "actors.faults.min_alive": 2}))
-    assert replay_config(directory.checkpoints / "iter_000001", None, None) == config
 
 
 @pytest.fixture()
@@ -228,7 +195,7 @@ def test_a_full_disk_under_the_runs_record_loses_no_row_and_no_summary_and_ends_
 
     from common.storage import RunFileWriteError
     from learner import main as main_module
-    from learner.reporting import MetricsRows, RunSummary
+    from learner.runtime.reporting import MetricsRows, RunSummary
 
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)
@@ -279,8 +246,8 @@ def test_after_a_learner_restart_held_rows_are_dropped_evaluated_again_or_writte
     redone (its weights are gone) and its row is written without it, with a warning."""
     import types
 
-    from learner.failures import LearnerDiedError
-    from learner.reporting import MetricsRows
+    from learner.runtime.failures import LearnerDiedError
+    from learner.runtime.reporting import MetricsRows
 
     class Evaluations:
         films = None
@@ -357,7 +324,7 @@ def test_checkpoints_that_outgrow_the_disk_are_announced_before_the_run(tmp_path
     config = tiny_config(
         tmp_path, checkpoint_every=25, iterations=sets.get("iterations", 150), **{k: v for k, v in sets.items() if k != "iterations"}
     )
-    monkeypatch.setattr("learner.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, int(free * 1_000_000)))
+    monkeypatch.setattr("learner.files.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, int(free * 1_000_000)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         RunDirectory(config.run_dir).warn_if_checkpoints_outgrow_the_disk(config, reference, completed=0)
@@ -374,7 +341,7 @@ def test_a_resumed_run_counts_only_the_checkpoints_still_to_write(tmp_path, monk
     reference.mkdir()
     (reference / "model.safetensors").write_bytes(b"x" * 1_000_000)
     config = tiny_config(tmp_path, checkpoint_every=25, iterations=150)
-    monkeypatch.setattr("learner.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, 1))
+    monkeypatch.setattr("learner.files.run_dir.shutil.disk_usage", lambda path: DiskUsage(10**12, 0, 1))
     with pytest.warns(DiskSpaceWarning, match="writes 2 checkpoints"):
         RunDirectory(config.run_dir).warn_if_checkpoints_outgrow_the_disk(config, reference, completed=100)
 

@@ -6,18 +6,15 @@ sizes. Free of lerobot imports: the lerobot module they patch is passed in."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
 from torch import nn
 
-from common.config import PolicyConfig, cache_dir
+from common.config import cache_dir
+from common.file_digests import short_digest
 from common.policy.offline_tokenizer import build_tokenizer, writer_line
 from common.storage import write_directory_atomically
 
@@ -90,23 +87,8 @@ def pi_tokenizer_dir(vocab_size: int | None) -> Path:
     """The cached directory of write_pi_tokenizer(vocab_size), written on first use (atomically, so parallel actors
     never read a half-written one)."""
     payload = {"format": PI_TOKENIZER_FORMAT, "written_by": writer_line(), "vocab_size": vocab_size}
-    key = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+    key = short_digest(payload)
     path = cache_dir("pi_tokenizer") / key
     if not (path / "tokenizer_config.json").is_file():
         write_directory_atomically(path, lambda tmp: write_pi_tokenizer(tmp, vocab_size))
     return path
-
-
-def write_lerobot_stand_in(directory: str | Path, config: PolicyConfig, device: str | torch.device = "cpu") -> Path:
-    """A lerobot-format pi0 / pi0.5 checkpoint (lerobot's own save_pretrained: config.json + model.safetensors) of the
-    model `config` describes, with random weights: a stand-in for pi0_base / pi05_base at their real sizes where the
-    real weights are not at hand (GPU benchmarks). Built on `device` (lerobot's full sizes initialise far faster on a
-    GPU); policy.pi0.lerobot_checkpoint = `directory` then loads it strictly, with pi_tokenizer_dir(PALIGEMMA_VOCAB)
-    as the tokenizer."""
-    from common.policy.pi0.model import PiFlowPolicy  # the model module imports this one
-
-    config = dataclasses.replace(config, pi0=dataclasses.replace(config.pi0, lerobot_checkpoint="", reinit_state_proj=False))
-    with torch.device(device):
-        policy = PiFlowPolicy(config)
-    policy.vla.save_pretrained(Path(directory))
-    return Path(directory)

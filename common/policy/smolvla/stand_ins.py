@@ -18,13 +18,13 @@ Shape rules lerobot and transformers impose (checked in TinyVLMSpec.validate):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import cache_dir
+from common.console import log
+from common.file_digests import short_digest
 from common.policy.offline_tokenizer import build_tokenizer, writer_line
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.storage import write_directory_atomically
@@ -81,8 +81,7 @@ class TinyVLMSpec:
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
 
     def key(self) -> str:
-        payload = json.dumps({"format": TINY_VLM_FORMAT, "written_by": writer_line(), **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        return short_digest({"format": TINY_VLM_FORMAT, "written_by": writer_line(), **dataclasses.asdict(self)})
 
 
 # SmolVLM2-500M-Video-Instruct, smolvla_base's backbone: SigLIP-B/16 at 512 px, a 4x pixel shuffle (64 tokens per
@@ -162,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=TinyVLMSpec.image_size, help="the vision tower's square input side")
     args = parser.parse_args(argv)
     try:
-        print(tiny_vlm_dir(dataclasses.replace(TinyVLMSpec(), image_size=args.image_size)))
+        log.info(tiny_vlm_dir(dataclasses.replace(TinyVLMSpec(), image_size=args.image_size)))
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return 2
     return 0
 

@@ -1,0 +1,55 @@
+"""Scoring recorded chains: the encode and the log-probs over the iteration a micro-batch's worth of rows at a time,
+the critic's values of the observations the chunks led to, and the scores of other weights (an older version's, the
+KL reference's) on the same chains."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from common.flow import ChainLogProb, chain_log_prob
+from common.observation import Observation
+from common.policy import FlowPolicy, concat_features, index_features
+from common.trajectory import RolloutBatch
+
+
+def encode_in_chunks(policy: FlowPolicy, obs: Observation, rows: int, keep: Callable[[Any], Any] = lambda features: features) -> Any:
+    """keep(policy.encode(...)) over `rows` observations at a time, joined. The learner never encodes more rows at once
+    than one micro-batch of its update, so a VLM's activations do not grow with the iteration (the peak memory either
+    way: docs/performance.md)."""
+    total = obs.batch_shape[0]
+    return concat_features([keep(policy.encode(obs.index(slice(start, start + rows)))) for start in range(0, total, rows)])
+
+
+def next_observation_values(policy: FlowPolicy, batch: RolloutBatch, features: Any, rows: int) -> Tensor:
+    """(T, N): the critic's values of the observations the chunks led to, given `features`, the encoded observations
+    the chunks were chosen in (B = T * N rows). A chunk that left its episode running led to the observation its env's
+    next decision read, whose features serve; only the record's bootstrap observations (episode ends, and the last
+    decision's) are encoded, so a VLA's prefix pass does not run over the iteration twice."""
+    num_decisions, num_envs = batch.num_decisions, batch.num_envs
+    size, bootstrap = num_decisions * num_envs, batch.bootstrap_observations().to_torch(policy.obs_device)
+    source = torch.arange(num_envs, num_envs + size)  # row r's next observation is row r + N's observation...
+    source[torch.from_numpy(batch.bootstrap_rows())] = torch.arange(size, size + bootstrap.batch_shape[0])  # ...or a bootstrap one
+    pool = concat_features([policy.critic_features(features), encode_in_chunks(policy, bootstrap, rows, policy.critic_features)])
+    # The critic runs over all B rows at once, as it would over every next observation encoded: where encode() treats a
+    # row alike whatever rows are beside it (the MLP's normalisation), the values are those, bit for bit.
+    return policy.value(index_features(pool, source)).view(num_decisions, num_envs)
+
+
+def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int, steps_in_one_pass: bool) -> ChainLogProb:
+    """chain_log_prob over `rows` chains at a time, joined. A VLA's denoising step copies the prefix cache of every row
+    it scores, so scoring a whole iteration at once would hold a second copy of the iteration's cache (docs/pi0.md)."""
+    return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows],
+                                           steps_in_one_pass=steps_in_one_pass) for start in range(0, len(chains), rows)])  # fmt: skip
+
+
+def rescore(policy: FlowPolicy, obs: Observation, chains: Tensor, features: Any, rows: int, steps_in_one_pass: bool,
+            encode_again: bool) -> ChainLogProb:  # fmt: skip
+    """`chains` scored by `policy` with other weights than the current ones (a lagged rollout's version swapped in, or
+    the frozen KL reference): the observations encoded again where the learner's encoder trains, its features
+    differing between weights; else the current weights' `features`, since a frozen encoder is one module in them all."""
+    features = encode_in_chunks(policy, obs, rows) if encode_again else features
+    return score_in_chunks(policy, features, chains, rows, steps_in_one_pass)
