@@ -21,6 +21,7 @@ mkdir -p "$report_dir"
 log=$report_dir/gpu_check.log
 budget_seconds=${GPU_CHECK_SECONDS:-540}  # the whole check; the compiled paths get what the first part leaves
 parts=${GPU_CHECK_PARTS:-smolvla compiled}  # which parts run
+python=${PYTHON:-python3}  # the interpreter that holds torch
 export MUJOCO_GL=${MUJOCO_GL:-egl} PYOPENGL_PLATFORM=${PYOPENGL_PLATFORM:-egl} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout, where the project is not installed (a bare GPU machine)
 
@@ -36,7 +37,7 @@ if [ "$size" = full ] && [ -d .whl ]; then  # packages the GPU image lacks, as w
     export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-python3 -c "import torch, lerobot, metaworld; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$log"
+"$python" -c "import torch, lerobot, metaworld; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$log"
 
 work_dir=$(mktemp -d)
 trap 'rm -rf "$work_dir"' EXIT
@@ -53,7 +54,7 @@ part() {  # part NAME SECONDS ARGS...: one bench run, cut at SECONDS, its figure
     local name=$1 seconds=$2
     shift 2
     note "$name: start (at most ${seconds}s)"
-    timeout --signal=INT --kill-after=20 "$seconds" python3 bench/smolvla_gpu.py --work-dir "$work_dir" "$@" \
+    timeout --signal=INT --kill-after=20 "$seconds" "$python" bench/smolvla_gpu.py --work-dir "$work_dir" "$@" \
         >"$report_dir/$name.txt" 2>>"$log"
     local status=$?
     note "$name: exit $status after $SECONDS s in all"

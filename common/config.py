@@ -625,6 +625,10 @@ class RunConfig:
     eval_episodes: int = 100  # held-out layouts per evaluation
     eval_videos: int = 2  # held-out episodes filmed per task after each evaluation (first success, first failure); 0: none
     checkpoint_every: int = 25
+    # A multi-task run's stall window, in iterations: every this many, a task whose training-layout success over the last
+    # window lies inside the 95% interval of its first window's is named on the console ("[stall]") and in the summary
+    # (common.metrics.stalled_tasks). 0: not watched.
+    stall_window: int = 20
     # Checkpoints kept in run_dir/checkpoints, the newest (0: every one). An older one is deleted once a newer one is
     # complete and `latest` names it; 2 or more leave --resume a fallback if the newest is found corrupt.
     keep_checkpoints: int = 0
@@ -642,6 +646,7 @@ class RunConfig:
                 value.validate(f.name)
         require_positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        require(self.stall_window >= 0, f"stall_window must be >= 0 (0: not watched), got {self.stall_window}")
         require(self.keep_checkpoints >= 0, f"keep_checkpoints must be >= 0 (0: keep every one), got {self.keep_checkpoints}")
         require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")

@@ -47,6 +47,7 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         metrics[task_key(task, "success_rate", "rollout")] = float(batch.episode_successes[tasks == task].mean())
         first_of_task = batch.episode_successes[(tasks == task) & batch.episode_first]
         metrics[task_key(task, "first_episode_success_rate", "rollout")] = float(first_of_task.mean()) if len(first_of_task) else math.nan
+        metrics[task_key(task, "first_episodes", "rollout")] = float(len(first_of_task))
     return metrics
 
 
@@ -215,10 +216,14 @@ def _save_success_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> Pa
 
 def success_interval(successes: np.ndarray, z: float = 1.96) -> tuple[float, float, float]:
     """Success rate with its Wilson 95% interval: (rate, low, high)."""
-    n = len(successes)
+    return counts_interval(float(np.sum(successes)), len(successes), z)
+
+
+def counts_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float, float]:
+    """`successes` of `n` trials as a rate with its Wilson 95% interval: (rate, low, high)."""
     if n == 0:
         return float("nan"), float("nan"), float("nan")
-    p = float(np.mean(successes))
+    p = successes / n
     denom = 1 + z**2 / n
     centre = (p + z**2 / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom
@@ -269,3 +274,37 @@ def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Pat
         mean = np.array([np.mean([per_seed[s][i] for s in per_seed], axis=0) for i in shared])
         ax.plot(mean[:, 0], mean[:, 1], "k-", linewidth=2.5, label=f"mean of {len(per_seed)} seeds")
     return _save_success_plot(fig, ax, path, title, "held-out success (deterministic)")
+
+
+def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict[str, float]]:
+    """The tasks of a multi-task run whose sampling policy has not moved on its training layouts: pooled over the last
+    `window` iterations' rows, its first-episode success (rollout/task/<task>/first_episode_success_rate, weighted by
+    first_episodes) lies inside the 95% interval of the same over the first `window` iterations. Each with both windows'
+    figures; none before the run has twice `window` iterations, or without a window."""
+    if not window or len(rows) < 2 * window:
+        return {}
+    tasks = sorted({key.split("/")[2] for key in rows[0] if key.startswith("rollout/task/") and key.endswith("/first_episodes")})
+    stalled = {}
+    for task in tasks:
+        windows = []
+        for part in (rows[:window], rows[-window:]):
+            trials = [(row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
+                       row.get(task_key(task, "first_episodes", "rollout"), 0.0)) for row in part]  # fmt: skip
+            n = int(sum(count for rate, count in trials if count and math.isfinite(rate)))
+            windows.append(counts_interval(sum(rate * count for rate, count in trials if count and math.isfinite(rate)), n))
+        (first, low, high), (last, *_) = windows
+        if low <= last <= high:
+            stalled[task] = {"first": first, "first_low": low, "first_high": high, "last": last,
+                             "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
+                             "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
+    return stalled
+
+
+def describe_stall(task: str, stall: dict[str, float]) -> str:
+    """One line of a stalled task's figures (stalled_tasks)."""
+    first, last = stall["first_iterations"], stall["last_iterations"]
+    interval = f"[{stall['first_low']:.2f}, {stall['first_high']:.2f}]"
+    return (
+        f"{task}: training-layout success {stall['first']:.2f} over iterations {first[0]:.0f}-{first[1]:.0f} and {stall['last']:.2f} "
+        f"over {last[0]:.0f}-{last[1]:.0f}, inside the first window's 95% interval {interval}"
+    )

@@ -94,7 +94,26 @@ def value_loss(values: Tensor, returns: Tensor, old_values: Tensor, value_clip: 
             explained_var = 1.0 - (returns - values).var() / returns.var().clamp_min(1e-8)
         else:
             explained_var = torch.tensor(float("nan"))
-    return v_loss, {"explained_variance": explained_var}
+        # The first two moments of the returns and the residuals, from which the explained variance of several
+        # micro-batches (or ranks) together follows (explained_variance_of_moments).
+        returns64, residuals64 = returns.double(), (returns - values).double()
+        moments = {"returns_mean": returns64.mean(), "returns_sq_mean": (returns64**2).mean(), "residual_mean": residuals64.mean(),
+                   "residual_sq_mean": (residuals64**2).mean()}  # fmt: skip
+    return v_loss, {"explained_variance": explained_var, **moments}
+
+
+EXPLAINED_VARIANCE_MOMENTS = ("returns_mean", "returns_sq_mean", "residual_mean", "residual_sq_mean")
+
+
+def explained_variance_of_moments(moments: dict[str, float], count: int) -> float:
+    """1 - var(returns - values) / var(returns) over `count` decisions, from the means of returns, returns^2, residuals
+    and residuals^2 over them (value_loss's moments, pooled): the unbiased variances, as torch.var gives them, their
+    common factor count / (count - 1) cancelling; NaN below two decisions."""
+    if count < 2:
+        return float("nan")
+    returns_var = moments["returns_sq_mean"] - moments["returns_mean"] ** 2
+    residual_var = moments["residual_sq_mean"] - moments["residual_mean"] ** 2
+    return 1.0 - residual_var / max(returns_var, 1e-8 * (count - 1) / count)
 
 
 # KL estimators (Schulman, "Approximating KL divergence"). Samples x come from `policy`;

@@ -1,16 +1,7 @@
-"""Behaviour-cloning pre-training of the flow policy from a suite's scripted demonstrations (Metaworld's experts).
-
-    python -m learner.pretrain --out checkpoints/bc            # defaults from common.config.PretrainConfig
-    python -m learner.pretrain --set pretrain.num_demos=7 --out /tmp/bc7
-
-RL fine-tuning starts from a pre-trained policy, and no weights are downloaded at run time, so the project
-makes its own: the scripted expert is rolled out (with action noise) on `pretrain.num_demos` layouts of
-`env.demo_benchmark_seed`, the velocity field is trained with the conditional flow-matching loss, and the
-checkpoint (safetensors + config + normalisation statistics as buffers) is evaluated deterministically
-on held-out layouts. The starting policy is deliberately weak, to leave room for RL: by default
-(`pretrain.num_demos: null`) the number of demonstrations is chosen per task so that held-out success lands
-in [pretrain.target_success_min, target_success_max] (ensure_bc_checkpoint; every candidate is cached).
-"""
+"""Behaviour cloning of a flow policy: demonstrations (a suite's scripted expert, with action noise, or a LeRobotDataset)
+cut into (observation, chunk) pairs, the velocity field trained on them with the conditional flow-matching loss, and the
+checkpoint (safetensors, config, normalisation statistics as buffers) scored deterministically on held-out layouts.
+One trainer for every backend; `python -m learner.pretrain` runs it alone, learner.bc.starting_checkpoint caches it."""
 
 from __future__ import annotations
 

@@ -31,13 +31,27 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common.diagnostics import NonFiniteError
-from common.rl import normalize
+from common.rl import EXPLAINED_VARIANCE_MOMENTS, explained_variance_of_moments, normalize
 
 # How long a rank waits in a collective for the others before torch.distributed gives up on the group. The run's own
 # deadline on learner calls (learner.faults.call_timeout_s) ends a wedged group first; this only bounds a rank left behind.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 # Per-micro-batch metrics a minibatch reports as their extreme, not their mean.
 EXTREMES = {"ratio_min": min, "ratio_max": max}
+
+
+def pooled(terms: dict[str, list[tuple[float, int]]], means: dict[str, float]) -> dict[str, float]:
+    """A minibatch's figures with the explained variance over all its decisions, from every micro-batch's moments of
+    the returns and residuals weighted by its rows (a mean of the parts' own explained variances is another number,
+    and NaN for a part of one decision); the moments themselves left out."""
+    figures = {key: value for key, value in means.items() if key not in EXPLAINED_VARIANCE_MOMENTS}
+    if EXPLAINED_VARIANCE_MOMENTS[0] in terms:
+        count = sum(rows for _, rows in terms[EXPLAINED_VARIANCE_MOMENTS[0]])
+        moments = {key: sum(value * rows for value, rows in terms[key]) / count for key in EXPLAINED_VARIANCE_MOMENTS}
+        figures["explained_variance"] = explained_variance_of_moments(moments, count)
+    return figures
+
+
 # The outcome of a rank's local work in `together`, in order of precedence when ranks differ.
 OK, NON_FINITE, OUT_OF_MEMORY, FAILED = 0, 1, 2, 3
 
@@ -79,8 +93,11 @@ class SingleRank:
         pass
 
     def minibatch_means(self, terms: dict[str, list[tuple[float, int]]]) -> dict[str, float]:
-        """Each metric's mean over the minibatch's micro-batches (terms: key -> (value, rows) per micro-batch)."""
-        return {key: float(EXTREMES.get(key, np.mean)([value for value, _ in values])) for key, values in terms.items()}
+        """Each metric's mean over the minibatch's micro-batches (terms: key -> (value, rows) per micro-batch); the
+        explained variance over all their decisions (`pooled`) where there are several."""
+        means = {key: float(EXTREMES.get(key, np.mean)([value for value, _ in values])) for key, values in terms.items()}
+        several = len(terms.get(EXPLAINED_VARIANCE_MOMENTS[0], ())) > 1
+        return pooled(terms, means) if several else {key: value for key, value in means.items() if key not in EXPLAINED_VARIANCE_MOMENTS}
 
     def across_ranks(self, metrics: dict[str, float], decisions: int, counts: Sequence[str] = ()) -> dict[str, float]:
         return metrics
@@ -237,7 +254,7 @@ class RankGroup(SingleRank):
             for key, values in part.items():
                 merged.setdefault(key, []).extend(values)
         means = {key: sum(v * rows for v, rows in values) / sum(rows for _, rows in values) for key, values in merged.items()}
-        return means | {key: EXTREMES[key](v for v, _ in merged[key]) for key in EXTREMES if key in merged}
+        return pooled(merged, means | {key: EXTREMES[key](v for v, _ in merged[key]) for key in EXTREMES if key in merged})
 
     def across_ranks(self, metrics: dict[str, float], decisions: int, counts: Sequence[str] = ()) -> dict[str, float]:
         """The ranks' metrics of one update as one set: a count (`counts`) summed, a key ending in max or min the extreme

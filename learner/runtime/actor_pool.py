@@ -10,6 +10,7 @@ warning and the rest go on; below actors.faults.min_alive the run stops.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import ActorDiedError, OwnerDiedError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, OwnerDiedError, RayActorError
 
 from common.config import RunConfig
 from common.console import log
@@ -44,6 +45,7 @@ class ActorPool:
         self.actors = {index: start_actor(index) for index in range(self.cfg.num_actors)}
         self.restarts = dict.fromkeys(self.actors, 0)  # restarts seen, by actor index (dropped actors' included)
         self.pids: dict[int, int] = {}  # the process each actor last answered from (wait_started, the receipts)
+        self.suspected: set[int] = set()  # actors seen dying or killed, whose process is asked at their next answer
         # What the actors were created with (the layout tables' actor): Ray re-runs an actor's constructor with it when it
         # restarts the actor, so it must live as long as the pool, not just until the actors first start.
         self.keep_alive = list(keep_alive)
@@ -118,6 +120,7 @@ class ActorPool:
                         raise LearnerDiedError(f"the learner that published the weights of rollout actor {index}'s {call.method} "
                                                "call died") from exc  # fmt: skip
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
+                        self.suspected.add(index)
                         time.sleep(0.5)
                         retry(index)
                         continue
@@ -132,8 +135,18 @@ class ActorPool:
                              f"{timeout:g}s): killing it")  # fmt: skip
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
+                    self.suspected.add(index)
                     retry(index)
+        for index in self.suspected & set(done):  # answered since a death or a kill: was it a restarted actor's answer?
+            self._ask_process(index, call.method)
+            self.suspected.discard(index)
         return done
+
+    def _ask_process(self, index: int, method: str) -> None:
+        """Note the process actor `index` runs in, asked after the calls queued before the question (within the call
+        deadline; an actor busy beyond it is asked again by its next receipt)."""
+        with contextlib.suppress(GetTimeoutError):
+            self._note_process(index, ray.get(self.actors[index].pid.remote(), timeout=self.cfg.faults.call_timeout_s), method)
 
     def _note_process(self, index: int, pid: int, method: str) -> None:
         """Actor `index` answered `method` from process `pid`: another process than its last one is a restart (Ray

@@ -34,11 +34,12 @@ from common.config import RunConfig
 from common.console import log
 from common.metrics import MetricsLog
 from common.storage import RunFileWriteError
+from common.suites import make_suite
 from learner.files.run_dir import RunDirectory, completed_iterations
 from learner.runtime.actor_pool import ActorPool, PendingCall
 from learner.runtime.failures import LearnerDiedError, stops_held
 from learner.runtime.learner_handle import LearnerHandle
-from learner.runtime.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, banner, init_wandb
+from learner.runtime.reporting import CostMeter, EvaluationFilms, Evaluator, MetricsRows, RunSummary, StallWatch, banner, init_wandb
 from learner.runtime.startup import (
     StartupClock,
     describe_task_weights,
@@ -92,6 +93,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     evaluator = Evaluator(pool, eval_layouts, films)
     rows = MetricsRows(MetricsLog(directory.path / "metrics.jsonl"), evaluator, learner, wandb_run, single_batch)
     rows.recover(completed_iterations(resume_dir))
+    stalls = StallWatch(config.stall_window if len(make_suite(config.env).tasks()) > 1 else 0)
     if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
         summary.begin(config, checkpoint, eval_layouts)
         if not single_batch:
@@ -127,6 +129,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 rows.after_learner_restart(iteration, rollouts.weights_ref)
                 continue
             iteration += 1
+            stalls.check(iteration, rows.log)
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
         if not isinstance(exc, RunFileWriteError):  # else the disk refused a row: a checkpoint past it would lose that row
             rows.keep_completed()

@@ -45,7 +45,7 @@ def stops_held(what: str) -> Iterator[None]:
         if received:
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         received.append(signum)
-        log.info(f"[stopping] {signal.Signals(signum).name} received: {what} first")
+        log.info(f"[stopping] asked to stop ({signal.Signals(signum).name}): {what} first")
 
     previous = {stop: signal.signal(stop, hold) for stop in STOP_SIGNALS}
     try:

@@ -22,10 +22,12 @@ from common.file_digests import file_sha256
 from common.metrics import (
     MetricsLog,
     console_line,
+    describe_stall,
     eval_metrics,
     evaluated_tasks,
     plot_learning_curve,
     plot_task_curves,
+    stalled_tasks,
     task_key,
     tasks_against_start,
 )
@@ -253,6 +255,22 @@ class MetricsRows:
             self.wandb_run.finish()
 
 
+class StallWatch:
+    """A multi-task run's stalled tasks on the console, each named once, as its window comes round
+    (common.metrics.stalled_tasks over the rows logged so far)."""
+
+    def __init__(self, window: int):
+        self.window, self.named = window, set()
+
+    def check(self, iteration: int, log_file: MetricsLog) -> None:
+        if not self.window or iteration % self.window or iteration < 2 * self.window:
+            return
+        for task, stall in stalled_tasks(log_file.read(), self.window).items():
+            if task not in self.named:
+                log.info(f"[stall] {describe_stall(task, stall)}")
+                self.named.add(task)
+
+
 class RunSummary:
     """summary.json: the run's manifest, start-up stages, held-out evaluations, faults and cost. A resumed run carries on
     from the summary its earlier launches wrote."""
@@ -292,6 +310,8 @@ class RunSummary:
                           "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
                           "faults": faults})  # fmt: skip
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
+        if stalls := stalled_tasks(rows, config.stall_window):
+            self.data["stalled_tasks"] = stalls
         if "initial_eval" in self.data and final_eval:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
             if evaluated_tasks([final_eval]):
@@ -406,6 +426,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if placed := summary.get("tasks_against_initial"):
         log.info(f"tasks          : {len(placed['above'])} of {sum(map(len, placed.values()))} above their initial interval, "
                  f"{len(placed['below'])} below{' (' + ', '.join(placed['below']) + ')' if placed['below'] else ''}")  # fmt: skip
+    for task, stall in summary.get("stalled_tasks", {}).items():
+        log.info(f"stalled        : {describe_stall(task, stall)}")
     log.info(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         log.info(f"per-task curves: {summary['task_curves']}")

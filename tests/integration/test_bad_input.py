@@ -18,11 +18,14 @@ import pytest
 import learner.main as main_module
 from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
+from common.config_loading import load_config
 from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, FlowPolicy
 from common.suites.metaworld import MetaworldTaskEnv
 from learner.main import main
-from learner.update.learner import Learner
-from tests.conftest import tiny_config, tiny_run
+from learner.runtime.reporting import banner
+from learner.runtime.startup import preflight, warn_if_ratio_insensitive
+from learner.update.learner import Learner, update_shape
+from tests.conftest import REPO, tiny_config, tiny_run
 
 
 @pytest.fixture(autouse=True)
@@ -235,3 +238,19 @@ def test_a_rollout_where_every_episode_broke_is_a_skipped_update(tmp_path, bc_ch
     learner = Learner(config, FlowPolicy.from_pretrained(bc_checkpoint))
     with pytest.warns(RuntimeWarning, match="every decision of this rollout belongs to an episode"):
         assert learner.update(batch)["faults/skipped_update"] == 1.0
+
+
+def test_the_drivers_start_up_for_a_pi0_run_builds_no_policy(monkeypatch) -> None:
+    """What the driver does before the learner starts (the input checks, the ratio-sensitivity warning, the banner and the
+    update's shape) reads the config alone: for configs/pi0_pick.yaml no policy of 3 billion parameters is built on the
+    head node. A policy built anywhere on that path fails this test."""
+
+    def built(*args, **kwargs) -> None:
+        raise AssertionError("the driver's start-up built a policy")
+
+    monkeypatch.setattr(FlowPolicy, "__init__", built)
+    config = load_config(REPO / "configs" / "pi0_pick.yaml")
+    assert len(preflight(config, "10.0.0.1:6379", resume=False)) == config.eval_episodes  # a cluster's address: no local GPU check
+    warn_if_ratio_insensitive(config)
+    assert "pi0" in banner(config, None, None, {"CPU": 64.0, "GPU": 8.0}, 2.0)
+    assert update_shape(config).startswith("512 decisions per iteration")

@@ -184,7 +184,7 @@ def test_the_prepared_gpu_check_runs_its_parts_at_test_size_and_writes_each_repo
     the actors' tokens) and the group path with one rank against the learner alone (a one-process gloo group, no Ray)
     on the same rollouts: the same weights within the learner group tests' tolerance, the same bytes held, and the ratio
     of their median times."""
-    environment = {**os.environ, "REPORT_DIR": str(tmp_path), "GPU_CHECK_PARTS": "smolvla"}
+    environment = {**os.environ, "REPORT_DIR": str(tmp_path), "GPU_CHECK_PARTS": "smolvla", "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--tiny"], env=environment, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, (tmp_path / "gpu_check.log").read_text()[-3000:]

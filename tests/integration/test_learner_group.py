@@ -52,14 +52,15 @@ def rollouts(config: RunConfig, checkpoint: Path, learner: Learner) -> list[Roll
 def group_update(config: RunConfig, checkpoint: Path | None, iterations: list[list[RolloutBatch]], resume_dir: Path | None = None,
                  save_to: Path | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """A two-rank group's metrics of each update and each rank's trainable weights after the last (gathered whole when
-    sharded); each rank fetches its share of an iteration's rollouts (one actor's batch each) from the object store.
+    sharded); each rank fetches its consecutive share of an iteration's rollouts (actors' batches) from the object store.
     The group starts from `checkpoint`, or resumes from `resume_dir`; with `save_to`, it checkpoints there at the end."""
     ranks = start_learner_group(config, RANK, LearnerActor, config, checkpoint and str(checkpoint), resume_dir and str(resume_dir))
     try:
         metrics = []
         for batches in iterations:
             refs = [ray.put(batch) for batch in batches]
-            answers = ray.get([rank.update.remote(*refs[i :: len(ranks.actors)]) for i, rank in enumerate(ranks.actors)])
+            shares = np.array_split(np.array(refs, dtype=object), len(ranks.actors))  # consecutive, as LearnerHandle.update
+            answers = ray.get([rank.update.remote(*share) for share, rank in zip(shares, ranks.actors, strict=True)])
             assert answers[1:] == [{}] * (len(answers) - 1)  # rank 0 reports for the group
             metrics.append(answers[0])
             ray.get([rank.publish.remote() for rank in ranks.actors])
@@ -76,6 +77,11 @@ def group_update(config: RunConfig, checkpoint: Path | None, iterations: list[li
     "fields",
     [
         pytest.param({}, id="ppo"),
+        # 3 actors over 2 ranks (two batches and one), minibatches of 3 decisions: a rank holds 1 decision of some
+        pytest.param(
+            {"actors.num_actors": 3, "actors.envs_per_actor": 1, "actors.decisions_per_rollout": 4, "algorithm.minibatch_size": 3},
+            id="ppo-uneven-split",
+        ),  # fmt: skip
         pytest.param({"algorithm.target_kl": 1e-6, "algorithm.update_epochs": 4}, id="ppo-kl-early-stop"),
         pytest.param(
             {
@@ -130,6 +136,8 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         # The policy loss is a mean of terms of order 1 (normalised advantages times ratios near 1) that cancel to about
         # 1e-3: the terms' float32 rounding, not the mean's size, sets how far the two may lie apart.
         assert group["losses/pg_loss"] == pytest.approx(one["losses/pg_loss"], rel=0, abs=1e-6)
+        if "losses/explained_variance" in one:  # over each minibatch's decisions, however the ranks split them
+            assert group["losses/explained_variance"] == pytest.approx(one["losses/explained_variance"], rel=1e-4, abs=1e-5)
         if "values/advantage_raw_std" in one:  # PPO's: over every rank's decisions, not the mean of the ranks' stds
             assert group["values/advantage_raw_std"] == pytest.approx(one["values/advantage_raw_std"], rel=1e-5)
     if "algorithm.target_kl" in fields:  # stopped early, at the same step

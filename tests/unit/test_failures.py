@@ -29,7 +29,7 @@ def test_a_stop_inside_the_block_takes_effect_at_its_end(sigterm_stops, capsys, 
             os.kill(os.getpid(), stop)
             done.append("the row")
     assert done == ["the row"]
-    assert f"[stopping] {signal.Signals(stop).name} received: finishing the update and logging it first" in capsys.readouterr().out
+    assert f"[stopping] asked to stop ({signal.Signals(stop).name}): finishing the update and logging it first" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is stop_on_sigterm  # the run's own handler is back
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
+from common.metrics import counts_interval, describe_stall, stalled_tasks
 from common.rollout import env_tasks, group_tasks
 from common.suites import make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
@@ -135,3 +136,32 @@ def test_a_task_the_starting_policy_solves_gets_the_solved_weight_and_a_resumed_
         preflight(tiny_config(tmp_path, **fields, **{"env.task_weights": {"push-v3": 2.0}}), address=None, resume=False)
     with pytest.raises(ConfigError, match=r"env.solved_task_weight must be > 0, got 0"):
         tiny_config(tmp_path, **fields, **{"env.solved_task_weight": 0})
+
+
+def stall_rows(rates: dict[str, list[float]], episodes: int = 20) -> list[dict]:
+    """Metrics rows with each task's first-episode success on the training layouts, iteration by iteration."""
+    count = len(next(iter(rates.values())))
+    return [{"iteration": i + 1, **{f"rollout/task/{task}/first_episode_success_rate": values[i] for task, values in rates.items()},
+             **{f"rollout/task/{task}/first_episodes": float(episodes) for task in rates}} for i in range(count)]  # fmt: skip
+
+
+def test_a_task_whose_training_success_stays_inside_its_first_windows_interval_is_named_stalled() -> None:
+    """Over 10-iteration windows of 20 first episodes each (200 per window): a task at 0.30 throughout stays inside its
+    first window's interval (about 0.24-0.37) and is stalled; one that climbs from 0.30 to 0.60 is not; a drop is a
+    move too. Nothing is named before two windows have passed, nor with no window."""
+    flat = [0.30] * 25
+    climbing = [0.30] * 10 + [0.45] * 5 + [0.60] * 10
+    falling = [0.60] * 15 + [0.30] * 10
+    rows = stall_rows({"pick-place-v3": flat, "reach-v3": climbing, "push-v3": falling})
+    stalled = stalled_tasks(rows, 10)
+    assert list(stalled) == ["pick-place-v3"]
+    stall = stalled["pick-place-v3"]
+    assert stall["first"] == pytest.approx(0.30) and stall["last"] == pytest.approx(0.30)
+    assert stall["first_low"] < 0.30 < stall["first_high"]
+    assert (stall["first_iterations"], stall["last_iterations"]) == ([1, 10], [16, 25])
+    assert counts_interval(0.30 * 200, 200) == pytest.approx((stall["first"], stall["first_low"], stall["first_high"]))
+    assert "pick-place-v3: training-layout success 0.30 over iterations 1-10 and 0.30 over 16-25" in describe_stall("pick-place-v3", stall)
+    assert stalled_tasks(rows[:19], 10) == {} and stalled_tasks(rows, 0) == {}
+    # A row whose task sampled no first episode (NaN) weighs nothing.
+    rows[20]["rollout/task/reach-v3/first_episode_success_rate"], rows[20]["rollout/task/reach-v3/first_episodes"] = float("nan"), 0.0
+    assert list(stalled_tasks(rows, 10)) == ["pick-place-v3"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from common.rl import gae, k1, k2, k3, ppo_policy_loss, value_loss
+from common.rl import EXPLAINED_VARIANCE_MOMENTS, explained_variance_of_moments, gae, k1, k2, k3, ppo_policy_loss, value_loss
 
 
 def test_gae_hand_computed_episode_with_mid_chunk_termination() -> None:
@@ -158,3 +158,17 @@ def test_success_interval_is_scipys_wilson_interval(successes: int, episodes: in
     assert rate == successes / episodes
     assert low == pytest.approx(expected.low, abs=1e-12) and high == pytest.approx(expected.high, abs=1e-12)
     assert 0 <= low <= rate <= high <= 1 and (low > 0) == (successes > 0) and (high < 1) == (successes < episodes)
+
+
+@pytest.mark.parametrize("sizes", [[7], [3, 4], [1, 5, 2], [1, 1]])
+def test_explained_variance_pooled_from_the_parts_moments_is_the_whole_ones(sizes) -> None:
+    """value_loss's moments of parts of a batch, weighted by their sizes, give the explained variance torch computes on
+    the whole batch at once, parts of a single decision included (whose own explained variance is NaN)."""
+    generator = torch.Generator().manual_seed(sum(sizes))
+    returns, values = torch.randn(sum(sizes), generator=generator) * 3 + 1, torch.randn(sum(sizes), generator=generator)
+    whole = value_loss(values, returns, values, None)[1]["explained_variance"].item()
+    parts = [value_loss(v, r, v, None)[1] for v, r in zip(values.split(sizes), returns.split(sizes), strict=True)]
+    moments = {key: sum(float(part[key]) * size for part, size in zip(parts, sizes, strict=True)) / sum(sizes)
+               for key in EXPLAINED_VARIANCE_MOMENTS}  # fmt: skip
+    assert explained_variance_of_moments(moments, sum(sizes)) == pytest.approx(whole, rel=1e-5, abs=1e-6)
+    assert math.isnan(explained_variance_of_moments(moments, 1))
