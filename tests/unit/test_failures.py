@@ -16,9 +16,15 @@ def stop_on_sigterm(signum, frame) -> None:
 
 @pytest.fixture
 def sigterm_stops():
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    """The run's handlers: SIGTERM raises Terminated, Ctrl-C KeyboardInterrupt (Python's own, which a process started in
+    the background of a shell does not have: SIGINT is ignored there)."""
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, stop_on_sigterm),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
     yield
-    signal.signal(signal.SIGTERM, previous)
+    for stop, handler in previous.items():
+        signal.signal(stop, handler)
 
 
 @pytest.mark.parametrize("stop, raised", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)])
@@ -44,7 +50,6 @@ def test_a_second_stop_inside_the_block_stops_at_once(sigterm_stops) -> None:
 
 
 def test_without_a_stop_the_block_runs_and_the_handlers_are_as_they_were(sigterm_stops) -> None:
-    interrupt = signal.getsignal(signal.SIGINT)
     with stops_held("finishing the update and logging it"):
         pass
-    assert signal.getsignal(signal.SIGTERM) is stop_on_sigterm and signal.getsignal(signal.SIGINT) is interrupt
+    assert signal.getsignal(signal.SIGTERM) is stop_on_sigterm and signal.getsignal(signal.SIGINT) is signal.default_int_handler
