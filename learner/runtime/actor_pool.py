@@ -25,6 +25,11 @@ from common.config import RunConfig
 from common.console import log
 from learner.runtime.failures import ActorsExhaustedError, LearnerDiedError
 
+# How often a restarted actor that has not answered is sent a no-op call. Ray numbers an actor's calls and a restarted
+# actor runs them in that order: calls that failed while it restarted leave gaps it waits on until a later call tells it
+# they failed, and the retried call alone may be that later call too early. The next no-op call closes the gaps.
+NUDGE_INTERVAL_S = 2.0
+
 
 @dataclass
 class PendingCall:
@@ -85,6 +90,7 @@ class ActorPool:
         # The deadline runs from now: a call submitted ahead (policy_lag) waited behind the actor's previous one.
         since = dict.fromkeys(pending, time.monotonic())  # when each call's current attempt (or its actor's restart) started
         starting: dict[int, ray.ObjectRef] = {}  # actors restarting, by index: the reference that resolves once they are up
+        nudged: dict[int, float] = {}  # retried actors, by index: when they were last sent a call (NUDGE_INTERVAL_S)
         done: dict[int, list[ray.ObjectRef]] = {}
         retried = call.retried
 
@@ -94,10 +100,24 @@ class ActorPool:
             starting[index] = self.actors[index].__ray_ready__.remote()  # an actor runs its calls in order: this one first
             self._attempt(call, index)
             pending[index], since[index] = call.refs[index], time.monotonic()
+            nudged[index] = since[index]
+
+        def nudge_restarted() -> None:
+            """A no-op call to each retried actor silent for NUDGE_INTERVAL_S: it closes the gaps in its call order (see
+            NUDGE_INTERVAL_S). While the actor is still starting, the no-op is its start-up probe."""
+            for index in set(pending) & set(nudged):
+                if time.monotonic() - nudged[index] >= NUDGE_INTERVAL_S:
+                    probe = self.actors[index].__ray_ready__.remote()
+                    if index in starting:
+                        starting[index] = probe
+                    nudged[index] = time.monotonic()
 
         while pending:
+            nudge_restarted()
             receipts = {refs[0]: index for index, refs in pending.items()} | {ref: index for index, ref in starting.items()}
             wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
+            if set(pending) & set(nudged):
+                wait = min(wait, NUDGE_INTERVAL_S)
             # All answers at once (then handled in actor order), but a restarted actor's start-up as soon as it is up
             ready = set(ray.wait(list(receipts), num_returns=1 if starting else len(receipts), timeout=wait)[0])
             for ref, index in receipts.items():
