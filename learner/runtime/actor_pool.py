@@ -104,12 +104,10 @@ class ActorPool:
 
         def nudge_restarted() -> None:
             """A no-op call to each retried actor silent for NUDGE_INTERVAL_S: it closes the gaps in its call order (see
-            NUDGE_INTERVAL_S). While the actor is still starting, the no-op is its start-up probe."""
+            NUDGE_INTERVAL_S). It queues behind the call, so it is not the start-up probe, which must run before it."""
             for index in set(pending) & set(nudged):
                 if time.monotonic() - nudged[index] >= NUDGE_INTERVAL_S:
-                    probe = self.actors[index].__ray_ready__.remote()
-                    if index in starting:
-                        starting[index] = probe
+                    self.actors[index].__ray_ready__.remote()
                     nudged[index] = time.monotonic()
 
         while pending:
