@@ -18,8 +18,9 @@ from common.trajectory import RolloutBatch
 
 def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, float]:
     """Statistics of one iteration's rollouts (several actors' batches concatenated); in a multi-task run also each
-    task's episodes and success rates (rollout/task/<task>/...). rollout/first_episode_success_rate is the sampling
-    policy's success on the training layouts (each env's first episode of the rollout, RolloutBatch.episode_first);
+    task's episodes, success rates and first episodes' mean return (rollout/task/<task>/...).
+    rollout/first_episode_success_rate is the sampling policy's success on the training layouts (each env's first
+    episode of the rollout, RolloutBatch.episode_first);
     rollout/success_rate, over every episode that ended, favours the quick successes an env repeats in one rollout."""
     finished = len(batch.episode_successes)
     firsts = batch.episode_successes[batch.episode_first]
@@ -48,6 +49,8 @@ def rollout_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, floa
         first_of_task = batch.episode_successes[(tasks == task) & batch.episode_first]
         metrics[task_key(task, "first_episode_success_rate", "rollout")] = float(first_of_task.mean()) if len(first_of_task) else math.nan
         metrics[task_key(task, "first_episodes", "rollout")] = float(len(first_of_task))
+        first_returns = batch.episode_returns[(tasks == task) & batch.episode_first]
+        metrics[task_key(task, "first_episode_return", "rollout")] = float(first_returns.mean()) if len(first_returns) else math.nan
     return metrics
 
 
@@ -276,11 +279,33 @@ def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Pat
     return _save_success_plot(fig, ax, path, title, "held-out success (deterministic)")
 
 
-def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict[str, float]]:
+# The update's own figures of each task (learner.update.task_figures, and the raw advantage spread with per-task
+# normalisation) that a stalled task's line shows against the moving tasks': key pattern -> the line's name.
+STALL_FIGURES = {
+    "policy/task/{}/clip_share": "clip share", "policy/task/{}/approx_kl": "approx KL", "policy/task/{}/sigma_mean": "sigma",
+    "policy/task/{}/action_abs_mean": "|action|", "values/task/{}/advantage_raw_std": "advantage std",
+    "values/task/{}/explained_variance": "value EV", "kl_ref/task/{}/mean": "KL to reference",
+}  # fmt: skip
+
+
+# A task at least this successful on its training layouts over the last window is solved, not stalled: too little room
+# is left above it for its success to leave the first window's interval.
+SOLVED_SUCCESS = 0.95
+
+
+def window_mean(rows: list[dict], key: str) -> float:
+    """The mean of `key` over the rows that have a finite value of it; NaN where none has."""
+    values = [row[key] for row in rows if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
+    return float(np.mean(values)) if values else math.nan
+
+
+def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict]:
     """The tasks of a multi-task run whose sampling policy has not moved on its training layouts: pooled over the last
     `window` iterations' rows, its first-episode success (rollout/task/<task>/first_episode_success_rate, weighted by
-    first_episodes) lies inside the 95% interval of the same over the first `window` iterations. Each with both windows'
-    figures; none before the run has twice `window` iterations, or without a window."""
+    first_episodes) lies inside the 95% interval of the same over the first `window` iterations, below SOLVED_SUCCESS.
+    Each with both windows' figures (its first episodes' mean return in each too, where logged), and the last window's
+    mean of the update's figures of it ("figures") and of the tasks that moved ("moving_figures", absent when none
+    did); none before the run has twice `window` iterations, or without a window."""
     if not window or len(rows) < 2 * window:
         return {}
     tasks = sorted({key.split("/")[2] for key in rows[0] if key.startswith("rollout/task/") and key.endswith("/first_episodes")})
@@ -293,18 +318,42 @@ def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict[str, float]]:
             n = int(sum(count for rate, count in trials if count and math.isfinite(rate)))
             windows.append(counts_interval(sum(rate * count for rate, count in trials if count and math.isfinite(rate)), n))
         (first, low, high), (last, *_) = windows
-        if low <= last <= high:
+        if low <= last <= high and last < SOLVED_SUCCESS:
+            returns = [window_mean(part, task_key(task, "first_episode_return", "rollout")) for part in (rows[:window], rows[-window:])]
             stalled[task] = {"first": first, "first_low": low, "first_high": high, "last": last,
                              "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
                              "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
+            if all(math.isfinite(value) for value in returns):  # its reward moving while its success does not
+                stalled[task] |= {"first_return": returns[0], "last_return": returns[1]}
+    figures = {task: last_window_figures(rows[-window:], task) for task in tasks}
+    moving = [figures[task] for task in tasks if task not in stalled]
+    for task, stall in stalled.items():
+        stall["figures"] = figures[task]
+        if moving:
+            stall["moving_figures"] = {name: float(np.mean([other[name] for other in moving if name in other]))
+                                       for name in figures[task] if any(name in other for other in moving)}  # fmt: skip
     return stalled
 
 
-def describe_stall(task: str, stall: dict[str, float]) -> str:
-    """One line of a stalled task's figures (stalled_tasks)."""
+def last_window_figures(rows: list[dict], task: str) -> dict[str, float]:
+    """The update's figures of `task` (STALL_FIGURES), each its mean over `rows`; those it has none of left out."""
+    means = {name: window_mean(rows, key.format(task)) for key, name in STALL_FIGURES.items()}
+    return {name: value for name, value in means.items() if math.isfinite(value)}
+
+
+def describe_stall(task: str, stall: dict) -> str:
+    """One line of a stalled task's figures (stalled_tasks): its success and its first episodes' return in both windows,
+    then the update's figures of it over the last window, each beside the moving tasks' mean in brackets."""
     first, last = stall["first_iterations"], stall["last_iterations"]
     interval = f"[{stall['first_low']:.2f}, {stall['first_high']:.2f}]"
-    return (
+    line = (
         f"{task}: training-layout success {stall['first']:.2f} over iterations {first[0]:.0f}-{first[1]:.0f} and {stall['last']:.2f} "
         f"over {last[0]:.0f}-{last[1]:.0f}, inside the first window's 95% interval {interval}"
     )
+    if "first_return" in stall:
+        line += f"; first-episode return {stall['first_return']:.4g} -> {stall['last_return']:.4g}"
+    figures, moving = stall.get("figures", {}), stall.get("moving_figures", {})
+    if figures:
+        shown = [f"{name} {value:.3g}" + (f" ({moving[name]:.3g})" if name in moving else "") for name, value in figures.items()]
+        line += "; its update over the last window" + (" (the moving tasks' mean)" if moving else "") + ": " + ", ".join(shown)
+    return line

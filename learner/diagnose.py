@@ -9,7 +9,11 @@ run's latest checkpoint, or --checkpoint), each task's success on
 
 each run twice: with the deterministic chain (a_0 = 0, no injected noise: what the run's evaluation scores) and with
 the sampling noise on (the policy the rollouts sample and the update improves; its noise drawn from a generator
-seeded with --seed). Four cells per task and checkpoint, each with its Wilson 95% interval:
+seeded with --seed). Four cells per task and checkpoint, each with its Wilson 95% interval. With --repeats K, the
+noisy policy runs each training layout K times (noise seeds --seed, --seed + 1, ...) and each task's training layouts
+are counted by outcome: never, sometimes or always a success. Only the layouts sometimes won give the update a
+success to favour over a failure from the same start; a task whose failed layouts are never won by its noise has
+nothing there for its advantages to point at.
 
   a gain on training layouts that held-out layouts lack    the policy learned the initial states it trained on;
   a gain of the noisy policy that the deterministic
@@ -45,6 +49,7 @@ EXIT_BAD_INPUT = 2
 DIAGNOSIS_FILE = "diagnosis.json"
 LAYOUT_SETS = ("training", "held-out")
 MODES = ("deterministic", "noisy")
+REPEATS = "training/noisy repeats"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start", help="the start to compare with (default: the starting checkpoint the run's manifest names)")
     parser.add_argument("--episodes", type=int, help="layouts per task and layout set (default: the run's eval_episodes)")
     parser.add_argument("--seed", type=int, default=0, help="draws the training layouts and the noise (default 0)")
+    parser.add_argument("--repeats", type=int, default=1, help="noisy episodes per training layout (default 1); with more, each "
+                        "task's training layouts are counted as never, sometimes or always won")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -96,25 +103,44 @@ def check_input(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Path], d
     start = policy_directory(Path(args.start)) if args.start else starting_checkpoint(run_dir)
     end = policy_directory(Path(args.checkpoint) if args.checkpoint else run_dir)
     episodes = config.eval_episodes if args.episodes is None else args.episodes
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (noisy episodes per training layout), got {args.repeats}")
     return config, {"start": start, "end": end}, diagnosis_layouts(config, episodes, args.seed)
 
 
-def successes_of(config: RunConfig, checkpoint: Path, layouts: dict[str, list[Layout]], seed: int) -> dict[str, np.ndarray]:
-    """One checkpoint's episodes: successes per '<layout set>/<mode>' (in one process, as one rollout actor)."""
+def successes_of(config: RunConfig, checkpoint: Path, layouts: dict[str, list[Layout]], seed: int, repeats: int) -> dict[str, np.ndarray]:
+    """One checkpoint's episodes: successes per '<layout set>/<mode>', and REPEATS (repeats, layouts) of the noisy policy on
+    the training layouts, the first repeat being the 'training/noisy' cell's (in one process, as one rollout actor)."""
     from actors.rollout_actor import RolloutActor  # torch, the envs and the backends: only in the worker
 
     actor = RolloutActor(config, 0, checkpoint)
     try:
-        return {f"{name}/{mode}": actor.evaluate(None, layouts[name], None if mode == "deterministic" else seed)[1]
-                for name in LAYOUT_SETS for mode in MODES}  # fmt: skip
+        successes = {f"{name}/{mode}": actor.evaluate(None, layouts[name], None if mode == "deterministic" else seed)[1]
+                     for name in LAYOUT_SETS for mode in MODES}  # fmt: skip
+        more = [actor.evaluate(None, layouts["training"], seed + repeat)[1] for repeat in range(1, repeats)]
+        return successes | {REPEATS: np.stack([successes["training/noisy"], *more])}
     finally:
         actor.close()
+
+
+def layout_outcomes(repeats: np.ndarray, layouts: list[Layout]) -> dict[str, dict[str, float]]:
+    """{task: shares of its layouts never, sometimes and always won over the repeats (repeats, layouts), and their count}."""
+    tasks = np.array([layout.task for layout in layouts])
+    won = repeats.sum(axis=0)
+    table = {}
+    for task in dict.fromkeys(tasks):
+        mine = won[tasks == task]
+        table[task] = {"never": float(np.mean(mine == 0)), "sometimes": float(np.mean((mine > 0) & (mine < len(repeats)))),
+                       "always": float(np.mean(mine == len(repeats))), "layouts": len(mine)}  # fmt: skip
+    return table
 
 
 def cells(successes: dict[str, np.ndarray], layouts: dict[str, list[Layout]]) -> dict[str, dict[str, dict[str, float]]]:
     """{task: {'<layout set>/<mode>': {success, low, high, episodes}}}, and the tasks' mean as task 'mean'."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     for cell, outcomes in successes.items():
+        if cell == REPEATS:
+            continue
         tasks = np.array([layout.task for layout in layouts[cell.split("/")[0]]])
         for task in [*dict.fromkeys(tasks), "mean"]:
             chosen = outcomes if task == "mean" else outcomes[tasks == task]
@@ -135,6 +161,11 @@ def markdown(diagnosis: dict[str, dict]) -> str:
             gain = 100 * (after["success"] - before)
             row.append(f"{before:.2f} -> {after['success']:.2f} ({gain:+.0f}) [{after['low']:.2f}-{after['high']:.2f}]")
         lines.append(f"| {'**mean**' if task == 'mean' else task} | " + " | ".join(row) + " |")
+    if "layout_outcomes" in diagnosis["end"]:
+        lines += ["", "| task | training layouts never / sometimes / always won by the noisy policy: start | end |", "|---|---|---|"]
+        for task in diagnosis["end"]["layout_outcomes"]:
+            shares = [diagnosis[label]["layout_outcomes"][task] for label in ("start", "end")]
+            lines.append(f"| {task} | " + " | ".join(f"{o['never']:.2f} / {o['sometimes']:.2f} / {o['always']:.2f}" for o in shares) + " |")
     return "\n".join(lines)
 
 
@@ -147,17 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     episodes = len(layouts["held-out"]) // len(make_suite(config.env).tasks())
     log.error(f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
-              f"episodes per task each; one process per checkpoint")  # fmt: skip
+              f"episodes per task each (the noisy training cell {args.repeats} times); one process per checkpoint")  # fmt: skip
     began = time.monotonic()
     # Spawned, not forked: a forked child inherits the parent's MuJoCo and torch thread state.
     distinct = list(dict.fromkeys(checkpoints.values()))  # a start given as the end is run once
     with ProcessPoolExecutor(min(len(distinct), os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {path: pool.submit(successes_of, config, path, layouts, args.seed) for path in distinct}
+        futures = {path: pool.submit(successes_of, config, path, layouts, args.seed, args.repeats) for path in distinct}
         diagnosis = {}
         for label, path in checkpoints.items():
-            diagnosis[label] = {"checkpoint": str(path), "cells": cells(futures[path].result(), layouts)}
+            successes = futures[path].result()
+            diagnosis[label] = {"checkpoint": str(path), "cells": cells(successes, layouts)}
+            if args.repeats > 1:
+                diagnosis[label]["layout_outcomes"] = layout_outcomes(successes[REPEATS], layouts["training"])
             log.error(f"[diagnose] {label} ({path}) done at {time.monotonic() - began:.0f}s")
-    report = {**diagnosis, "episodes_per_task": episodes, "seed": args.seed,
+    report = {**diagnosis, "episodes_per_task": episodes, "seed": args.seed, "repeats": args.repeats,
               "layout_sets": {"training": f"drawn from env.train_benchmark_seeds {config.env.train_benchmark_seeds} with seed {args.seed}",
                               "held-out": f"the first of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}"}}  # fmt: skip
     write_file_atomically(Path(args.run_dir) / DIAGNOSIS_FILE, json.dumps(report, indent=2))

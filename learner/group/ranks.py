@@ -80,6 +80,9 @@ class SingleRank:
     def sum(self, value: float) -> float:
         return value
 
+    def sums(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
     def max(self, value: float) -> float:
         return value
 
@@ -212,6 +215,9 @@ class RankGroup(SingleRank):
     def sum(self, value: float) -> float:
         total = self._all_reduce([value], dist.ReduceOp.SUM)[0]
         return int(total) if isinstance(value, int) else total
+
+    def sums(self, values: Sequence[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
 
     def max(self, value: float) -> float:
         return self._all_reduce([value], dist.ReduceOp.MAX)[0]

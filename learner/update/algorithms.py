@@ -68,13 +68,18 @@ class PPO:
         pass
 
 
-def task_groups(batch: RolloutBatch, over: Tensor, tasks: list[str]) -> dict[str, Tensor]:
-    """The decisions of `over` (B,) of each of `tasks`, by the env each was sampled in (RolloutBatch.env_tasks): every
-    task in the run's order, one this rank has none of included, so the ranks' statistics meet task by task."""
+def decision_tasks(batch: RolloutBatch, tasks: list[str]) -> Tensor:
+    """(B,) the index in `tasks` of the task each decision of the flattened rollout was sampled in (RolloutBatch.env_tasks)."""
     if not batch.env_tasks:
-        raise ValueError("algorithm.normalize_advantages_per_task needs the rollout's env_tasks (common.rollout.collect_rollout)")
-    env_task = np.array(batch.env_tasks)
-    return {task: over & torch.from_numpy(np.tile(env_task == task, batch.num_decisions)).to(over.device) for task in tasks}
+        raise ValueError("a multi-task update needs the rollout's env_tasks (common.rollout.collect_rollout)")
+    return torch.from_numpy(np.tile(np.array([tasks.index(task) for task in batch.env_tasks]), batch.num_decisions))
+
+
+def task_groups(batch: RolloutBatch, over: Tensor, tasks: list[str]) -> dict[str, Tensor]:
+    """The decisions of `over` (B,) of each of `tasks`: every task in the run's order, one this rank has none of
+    included, so the ranks' statistics meet task by task."""
+    per_decision = decision_tasks(batch, tasks).to(over.device)
+    return {task: over & (per_decision == index) for index, task in enumerate(tasks)}
 
 
 class GRPO:

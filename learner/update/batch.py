@@ -10,6 +10,7 @@ from torch import Tensor
 
 from common.flow import ChainLogProb
 from common.observation import Observation
+from learner.update.task_figures import TaskFigures
 
 
 @dataclass
@@ -33,3 +34,5 @@ class PreparedBatch:
     # (B_all,) for each decision of the whole update (every rank's, in the order one learner would hold them), its row
     # in this batch, or -1 where another rank holds it; one learner alone holds every row, in order.
     rows_here: Tensor | None = None
+    # Each task's figures of a multi-task update (the decisions that enter the loss); None in a one-task run.
+    task_figures: TaskFigures | None = None

@@ -53,12 +53,13 @@ from common.trajectory import RolloutBatch, WeightsPayload
 from learner.files.checkpoints import LearnerCheckpoint, TrainerState
 from learner.group.ranks import SingleRank
 from learner.group.sharding import hold, local_bytes, peak_bytes
-from learner.update.algorithms import ALGORITHMS, minibatch_loss, task_groups
+from learner.update.algorithms import ALGORITHMS, Advantages, decision_tasks, minibatch_loss, task_groups
 from learner.update.batch import PreparedBatch
 from learner.update.console import UpdateConsole
 from learner.update.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
 from learner.update.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
 from learner.update.scoring import encode_in_chunks, rescore, score_in_chunks
+from learner.update.task_figures import TaskFigures
 from learner.update.weight_versions import WeightVersions
 
 
@@ -241,6 +242,22 @@ class Learner:
             return {None: over}
         return task_groups(batch, over, make_suite(self.config.env).tasks())
 
+    def task_figures(self, batch: RolloutBatch, old: ChainLogProb, chains: Tensor, advantages: Advantages,
+                     kl_ref: Tensor | None) -> TaskFigures | None:  # fmt: skip
+        """A multi-task rollout's per-decision figures, kept by task (learner.update.task_figures); None for one task."""
+        tasks = make_suite(self.config.env).tasks()
+        if len(tasks) == 1 or not batch.env_tasks:
+            return None
+        figures = TaskFigures(tasks, decision_tasks(batch, tasks), self.cfg.clip_eps)
+        figures.add_prepared("sigma", old.std.flatten(1).mean(1))
+        figures.add_prepared("action_abs", chains[:, -1].abs().flatten(1).mean(1))
+        if advantages.values is not None:
+            figures.add_prepared("returns", advantages.returns)
+            figures.add_prepared("values", advantages.values)
+        if kl_ref is not None:
+            figures.add_prepared("kl_ref", kl_ref)
+        return figures
+
     def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
         policy, cfg = self.policy, self.cfg
         with self.ranks.together("learner.prepare"):  # this rank's rollouts, scored
@@ -282,6 +299,7 @@ class Learner:
                     "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
                     "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
                 })  # fmt: skip
+            figures = self.task_figures(batch, old, b_chains, advantages, kl if reference is not None else None)
             finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
             finite |= {} if b_values is None else {"values": b_values}
             check_finite_tensors(finite, "learner.prepare")
@@ -302,7 +320,7 @@ class Learner:
             weight = (old.log_prob - behaviour.log_prob).exp()
             metrics.update({"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()})
         data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference,
-                             behaviour_log_probs=behaviour.log_prob if lag else None)  # fmt: skip
+                             behaviour_log_probs=behaviour.log_prob if lag else None, task_figures=figures)  # fmt: skip
         # Decisions of episodes an env broke (NaN/Inf output) never enter the loss, nor those the algorithm leaves out.
         keep_decisions = t["valid"].flatten().to(b_advantages.device)
         if not self.ranks.any(keep_decisions.any()):
@@ -311,9 +329,12 @@ class Learner:
             keep_decisions &= advantages.keep
         if not keep_decisions.all():
             kept = keep_decisions.nonzero().squeeze(1)
+            if figures is not None:
+                figures = figures.keep(kept)
             if not len(kept) and self.sharding.sharded:  # a row for the zero-weight passes it runs in step with the others
                 kept = torch.zeros(1, dtype=torch.int64, device=kept.device)
             data = index_features(data, kept)
+            data.task_figures = figures
         positions, total = self.ranks.decision_order(keep_decisions.view(batch.num_decisions, batch.num_envs))
         data.rows_here = torch.full((total,), -1, dtype=torch.int64)
         data.rows_here[positions.cpu()] = torch.arange(len(positions))
@@ -444,6 +465,8 @@ class Learner:
                         if first_step:
                             ratio_deviation = max(ratio_deviation, check_ratio_is_one(logratio, self.policy, self.cfg.ratio_tolerance))
                     console.micro_batch(new, logratio)
+                    if data.task_figures is not None:
+                        data.task_figures.record_step(micro, logratio)
                     (loss * (len(micro) / len(minibatch))).backward()  # the minibatch's mean over every rank's decisions
                 for key, value in metrics.items():
                     terms.setdefault(key, []).append((float(value.detach()), len(micro)))
@@ -473,6 +496,8 @@ class Learner:
     def _update_metrics(self, data: PreparedBatch, steps: StepFigures, minibatches: Minibatches) -> dict[str, float]:
         """The iteration's metrics: the rollout's as prepared (over every rank), the steps' means and extremes, the plan."""
         metrics = self.ranks.across_ranks(dict(data.metrics), int((data.rows_here >= 0).sum()), self.algorithm.counts)
+        if data.task_figures is not None:
+            metrics.update(data.task_figures.metrics(self.ranks))
         history = steps.history
         for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
                     "kl_ref"):  # fmt: skip

@@ -42,8 +42,9 @@ def test_a_runs_diagnosis_scores_its_own_evaluations_and_is_the_same_in_each_pro
     """learner.diagnose on a two-task run from a BC policy (its envs weighted by task, as its start says and its
     summary records): the deterministic held-out cells of the run's start (the manifest's BC checkpoint) and end are
     the run's initial and final evaluations, task by task; diagnosing the BC policy as both start and end scores the
-    same in the two processes, noisy cells included (the noise is seeded); a run that names no starting checkpoint is
-    refused in one line, before anything is written."""
+    same in the two processes, noisy cells included (the noise is seeded), and so do its training layouts counted by
+    how often repeated noisy episodes win them; a run that names no starting checkpoint, or no repeat, is refused in one
+    line, before anything is written."""
     from learner.bc.training import pretrain
 
     fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "env.max_episode_steps": 100, "eval_episodes": 6,
@@ -71,9 +72,16 @@ def test_a_runs_diagnosis_scores_its_own_evaluations_and_is_the_same_in_each_pro
     table = capsys.readouterr().out
     assert table.count("| reach-v3 |") == 1 and "| **mean** |" in table and "held-out, noisy" in table
 
-    assert diagnose([str(run_dir), "--checkpoint", str(bc), "--seed", "5"]) == 0
+    assert diagnose([str(run_dir), "--checkpoint", str(bc), "--seed", "5", "--repeats", "3"]) == 0
     again = json.loads((run_dir / "diagnosis.json").read_text())
-    assert again["start"]["cells"] == again["end"]["cells"] == report["start"]["cells"]
+    assert again["start"]["cells"] == again["end"]["cells"] == report["start"]["cells"]  # the first repeat is the noisy cell
+    assert again["start"]["layout_outcomes"] == again["end"]["layout_outcomes"]
+    for task, outcome in again["end"]["layout_outcomes"].items():
+        assert outcome["layouts"] == 6 and outcome["never"] + outcome["sometimes"] + outcome["always"] == pytest.approx(1.0)
+        noisy = again["end"]["cells"][task]["training/noisy"]["success"]
+        assert outcome["always"] <= noisy <= 1.0 - outcome["never"]
+    assert "never / sometimes / always" in capsys.readouterr().out
+    assert diagnose([str(run_dir), "--repeats", "0"]) == 2
 
     unnamed = tmp_path / "random_init_run"
     unnamed.mkdir()

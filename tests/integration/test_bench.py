@@ -18,6 +18,7 @@ from bench import (
     compile_cache,
     env_step,
     frame_cost,
+    libero_experts,
     libero_step,
     overhead,
     rllib_ppo,
@@ -73,6 +74,17 @@ def test_libero_step_smallest_prices_a_state_step_each_render_and_a_reset(capsys
     assert_positive(results["state_ms_per_step"], results["32px_render_ms"], results["32px_shadows_render_ms"], results["reset_ms"])
     assert results["32px_ms_per_decision"] == pytest.approx(4 * results["32px_ms_per_step"], rel=1e-12)  # one render per 4 steps
     assert results["32px_ms_per_decision"] > results["32px_render_ms"]
+
+
+def test_libero_experts_scores_each_task_and_lists_one_without_an_expert(capsys):
+    soup, drawer = "pick_up_the_alphabet_soup_and_place_it_in_the_basket", "open_the_middle_drawer_of_the_cabinet"
+    results = libero_experts.main(["--benchmark", f"{soup},{drawer}", "--episodes", "1"])
+    out = capsys.readouterr().out
+    figures = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert figures["tasks"] == json.loads(json.dumps(results))
+    assert results[drawer] == {"expert": False} and f"| {drawer} | no expert | - |" in out
+    assert (results[soup]["successes"], results[soup]["episodes"], figures["successes"], figures["episodes"]) == (1, 1, 1, 1)
+    assert results[soup]["failed_init_states"] == [] and 0 < results[soup]["mean_steps"] < 280
 
 
 def test_rllib_env_draws_a_training_layout_at_every_reset_from_its_seed():

@@ -153,7 +153,8 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
 def test_each_tasks_advantages_are_normalised_on_their_own_and_two_ranks_do_the_same(tmp_path) -> None:
     """algorithm.normalize_advantages_per_task on a two-task run: the learner alone gives each task's decisions zero mean
     and unit std (checked against the raw advantages normalised here, task by task), reports each task's raw std, and
-    a two-rank group, each rank holding one actor's envs, makes the same update and the same per-task stds."""
+    a two-rank group, each rank holding one actor's envs, makes the same update, the same per-task stds and each task's
+    other figures."""
     fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "learner.num_learners": 2, "allow_random_init": True,
               "algorithm.normalize_advantages_per_task": True, "actors.envs_per_actor": 4, "env.reward": "shaped"}  # fmt: skip
     config = tiny_config(tmp_path, **fields)
@@ -183,6 +184,10 @@ def test_each_tasks_advantages_are_normalised_on_their_own_and_two_ranks_do_the_
         key = f"values/task/{task}/advantage_raw_std"
         assert expected[key] == pytest.approx(raw_advantages[env_task == task].std(ddof=1), rel=1e-5)
         assert metrics[0][key] == pytest.approx(expected[key], rel=1e-5)
+    task_figures = [key for key in expected if key.startswith(("policy/task/", "values/task/"))]
+    assert len(task_figures) == 2 * 6  # each task's own figures (learner.update.task_figures), pooled over the ranks
+    for key in task_figures:
+        assert metrics[0][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
     for name, tensor in alone.trainable_state().items():
         torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
 

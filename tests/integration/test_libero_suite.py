@@ -20,12 +20,13 @@ import yaml
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.suites import ImageConfig, Layout, make_suite
 from common.suites import libero as libero_suite
-from common.suites.libero import EPISODE_LIMITS, INSTALL, axis_angle, init_states
+from common.suites.libero import EPISODE_LIMITS, INSTALL, axis_angle, init_states, privileged_fields
 from tests.conftest import REPO
 from tests.helpers.errors import one_line_error
 
 SPATIAL_0 = "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"
 DRAWER = "open_the_middle_drawer_of_the_cabinet"  # libero_goal: its goal is one joint's range
+OBJECT_0 = "pick_up_the_alphabet_soup_and_place_it_in_the_basket"  # libero_object: (In alphabet_soup_1 basket_1_contain_region)
 
 
 def suite_of(task: str, **env):
@@ -59,7 +60,9 @@ def test_tasks_instructions_sizes_and_limits_are_liberos():
         assert {suite.sizes(task.name) for task in tasks} == {(8, 7)}
     assert suite.tasks()[0] == SPATIAL_0 and len(suite.tasks()) == 10
     assert suite.instruction(SPATIAL_0) == "pick up the black bowl between the plate and the ramekin and place it on the plate"
-    assert suite.expert(SPATIAL_0) is None and suite.cameras(SPATIAL_0) == ["agentview", "wrist", "image", "image2"]
+    assert suite.cameras(SPATIAL_0) == ["agentview", "wrist", "image", "image2"]
+    # Scripted experts: libero_spatial's grasp a bowl's rim, libero_object's the object's middle; libero_goal has none.
+    assert suite.expert(SPATIAL_0).rim_grasp and not suite.expert(OBJECT_0).rim_grasp and suite.expert(DRAWER) is None
     suite.check(PolicyConfig(obs_dim=8 + 10, action_dim=7))  # a multi-task run's state ends in the task one-hot
     suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=7))
     assert suite_of(f"{SPATIAL_0}, {DRAWER}").tasks() == [SPATIAL_0, DRAWER]
@@ -220,6 +223,7 @@ def test_success_is_liberos_goal_check_and_pays_once(stop_on_success):
     assert suite.episode_limit(DRAWER) == 300 and suite.instruction(DRAWER) == "open the middle drawer of the cabinet"
     env = suite.make_env(DRAWER)
     env.reset()
+    one_line_error(NotImplementedError, env.privileged_state, DRAWER, "relates no object to a target")
     assert [env.step(np.zeros(7))[1:] for _ in range(2)] == [(0.0, False, False, {"success": False})] * 2
     # Open the drawer by its joint (LIBERO's open range for it is [-0.16, -0.14]): its goal holds from the next step.
     inner = env._env.env
@@ -318,3 +322,29 @@ def test_lerobots_camera_names_draw_the_same_views():
     finally:
         ours.close()
         lerobots.close()
+
+
+def test_scripted_expert_puts_the_object_in_the_basket_episode_after_episode():
+    """libero_object's expert, reading privileged_state(), succeeds from LIBERO's init states 0 and 1 within the
+    episode limit; one expert serves both episodes, as common.demonstrations uses it."""
+    suite = suite_of(OBJECT_0, max_episode_steps=EPISODE_LIMITS["libero_object"])
+    expert = suite.expert(OBJECT_0)
+    env = suite.make_env(OBJECT_0, layout=Layout(OBJECT_0, 0, 0))
+    inner = env._env.env
+    try:
+        one_line_error(RuntimeError, env.privileged_state, "call reset() before privileged_state()")
+        for index in (0, 1):
+            env.reset(options={"layout": Layout(OBJECT_0, 0, index)})
+            fields = privileged_fields(env.privileged_state())
+            # The goal's object and target, read where LIBERO's own goal check reads them.
+            np.testing.assert_array_equal(fields["object_pos"], inner.sim.data.body_xpos[inner.obj_body_id["alphabet_soup_1"]])
+            np.testing.assert_array_equal(fields["target_pos"], inner.sim.data.get_site_xpos("basket_1_contain_region"))
+            assert fields["episode_step"][0] == 0 and (fields["object_box"][:3] < fields["object_box"][3:]).all()
+            steps, done, info = 0, False, {"success": False}
+            while not done:
+                _, _, terminated, truncated, info = env.step(expert.act(env.privileged_state()))
+                steps, done = steps + 1, terminated or truncated
+            assert info["success"] and steps < EPISODE_LIMITS["libero_object"], (index, steps)
+        one_line_error(ValueError, lambda: expert.act(np.zeros(8)), "state has 8 elements", "privileged_state()")
+    finally:
+        env.close()

@@ -3,13 +3,16 @@ and evaluates each task, and a multi-task policy replays one of its tasks."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from actors.rollout_actor import RolloutActor, close_and_free
 from common.config import ConfigError, EnvConfig
+from common.diagnostics import BehaviourGapWarning
 from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.suites import Layout, make_suite
@@ -101,6 +104,7 @@ def test_an_actor_rolls_out_and_evaluates_both_tasks(tmp_path, two_task_checkpoi
     for task in env_task:
         first_success = batch.episode_successes[batch.episode_tasks.index(task)]
         assert rollout[f"rollout/task/{task}/first_episode_success_rate"] == float(first_success)
+        assert rollout[f"rollout/task/{task}/first_episode_return"] == float(batch.episode_returns[batch.episode_tasks.index(task)])
     assert rollout["rollout/first_episode_success_rate"] == np.mean(batch.episode_successes[sorted(first_of_env)])
     metrics = learner.update(batch)
     assert metrics["ppo/first_minibatch_ratio_dev"] <= 1e-5 and metrics["logprob/behaviour_gap_max"] < 1e-4
@@ -139,3 +143,46 @@ def test_one_task_of_a_multi_task_policy_replays_with_its_task_input(tmp_path, t
     assert [path.name.split("_")[0] for path in out.iterdir()] == ["pick-place-v3"]
     assert replay([str(checkpoint), "--task", "push-v3", "--out", str(out)]) == 2
     assert "--task push-v3 is not one of the multi-task policy's tasks ['reach-v3', 'pick-place-v3']" in capsys.readouterr().err
+
+
+def test_each_tasks_clip_share_and_kl_are_those_of_the_updates_last_step(tmp_path, two_task_checkpoint) -> None:
+    """Two epochs of one minibatch: the last step draws every decision with the weights one step made. A learner that
+    makes that one step alone, rescoring the chains after it, gives each task's ratios; their clipped share and k3
+    mean, and each task's explained variance and action scale, are what the two-epoch update reports per task."""
+    checkpoint, _ = two_task_checkpoint
+    fields = {"algorithm.minibatch_size": None, "algorithm.num_minibatches": 1, "algorithm.clip_eps": 0.01, "algorithm.actor_lr": 3e-3,
+              "actors.num_actors": 1}  # fmt: skip
+    config = two_task_config(tmp_path, **fields, **{"algorithm.update_epochs": 2})
+    one_step = two_task_config(tmp_path, **fields, **{"algorithm.update_epochs": 1})
+
+    def learner(run) -> Learner:
+        torch.manual_seed(1)  # the same critic for all three
+        return Learner(run, FlowPolicy.from_pretrained(checkpoint))
+
+    start = learner(config)
+    actor = RolloutActor(config, 0, checkpoint)
+    actor.load_weights(start.broadcast())
+    batch = actor.sample(None, iteration=0)
+    actor.close()
+    before = start.prepare(batch)
+    stepped = learner(one_step)
+    stepped.update(batch)
+    with pytest.warns(BehaviourGapWarning):  # scored with the stepped weights, which did not sample the chains
+        after = stepped.prepare(dataclasses.replace(batch, weight_version=-1))
+    logratio = (after.old_log_probs - before.old_log_probs).double().numpy()
+    metrics = learner(config).update(batch)
+
+    env_task = np.tile(np.array(batch.env_tasks), batch.num_decisions)[batch.valid.flatten()]
+    returns, values = before.returns.double().numpy(), before.old_values.double().numpy()
+    actions = before.chains[:, -1].abs().flatten(1).mean(1).numpy()
+    for task in TWO_TASKS.split(","):
+        mine = env_task == task
+        clipped = np.abs(np.exp(logratio[mine]) - 1.0) > 0.01
+        assert metrics[f"policy/task/{task}/clip_share"] == pytest.approx(clipped.mean(), abs=1e-9)
+        assert metrics[f"policy/task/{task}/approx_kl"] == pytest.approx(np.mean(np.expm1(logratio[mine]) - logratio[mine]), rel=1e-3)
+        residual = returns[mine] - values[mine]
+        explained = 1.0 - residual.var(ddof=1) / returns[mine].var(ddof=1)
+        assert metrics[f"values/task/{task}/explained_variance"] == pytest.approx(explained, rel=1e-4, abs=1e-6)
+        assert metrics[f"policy/task/{task}/action_abs_mean"] == pytest.approx(actions[mine].mean(), rel=1e-5)
+        assert metrics[f"policy/task/{task}/sigma_mean"] > 0
+    assert any(0 < metrics[f"policy/task/{task}/clip_share"] < 1 for task in TWO_TASKS.split(","))

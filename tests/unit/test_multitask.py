@@ -148,12 +148,12 @@ def stall_rows(rates: dict[str, list[float]], episodes: int = 20) -> list[dict]:
 def test_a_task_whose_training_success_stays_inside_its_first_windows_interval_is_named_stalled() -> None:
     """Over 10-iteration windows of 20 first episodes each (200 per window): a task at 0.30 throughout stays inside its
     first window's interval (about 0.24-0.37) and is stalled; one that climbs from 0.30 to 0.60 is not; a drop is a
-    move too. Nothing is named before two windows have passed, nor with no window."""
+    move too; one that stays at 0.97 is solved, not stalled. Nothing is named before two windows have passed, nor with no window."""
     flat = [0.30] * 25
     climbing = [0.30] * 10 + [0.45] * 5 + [0.60] * 10
     falling = [0.60] * 15 + [0.30] * 10
-    rows = stall_rows({"pick-place-v3": flat, "reach-v3": climbing, "push-v3": falling})
-    stalled = stalled_tasks(rows, 10)
+    rows = stall_rows({"pick-place-v3": flat, "reach-v3": climbing, "push-v3": falling, "door-open-v3": [0.97] * 25})
+    stalled = stalled_tasks(rows, 10)  # door-open, at 0.97 throughout, is solved: not named
     assert list(stalled) == ["pick-place-v3"]
     stall = stalled["pick-place-v3"]
     assert stall["first"] == pytest.approx(0.30) and stall["last"] == pytest.approx(0.30)
@@ -165,3 +165,24 @@ def test_a_task_whose_training_success_stays_inside_its_first_windows_interval_i
     # A row whose task sampled no first episode (NaN) weighs nothing.
     rows[20]["rollout/task/reach-v3/first_episode_success_rate"], rows[20]["rollout/task/reach-v3/first_episodes"] = float("nan"), 0.0
     assert list(stalled_tasks(rows, 10)) == ["pick-place-v3"]
+
+
+def test_a_stalled_tasks_line_shows_its_updates_figures_beside_the_moving_tasks() -> None:
+    """Its first episodes' return in both windows, and the last window's mean of each figure the update logs per task,
+    the stalled task's and the moving tasks' mean;
+    a figure no row has (no KL reference here) is left out, and a NaN row weighs nothing."""
+    rows = stall_rows({"pick-place-v3": [0.30] * 20, "reach-v3": [0.30] * 10 + [0.70] * 10, "push-v3": [0.70] * 10 + [0.30] * 10})
+    for i, row in enumerate(rows):
+        for task, clip, sigma in (("pick-place-v3", 0.02, 0.05), ("reach-v3", 0.2, 0.1), ("push-v3", 0.4, 0.2)):
+            row[f"policy/task/{task}/clip_share"] = clip * (1 + (i % 2))  # 0.02 and 0.04 in turn: 0.03 on average
+            row[f"policy/task/{task}/sigma_mean"] = sigma
+        row["rollout/task/pick-place-v3/first_episode_return"] = 100.0 if i < 10 else 300.0
+    rows[-1]["policy/task/pick-place-v3/sigma_mean"] = float("nan")
+    stall = stalled_tasks(rows, 10)["pick-place-v3"]
+    assert stall["figures"] == pytest.approx({"clip share": 0.03, "sigma": 0.05})
+    assert stall["moving_figures"] == pytest.approx({"clip share": 0.45, "sigma": 0.15})
+    line = describe_stall("pick-place-v3", stall)
+    assert line.endswith(
+        "; first-episode return 100 -> 300; its update over the last window (the moving tasks' mean): clip share 0.03 "
+        "(0.45), sigma 0.05 (0.15)"
+    )
