@@ -405,7 +405,6 @@ class LiberoTaskEnv(SuiteEnv):
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
         self.observation_space = spaces.Box(-np.inf, np.inf, shape=(STATE_DIM,), dtype=np.float32)
         self.frames: list[np.ndarray] = []
-        self._goal = GoalBodies.of(self._env.env)
         self._observation: dict[str, np.ndarray] = {}
         self._started = False
         self._episode_steps = 0
@@ -456,6 +455,11 @@ class LiberoTaskEnv(SuiteEnv):
         if self._film is not None:
             self.frames.append(self._film.render(self._env.sim.data._data))
         return self._state(observation), reward, terminated, truncated, {**info, "success": success}
+
+    @functools.cached_property
+    def _goal(self) -> GoalBodies | None:
+        # Read on the first privileged_state(), so an env that no expert reads builds without parsing its goal.
+        return GoalBodies.of(self._env.env)
 
     def privileged_state(self) -> np.ndarray:
         """What a pick-and-place expert reads of the simulator (PRIVILEGED_FIELDS, float64): the hand, the goal's object

@@ -253,7 +253,7 @@ class Learner:
         figures.add_prepared("action_abs", chains[:, -1].abs().flatten(1).mean(1))
         if advantages.values is not None:
             figures.add_prepared("returns", advantages.returns)
-            figures.add_prepared("values", advantages.values)
+            figures.add_prepared("residual", advantages.returns - advantages.values)
         if kl_ref is not None:
             figures.add_prepared("kl_ref", kl_ref)
         return figures

@@ -32,7 +32,8 @@ class TaskFigures:
         self.tasks, self.clip_eps = tasks, clip_eps
         self.decision_tasks = decision_tasks.cpu()
         self.last_logratio = torch.full((len(decision_tasks),), math.nan, dtype=torch.float64)
-        self.prepared: dict[str, Tensor] = {}  # name -> (B,) float64, from the update's preparation
+        # name -> (B,) float64, from the update's preparation: sigma, action_abs, returns and residual (returns - values), kl_ref
+        self.prepared: dict[str, Tensor] = {}
 
     def keep(self, rows: Tensor) -> TaskFigures:
         """The figures of the decisions `rows` (the ones that enter the loss), in that order."""
@@ -53,13 +54,15 @@ class TaskFigures:
         logratio = torch.where(stepped, self.last_logratio, 0.0)
         clipped = stepped & ((logratio.exp() - 1.0).abs() > self.clip_eps)
         kl = torch.where(stepped, k3(torch.zeros_like(logratio), logratio), 0.0)
-        columns = {"decisions": torch.ones_like(logratio), "stepped": stepped.double(), "clipped": clipped.double(), "kl": kl}
-        for name, values in self.prepared.items():
-            columns[name] = values
-        if "returns" in self.prepared:
-            residuals = self.prepared["returns"] - self.prepared["values"]
-            columns |= {"returns_sq": self.prepared["returns"] ** 2, "residual": residuals, "residual_sq": residuals**2}
-            del columns["values"]
+        columns = {
+            "decisions": torch.ones_like(logratio),
+            "stepped": stepped.double(),
+            "clipped": clipped.double(),
+            "kl": kl,
+            **self.prepared,
+        }
+        if "returns" in self.prepared:  # the moments explained_variance_of_moments reads
+            columns |= {"returns_sq": self.prepared["returns"] ** 2, "residual_sq": self.prepared["residual"] ** 2}
         names = list(columns)
         table = torch.stack([columns[name] for name in names], dim=1)  # (B, columns)
         sums = torch.zeros(len(self.tasks), len(names), dtype=torch.float64).index_add_(0, self.decision_tasks, table)

@@ -22,7 +22,13 @@ def test_each_tasks_figures_are_its_own_decisions_and_a_task_without_any_is_left
     returns, values = torch.randn(decisions, generator=generator), torch.randn(decisions, generator=generator)
     kl_ref = torch.rand(decisions, generator=generator)
     figures = TaskFigures(TASKS, tasks, clip_eps=0.05)
-    for name, column in {"sigma": sigma, "action_abs": action_abs, "returns": returns, "values": values, "kl_ref": kl_ref}.items():
+    for name, column in {
+        "sigma": sigma,
+        "action_abs": action_abs,
+        "returns": returns,
+        "residual": returns - values,
+        "kl_ref": kl_ref,
+    }.items():
         figures.add_prepared(name, column)
     logratio = 0.1 * torch.randn(decisions, generator=generator, dtype=torch.float64)
     stepped = torch.arange(decisions) % 5 != 0  # every fifth decision never drawn by a step
