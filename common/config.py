@@ -386,6 +386,13 @@ class AlgorithmConfig:
     # before the update and weights each sample by pi_prox / pi_behaviour (Hilton et al. 2021). docs/performance.md
     # compares the two.
     stale_rollouts: str = "behaviour"
+    # A task the run names stalled (stall_window) gets this many scripted demonstrations (the first layouts of
+    # env.demo_benchmark_seed, with pretrain.demo_noise), and every later step that trains the actor adds their
+    # flow-matching loss, times stall_bc_coef, on batches of stall_bc_batch (learner.update.demonstration_term).
+    # 0: a stall is only named.
+    stall_demos: int = 0
+    stall_bc_coef: float = 1.0
+    stall_bc_batch: int = 256
 
     # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
     CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages",
@@ -418,6 +425,10 @@ class AlgorithmConfig:
         require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
         require_choice(self, path, "algo", ("ppo", "grpo"))
         require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
+        require(0 <= self.stall_demos <= 50,
+                f"{path}.stall_demos must be in [0, 50] (one benchmark seed holds 50 layouts), got {self.stall_demos}")  # fmt: skip
+        require(self.stall_bc_coef > 0, f"{path}.stall_bc_coef must be > 0, got {self.stall_bc_coef}")
+        require(self.stall_bc_batch > 0, f"{path}.stall_bc_batch must be > 0, got {self.stall_bc_batch}")
         require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
         require_choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         require_choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
@@ -647,6 +658,10 @@ class RunConfig:
         require_positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
         require(self.stall_window >= 0, f"stall_window must be >= 0 (0: not watched), got {self.stall_window}")
+        require(
+            not self.algorithm.stall_demos or self.stall_window,
+            "algorithm.stall_demos acts on the tasks stall_window names: set stall_window > 0, or algorithm.stall_demos: 0",
+        )
         require(self.keep_checkpoints >= 0, f"keep_checkpoints must be >= 0 (0: keep every one), got {self.keep_checkpoints}")
         require(self.eval_videos >= 0, f"eval_videos must be >= 0 (0: no videos), got {self.eval_videos}")
         require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")

@@ -182,6 +182,28 @@ def tasks_against_start(initial: dict, final: dict) -> dict[str, list[str]]:
     return placed
 
 
+def why_inside(initial: dict, inside: list[str], stalled: dict[str, dict], helped: dict[str, int]) -> dict[str, str]:
+    """Why each task of `inside` (a multi-task run's tasks whose final held-out success lies inside their initial
+    interval) did not leave it, in words: solved at the start, stalled to the end (stalled_tasks at the run's end),
+    or moved on its training layouts but not held out; `helped`: the tasks given demonstrations after a stall (task ->
+    the first iteration that had them)."""
+    reasons = {}
+    for task in inside:
+        start = initial.get(task_key(task, "success_rate"), math.nan)
+        if start >= SOLVED_SUCCESS:
+            reasons[task] = f"solved at the start ({start:.2f})"
+        elif task in stalled:
+            stall = stalled[task]
+            reasons[task] = (f"stalled to the end: training-layout success {stall['first']:.2f} over iterations "
+                             f"{'-'.join(map(str, stall['first_iterations']))}, {stall['last']:.2f} over "
+                             f"{'-'.join(map(str, stall['last_iterations']))}")  # fmt: skip
+        else:
+            reasons[task] = "its training-layout success left its first window, its held-out success not its initial interval"
+        if task in helped:
+            reasons[task] += f"; demonstrations from iteration {helped[task]} (algorithm.stall_demos)"
+    return reasons
+
+
 def plot_task_curves(rows: list[dict], path: str | Path, title: str, initial_eval: dict | None = None) -> Path | None:
     """Held-out success of each task of a multi-task run (eval/task/<task>/success_rate) against env steps, one line
     per task, as a PNG; None when the rows hold no per-task evaluation."""

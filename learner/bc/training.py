@@ -47,8 +47,8 @@ def flow_matching_loss(policy: FlowPolicy, obs: Observation, chunks: torch.Tenso
     the velocity at a_t should be a_1 - a_0. Time runs 0 (noise) -> 1 (action) as in common.flow.
     obs: a batch of B observations (torch); chunks (B, H, A) in env units."""
     target = policy.normalize_action(chunks)
-    noise = torch.randn(target.shape, generator=generator)
-    t = torch.rand(len(chunks), generator=generator)
+    noise = torch.randn(target.shape, generator=generator).to(target.device)  # drawn on the CPU: the same draws on any device
+    t = torch.rand(len(chunks), generator=generator).to(target.device)
     a_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * target
     return ((policy.velocity(a_t, t, policy.encode(obs)) - (target - noise)) ** 2).mean()
 
@@ -103,8 +103,14 @@ def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras:
     in env units, and the episodes. With pretrain.dataset, that dataset's episodes instead (dataset_demonstrations)."""
     if config.pretrain.dataset:
         return dataset_demonstrations(config, suite, policy)
-    cfg, tasks = config.pretrain, suite.tasks()
-    counts = demo_counts(cfg, tasks)
+    return expert_demonstrations(config, suite, policy, cameras, demo_counts(config.pretrain, suite.tasks()))
+
+
+def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list,
+                          counts: dict[str, int]) -> tuple[Observation, Tensor, list[Episode]]:  # fmt: skip
+    """counts[task] scripted episodes of each task named (the first layouts of env.demo_benchmark_seed, with
+    pretrain.demo_noise), as demonstrations() gives them."""
+    cfg, tasks = config.pretrain, list(counts)
     episodes = []
     for task in tasks:
         demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[: counts[task]]

@@ -34,6 +34,7 @@ class TrainerState:
     lr_backoff: float = 1.0  # learning-rate multiplier after runs of non-finite updates
     sampling_versions: dict[int, int] = field(default_factory=dict)  # WeightVersions.sampling_versions
     published: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # WeightVersions.published
+    demo_tasks: dict[str, int] = field(default_factory=dict)  # DemonstrationTerm.from_iteration
 
 
 class LearnerCheckpoint:
@@ -66,6 +67,7 @@ class LearnerCheckpoint:
             skipped_updates=int(state.skipped_updates), lr_backoff=float(state.lr_backoff),
             sampling_versions={int(n): int(v) for n, v in state.sampling_versions.items()},
             published={int(v): tensors for v, tensors in state.published.items()},
+            demo_tasks={str(task): int(start) for task, start in state.demo_tasks.items()},
         )  # fmt: skip
 
     def load_reference(self, reference: FlowPolicy, sampling_overrides: dict[str, Any]) -> None:

@@ -94,6 +94,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     rows = MetricsRows(MetricsLog(directory.path / "metrics.jsonl"), evaluator, learner, wandb_run, single_batch)
     rows.recover(completed_iterations(resume_dir))
     stalls = StallWatch(config.stall_window if len(make_suite(config.env).tasks()) > 1 else 0)
+    stalled: dict[str, int] = {}  # named stalled, their demonstrations not yet with the learner (algorithm.stall_demos)
     if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
         summary.begin(config, checkpoint, eval_layouts)
         if not single_batch:
@@ -103,6 +104,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         while iteration < config.iterations:
             t0 = time.perf_counter()
             try:
+                if stalled:
+                    summary.note_stall_demonstrations(learner.add_demonstrations(stalled), iteration, config)
+                    stalled = {}
                 batch_refs = rollouts.collect(iteration)
                 summary.note_first_rollout(clock)
                 with stops_held("finishing the update and logging it"):  # the learner finishes it whatever happens here
@@ -129,7 +133,9 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 rows.after_learner_restart(iteration, rollouts.weights_ref)
                 continue
             iteration += 1
-            stalls.check(iteration, rows.log)
+            named = stalls.check(iteration, rows.log)
+            if config.algorithm.stall_demos:
+                stalled.update(dict.fromkeys(named, iteration))
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done
         if not isinstance(exc, RunFileWriteError):  # else the disk refused a row: a checkpoint past it would lose that row
             rows.keep_completed()

@@ -68,6 +68,10 @@ class LearnerActor:
         """(completed iterations, env steps sampled for them), both restored from the checkpoint on resume."""
         return self.learner.iteration, self.learner.env_steps
 
+    def add_demonstrations(self, tasks: dict[str, int]) -> list[str]:
+        """Stalled tasks' demonstrations into the updates from the iteration given with each (Learner.add_demonstrations)."""
+        return self.learner.add_demonstrations(tasks)
+
     def update(self, *batches: RolloutBatch, verbose: bool = False) -> dict[str, float]:
         """This learner's update on `batches` (in a group: this rank's share of the iteration's rollouts), and the
         iteration's metrics; in a group, rank 0 reports them for every rank, and the other ranks report nothing."""

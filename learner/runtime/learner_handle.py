@@ -45,6 +45,9 @@ class LearnerHandle:
         self.last_saved = 0  # completed iterations of the newest checkpoint the learner started from or wrote
         self.slowest_update = 0.0  # seconds, over every update answered, restarts included
         self._start(checkpoint, resume_dir)
+        # Stalled tasks' demonstrations handed to this learner (each with the update from which they count): a restarted
+        # learner gets them again, for the iterations it redoes as for the ones after (a checkpoint keeps those before it).
+        self.demo_tasks: dict[str, int] = {}
 
     def _start(self, checkpoint: Path | None, resume_dir: Path | None) -> None:
         self.ranks = start_learner(self.config, checkpoint, resume_dir, self.request)
@@ -125,6 +128,12 @@ class LearnerHandle:
         self.slowest_update = max(self.slowest_update, time.perf_counter() - began)
         return metrics
 
+    def add_demonstrations(self, tasks: dict[str, int]) -> list[str]:
+        """Stalled tasks' demonstrations into every rank's updates from the iteration given with each; returns the tasks
+        new to the learner (one it holds already, from its checkpoint or an earlier call, keeps its iteration)."""
+        self.demo_tasks |= {task: start for task, start in tasks.items() if task not in self.demo_tasks}  # in the order given
+        return self.call_every_rank("add_demonstrations", [(self.demo_tasks,)] * len(self.ranks.actors))
+
     def publish(self) -> ray.ObjectRef:
         """The current weights, put in the object store once (by rank 0)."""
         return self.call_every_rank("publish")[0]
@@ -162,6 +171,8 @@ class LearnerHandle:
         log.info(f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
                  f"{restart_dir or self.checkpoint or 'its random initialisation'}")  # fmt: skip
         self._start(None if restart_dir else self.checkpoint, restart_dir)
+        if self.demo_tasks:
+            self.add_demonstrations({})
         return self.resume_point()
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from common.metrics import (
     stalled_tasks,
     task_key,
     tasks_against_start,
+    why_inside,
 )
 from common.policy import WEIGHTS_FILE
 from common.recording import VIDEO_SIZE, recording_calls, save_evaluation_videos, select_episodes
@@ -262,13 +263,17 @@ class StallWatch:
     def __init__(self, window: int):
         self.window, self.named = window, set()
 
-    def check(self, iteration: int, log_file: MetricsLog) -> None:
+    def check(self, iteration: int, log_file: MetricsLog) -> list[str]:
+        """The tasks named stalled for the first time after `iteration` completed iterations."""
         if not self.window or iteration % self.window or iteration < 2 * self.window:
-            return
+            return []
+        named = []
         for task, stall in stalled_tasks(log_file.read(), self.window).items():
             if task not in self.named:
                 log.info(f"[stall] {describe_stall(task, stall)}")
                 self.named.add(task)
+                named.append(task)
+        return named
 
 
 class RunSummary:
@@ -293,6 +298,17 @@ class RunSummary:
         self.data["initial_eval"] = result
         self.write()
 
+    def note_stall_demonstrations(self, tasks: list[str], iteration: int, config: RunConfig) -> None:
+        """Stalled tasks whose demonstrations join the updates from iteration `iteration` (0-based), on the console and in
+        the summary (stall_demonstrations: task -> the first iteration, 1-based, whose update has them)."""
+        cfg = config.algorithm
+        for task in tasks:
+            log.info(f"[stall] {task}: {cfg.stall_demos} scripted demonstrations of it join every update from iteration {iteration + 1} "
+                     f"(algorithm.stall_demos; their flow-matching loss x {cfg.stall_bc_coef:g})")  # fmt: skip
+            self.data.setdefault("stall_demonstrations", {})[task] = iteration + 1
+        if tasks:
+            self.write()
+
     def note_first_rollout(self, clock: StartupClock) -> None:
         """The start-up's last stage, the first rollout collected: the stages are complete (a no-op after the first)."""
         if "first_rollout" in clock.stages:
@@ -315,7 +331,9 @@ class RunSummary:
         if "initial_eval" in self.data and final_eval:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
             if evaluated_tasks([final_eval]):
-                self.data["tasks_against_initial"] = tasks_against_start(self.data["initial_eval"], final_eval)
+                placed = self.data["tasks_against_initial"] = tasks_against_start(self.data["initial_eval"], final_eval)
+                self.data["inside_tasks"] = why_inside(self.data["initial_eval"], placed["inside"], self.data.get("stalled_tasks", {}),
+                                                       self.data.get("stall_demonstrations", {}))  # fmt: skip
         self.write()
 
     def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
@@ -428,6 +446,8 @@ def print_summary(summary: dict[str, Any]) -> None:
                  f"{len(placed['below'])} below{' (' + ', '.join(placed['below']) + ')' if placed['below'] else ''}")  # fmt: skip
     for task, stall in summary.get("stalled_tasks", {}).items():
         log.info(f"stalled        : {describe_stall(task, stall)}")
+    for task, reason in summary.get("inside_tasks", {}).items():
+        log.info(f"inside         : {task}: {reason}")
     log.info(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         log.info(f"per-task curves: {summary['task_curves']}")

@@ -60,6 +60,10 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
         raise ConfigError(f"pretrain.dataset {dataset} is not a LeRobotDataset directory (it has no meta/info.json)")
     tasks = suite.tasks()
     check_task_demos(config.pretrain, tasks)
+    missing = [task for task in tasks if suite.expert(task) is None] if config.algorithm.stall_demos and len(tasks) > 1 else []
+    if missing:
+        raise ConfigError(f"algorithm.stall_demos gives a stalled task scripted demonstrations, but {suite.name} has no scripted expert "
+                          f"for {missing}: set algorithm.stall_demos: 0")  # fmt: skip
     eval_layouts = suite.held_out(config.eval_episodes)
     if len(eval_layouts) < config.eval_episodes * len(tasks):
         raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only "

@@ -56,6 +56,7 @@ from learner.group.sharding import hold, local_bytes, peak_bytes
 from learner.update.algorithms import ALGORITHMS, Advantages, decision_tasks, minibatch_loss, task_groups
 from learner.update.batch import PreparedBatch
 from learner.update.console import UpdateConsole
+from learner.update.demonstration_term import DemonstrationDraws, DemonstrationTerm
 from learner.update.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
 from learner.update.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
 from learner.update.scoring import encode_in_chunks, rescore, score_in_chunks
@@ -174,6 +175,7 @@ class Learner:
         self.lr_backoff = 1.0
         # The KL reference: the starting weights, frozen (built only when used; load_trainer_state restores it).
         self.reference = frozen_reference(policy) if self.cfg.kl_beta > 0 else None
+        self.demonstrations = DemonstrationTerm(config)  # stalled tasks' demonstrations (algorithm.stall_demos)
         if config.learner.speed.fused_attention:  # a VLA (RunConfig.validate); after the reference's copy, as compiling
             policy.fuse_attention()
         if config.learner.speed.compile_steps:  # after the reference's copy, which scores eagerly
@@ -218,6 +220,11 @@ class Learner:
 
     def trainable_state(self) -> dict[str, Tensor]:
         return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
+
+    def add_demonstrations(self, tasks: dict[str, int]) -> list[str]:
+        """Stalled tasks' demonstrations into every update from the iteration given with each (learner.update.demonstration_term).
+        Returns the tasks new to this learner."""
+        return self.demonstrations.add(tasks, self.policy)
 
     # -- one PPO iteration ------------------------------------------------------------------------
 
@@ -419,10 +426,11 @@ class Learner:
         train_actor = self.algorithm.trains_actor(self.iteration)
         self._set_learning_rates(train_actor)
         minibatches = Minibatches(len(data.rows_here), self.cfg, seed=self.config.seed * 1_000_003 + self.iteration)
+        demos = self.demonstrations.draws(self.iteration) if train_actor else None
         steps = StepFigures()
         for where, minibatch in minibatches:
             figures, ratio_deviation = self._minibatch_step(data, minibatch, minibatches.sizes[0], train_actor, where, steps.count == 0,
-                                                            console)  # fmt: skip
+                                                            console, demos)  # fmt: skip
             steps.add(figures, ratio_deviation)
             console.minibatch(where, figures)
             # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
@@ -442,11 +450,12 @@ class Learner:
         self.optimizer.param_groups[1]["lr"] = self.cfg.critic_lr * scale
 
     def _minibatch_step(self, data: PreparedBatch, minibatch: Tensor, largest: int, train_actor: bool, where: str, first_step: bool,
-                        console: UpdateConsole) -> tuple[dict[str, float], float]:  # fmt: skip
+                        console: UpdateConsole, demos: DemonstrationDraws | None = None) -> tuple[dict[str, float], float]:  # fmt: skip
         """One optimiser step on `minibatch` (rows of every rank's decisions, in the order one learner holds them; `largest`:
         the update's largest minibatch, which the plan's memory sizing is for): this
         rank's share scored in the plan's micro-batches, each loss backpropagated at its share of the minibatch's mean, the
-        gradients summed over the ranks, clipped and stepped. Returns the step's figures (over every rank's decisions) and,
+        gradients summed over the ranks, clipped and stepped; with `demos`, the stalled tasks' flow-matching term beside
+        them (each rank its 1/N share of the same batch). Returns the step's figures (over every rank's decisions) and,
         on the update's first step, the most |ratio - 1| of its chains (the old log-probs' weights are the current ones)."""
         self.optimizer.zero_grad(set_to_none=True)
         here = data.rows_here[minibatch]  # this rank's share of the minibatch
@@ -470,6 +479,10 @@ class Learner:
                     (loss * (len(micro) / len(minibatch))).backward()  # the minibatch's mean over every rank's decisions
                 for key, value in metrics.items():
                     terms.setdefault(key, []).append((float(value.detach()), len(micro)))
+            if demos is not None:
+                demo_loss = self.demonstrations.loss(self.policy, demos)
+                (demo_loss * (self.cfg.stall_bc_coef / self.ranks.size)).backward()  # each rank its share of the same batch
+                terms["demo_bc_loss"] = [(float(demo_loss.detach()), 1)]  # the same on every rank
             for _ in range(padding):  # over a row it holds, weighing nothing
                 (self._micro_batch_loss(data, torch.zeros(1, dtype=torch.int64), train_actor)[0] * 0.0).backward()
             checks.raise_first()
@@ -500,8 +513,8 @@ class Learner:
             metrics.update(data.task_figures.metrics(self.ranks))
         history = steps.history
         for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
-                    "kl_ref"):  # fmt: skip
-            if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0
+                    "kl_ref", "demo_bc_loss"):  # fmt: skip
+            if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0; demo_bc_loss: after a stall
                 metrics[f"losses/{key}"] = float(np.mean(history[key]))
         if "kl_ref_max" in history:
             metrics["losses/kl_ref_max"] = float(np.max(history["kl_ref_max"]))
@@ -533,12 +546,13 @@ class Learner:
             return Path(directory)
         versions = self.weight_versions
         state = TrainerState(optimizer, self.iteration, self.version, self.env_steps, self.config.fingerprint(), self.skipped_updates,
-                             self.lr_backoff, versions.sampling_versions, versions.published)  # fmt: skip
+                             self.lr_backoff, versions.sampling_versions, versions.published,
+                             dict(self.demonstrations.from_iteration))  # fmt: skip
         return LearnerCheckpoint(directory).save(self.policy, state, self.reference, policy_state)
 
     def load_trainer_state(self, directory: str | Path) -> None:
-        """Restore optimiser, counters, weight versions in flight and KL reference (the policy itself is loaded with
-        from_pretrained)."""
+        """Restore optimiser, counters, weight versions in flight, KL reference and stalled tasks' demonstrations (the
+        policy itself is loaded with from_pretrained)."""
         checkpoint = LearnerCheckpoint(directory)
         state = checkpoint.trainer_state()
         # A checkpoint's parameter groups carry the fused flag of the machine that saved it: keep this machine's.
@@ -548,5 +562,6 @@ class Learner:
         self.iteration, self.version, self.env_steps = state.iteration, state.version, state.env_steps
         self.skipped_updates, self.lr_backoff = state.skipped_updates, state.lr_backoff
         self.weight_versions.restore(state.sampling_versions, state.published)
+        self.add_demonstrations(state.demo_tasks)
         if self.reference is not None:
             checkpoint.load_reference(self.reference, self.config.policy.sampling_overrides())

@@ -16,13 +16,16 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 
 def test_a_two_task_run_reports_every_task(tmp_path, capsys) -> None:
     """learner.main end to end: per-task held-out success in every evaluated row and the summary, the per-task plot,
-    and the manifest's held-out tasks (from a random policy: what is checked is the reporting, not the learning)."""
+    and the manifest's held-out tasks (from a random policy: what is checked is the reporting, not the learning); the
+    tasks named stalled after two windows of one iteration get their scripted demonstrations in the third update, as
+    the console and the summary say."""
     run_dir = tmp_path / "run"
-    fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "actors.decisions_per_rollout": 6, "env.max_episode_steps": 30,
-              "algorithm.minibatch_size": 12, "algorithm.update_epochs": 1, "iterations": 1, "eval_every": 1, "eval_episodes": 3,
-              "eval_videos": 1}  # fmt: skip
+    fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "actors.decisions_per_rollout": 10, "env.max_episode_steps": 30,
+              "algorithm.minibatch_size": 12, "algorithm.update_epochs": 1, "iterations": 3, "eval_every": 3, "eval_episodes": 3,
+              "eval_videos": 1, "stall_window": 1, "algorithm.stall_demos": 1}  # fmt: skip
     assert main(tiny_run(run_dir, None, "--allow-random-init", **fields)) == 0
-    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    row = rows[-1]
     for task in ("reach-v3", "pick-place-v3"):
         assert row[f"eval/task/{task}/episodes"] == 3
         assert row[f"eval/task/{task}/success_low"] <= row[f"eval/task/{task}/success_rate"] <= row[f"eval/task/{task}/success_high"]
@@ -30,12 +33,20 @@ def test_a_two_task_run_reports_every_task(tmp_path, capsys) -> None:
     assert summary["manifest"]["held_out_layouts"]["tasks"] == ["reach-v3", "pick-place-v3"]
     placed = summary["tasks_against_initial"]  # each task once, where its final success ends against its initial interval
     assert sorted(sum(placed.values(), [])) == ["pick-place-v3", "reach-v3"] and set(placed) == {"above", "inside", "below"}
+    assert list(summary.get("inside_tasks", {})) == placed["inside"]  # each with its reason
     assert (run_dir / "task_curves.png").stat().st_size > 1000
     printed = capsys.readouterr().out
+    for task, reason in summary.get("inside_tasks", {}).items():
+        assert f"inside         : {task}: {reason}" in printed
     assert "reach-v3" in printed and "pick-place-v3" in printed
     assert f"{len(placed['above'])} of 2 above their initial interval, {len(placed['below'])} below" in printed
-    videos = sorted(path.name for path in (run_dir / "videos" / "iter_000001").glob("*.mp4"))
+    videos = sorted(path.name for path in (run_dir / "videos" / "iter_000003").glob("*.mp4"))
     assert {name.split("_")[0] for name in videos} == {"reach-v3", "pick-place-v3"}  # eval_videos per task
+    helped = summary["stall_demonstrations"]
+    assert helped and set(helped) <= {"reach-v3", "pick-place-v3"} and set(helped.values()) == {3}
+    for task in helped:
+        assert f"[stall] {task}: 1 scripted demonstrations of it join every update from iteration 3" in printed
+    assert ["losses/demo_bc_loss" in one for one in rows] == [False, False, True] and row["losses/demo_bc_loss"] > 0
 
 
 def test_a_runs_diagnosis_scores_its_own_evaluations_and_is_the_same_in_each_process(tmp_path, capsys) -> None:

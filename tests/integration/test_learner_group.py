@@ -50,12 +50,15 @@ def rollouts(config: RunConfig, checkpoint: Path, learner: Learner) -> list[Roll
 
 
 def group_update(config: RunConfig, checkpoint: Path | None, iterations: list[list[RolloutBatch]], resume_dir: Path | None = None,
-                 save_to: Path | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
+                 save_to: Path | None = None, demo_tasks: dict[str, int] | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """A two-rank group's metrics of each update and each rank's trainable weights after the last (gathered whole when
     sharded); each rank fetches its consecutive share of an iteration's rollouts (actors' batches) from the object store.
-    The group starts from `checkpoint`, or resumes from `resume_dir`; with `save_to`, it checkpoints there at the end."""
+    The group starts from `checkpoint`, or resumes from `resume_dir`; with `save_to`, it checkpoints there at the end;
+    with `demo_tasks`, every rank holds those tasks' demonstrations first (Learner.add_demonstrations)."""
     ranks = start_learner_group(config, RANK, LearnerActor, config, checkpoint and str(checkpoint), resume_dir and str(resume_dir))
     try:
+        if demo_tasks:
+            ray.get([rank.add_demonstrations.remote(demo_tasks) for rank in ranks.actors])
         metrics = []
         for batches in iterations:
             refs = [ray.put(batch) for batch in batches]
@@ -150,18 +153,25 @@ def test_two_ranks_make_the_one_rank_update_on_the_same_rollouts(tmp_path, bc_ch
         assert metrics[-1][f"memory/rank_{name}"] == pytest.approx(share * held, rel=0.05), name
 
 
+TWO_TASK_RUN = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "learner.num_learners": 2, "allow_random_init": True,
+                "actors.envs_per_actor": 4, "env.reward": "shaped"}  # fmt: skip
+
+
+def two_task_checkpoint(config: RunConfig, directory: Path) -> Path:
+    """A seeded random two-task policy with unit normalisation, saved."""
+    torch.manual_seed(0)
+    policy = build_policy(config.policy)
+    policy.set_normalization(torch.zeros(41), torch.ones(41), torch.zeros(4), torch.ones(4))
+    return write_directory_atomically(directory, policy.save_pretrained)
+
+
 def test_each_tasks_advantages_are_normalised_on_their_own_and_two_ranks_do_the_same(tmp_path) -> None:
     """algorithm.normalize_advantages_per_task on a two-task run: the learner alone gives each task's decisions zero mean
     and unit std (checked against the raw advantages normalised here, task by task), reports each task's raw std, and
     a two-rank group, each rank holding one actor's envs, makes the same update, the same per-task stds and each task's
     other figures."""
-    fields = {"env.task": "reach-v3,pick-place-v3", "policy.obs_dim": 41, "learner.num_learners": 2, "allow_random_init": True,
-              "algorithm.normalize_advantages_per_task": True, "actors.envs_per_actor": 4, "env.reward": "shaped"}  # fmt: skip
-    config = tiny_config(tmp_path, **fields)
-    torch.manual_seed(0)
-    policy = build_policy(config.policy)
-    policy.set_normalization(torch.zeros(41), torch.ones(41), torch.zeros(4), torch.ones(4))
-    checkpoint = write_directory_atomically(tmp_path / "checkpoint", policy.save_pretrained)
+    config = tiny_config(tmp_path, **TWO_TASK_RUN, **{"algorithm.normalize_advantages_per_task": True})
+    checkpoint = two_task_checkpoint(config, tmp_path / "checkpoint")
 
     def learner(run: RunConfig) -> Learner:
         torch.manual_seed(1)  # the same critic for both
@@ -188,6 +198,25 @@ def test_each_tasks_advantages_are_normalised_on_their_own_and_two_ranks_do_the_
     assert len(task_figures) == 2 * 6  # each task's own figures (learner.update.task_figures), pooled over the ranks
     for key in task_figures:
         assert metrics[0][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
+    for name, tensor in alone.trainable_state().items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
+
+
+def test_a_sharded_group_adds_a_stalled_tasks_demonstrations_as_the_learner_alone_does(tmp_path) -> None:
+    """Demonstrations of pick-place in a two-rank sharded group's update: every rank draws the same batch and
+    backpropagates its half, so the weights and the demonstrations' loss are the learner alone's."""
+    fields = {"learner.sharding": "fsdp", "algorithm.stall_demos": 2, "algorithm.stall_bc_batch": 16, "algorithm.stall_bc_coef": 2.0,
+              "env.max_episode_steps": 40}  # fmt: skip
+    config = tiny_config(tmp_path, **TWO_TASK_RUN, **fields)
+    checkpoint = two_task_checkpoint(config, tmp_path / "checkpoint")
+    torch.manual_seed(1)
+    alone = Learner(config, FlowPolicy.from_pretrained(checkpoint))
+    alone.add_demonstrations({"pick-place-v3": 0})
+    batches = rollouts(config, checkpoint, alone)
+    expected = alone.update(RolloutBatch.concat(batches))
+    torch.manual_seed(1)
+    metrics, weights = group_update(config, checkpoint, [batches], demo_tasks={"pick-place-v3": 0})
+    assert metrics[0]["losses/demo_bc_loss"] == pytest.approx(expected["losses/demo_bc_loss"], rel=1e-5)
     for name, tensor in alone.trainable_state().items():
         torch.testing.assert_close(weights[0][name], tensor, rtol=0.0, atol=WEIGHT_TOLERANCE)
 

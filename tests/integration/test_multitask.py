@@ -3,12 +3,14 @@ and evaluates each task, and a multi-task policy replays one of its tasks."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from actors.rollout_actor import RolloutActor, close_and_free
 from common.config import ConfigError, EnvConfig
@@ -16,8 +18,9 @@ from common.diagnostics import BehaviourGapWarning
 from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy, build_policy
 from common.suites import Layout, make_suite
-from common.suites.metaworld import MetaworldTaskEnv
-from learner.bc.training import demonstrations, pretrain
+from common.suites.metaworld import MetaworldSuite, MetaworldTaskEnv
+from common.trajectory import RolloutBatch
+from learner.bc.training import demonstrations, expert_demonstrations, flow_matching_loss, pretrain
 from learner.runtime.startup import preflight
 from learner.update.learner import Learner
 from tests.conftest import tiny_config
@@ -186,3 +189,89 @@ def test_each_tasks_clip_share_and_kl_are_those_of_the_updates_last_step(tmp_pat
         assert metrics[f"policy/task/{task}/action_abs_mean"] == pytest.approx(actions[mine].mean(), rel=1e-5)
         assert metrics[f"policy/task/{task}/sigma_mean"] > 0
     assert any(0 < metrics[f"policy/task/{task}/clip_share"] < 1 for task in TWO_TASKS.split(","))
+
+
+def recorded_gradients(learner: Learner) -> list[list[Tensor]]:
+    """The actor's gradients at each of `learner`'s optimiser steps from now on, as the step takes them."""
+    steps, step = [], learner.optimizer.step
+
+    def recording(*args, **kwargs):
+        steps.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in learner.actor_params])
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recording
+    return steps
+
+
+def test_a_stalled_tasks_demonstrations_add_their_flow_matching_gradient_from_their_iteration_on(tmp_path, two_task_checkpoint) -> None:
+    """Demonstrations of pick-place handed to the learner from update 1: update 0 is the plain learner's, bit for bit;
+    update 1's step takes the plain gradient plus stall_bc_coef times the flow-matching gradient of the batch of
+    pick-place's scripted steps (expert_demonstrations, as BC collects them) drawn with that update's seed, computed
+    here apart; a checkpoint keeps the demonstrations and the update they count from, so the learner it resumes
+    makes the same next update."""
+    checkpoint, _ = two_task_checkpoint
+    fields = {"algorithm.stall_demos": 2, "algorithm.stall_bc_coef": 0.5, "algorithm.stall_bc_batch": 16, "algorithm.update_epochs": 1,
+              "algorithm.minibatch_size": None, "algorithm.num_minibatches": 1, "algorithm.max_grad_norm": 1e9,
+              "actors.num_actors": 1}  # fmt: skip
+    config = two_task_config(tmp_path, **fields)
+
+    def learner() -> Learner:
+        torch.manual_seed(1)  # the same critic for every one
+        return Learner(config, FlowPolicy.from_pretrained(checkpoint))
+
+    plain, helped = learner(), learner()
+    assert helped.add_demonstrations({"pick-place-v3": 1}) == ["pick-place-v3"]
+    assert helped.add_demonstrations({"pick-place-v3": 0}) == [] and helped.demonstrations.from_iteration == {"pick-place-v3": 1}
+    obs, chunks, episodes = expert_demonstrations(config, make_suite(config.env), plain.policy, [], {"pick-place-v3": 2})
+    assert len(episodes) == 2 and torch.equal(helped.demonstrations.chunks, chunks)
+    actor = RolloutActor(config, 0, checkpoint)
+
+    def rollout(iteration: int, *learners: Learner) -> RolloutBatch:
+        """A rollout of the learners' current weights (the same in each), every learner keeping the version."""
+        payloads = [one.broadcast() for one in learners]
+        actor.load_weights(payloads[0])
+        return actor.sample(None, iteration=iteration)
+
+    batch = rollout(0, plain, helped)
+    first = helped.update(batch)
+    assert "losses/demo_bc_loss" not in first and first["losses/pg_loss"] == plain.update(batch)["losses/pg_loss"]
+    assert all(torch.equal(p, q) for p, q in zip(helped.actor_params, plain.actor_params, strict=True))
+
+    weights_before = copy.deepcopy(helped.policy)
+    plain_steps, helped_steps = recorded_gradients(plain), recorded_gradients(helped)
+    batch = rollout(1, plain, helped)
+    plain.update(batch)
+    second = helped.update(batch)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + 1)
+    picked = torch.randint(len(chunks), (16,), generator=generator)
+    loss = flow_matching_loss(weights_before, obs.index(picked).to_torch(weights_before.obs_device), chunks[picked], generator)
+    loss.backward()
+    assert second["losses/demo_bc_loss"] == pytest.approx(loss.item(), rel=1e-6)
+    flow = [torch.zeros_like(p) if p.grad is None else p.grad for n, p in weights_before.named_parameters()
+            if n not in set(weights_before.critic_parameter_names()) and p.requires_grad]  # fmt: skip
+    assert any(g.abs().max() > 0 for g in flow)
+    for total, ppo, term in zip(helped_steps[0], plain_steps[0], flow, strict=True):
+        torch.testing.assert_close(total, ppo + 0.5 * term, rtol=1e-5, atol=1e-7)
+
+    saved = helped.save_checkpoint(tmp_path / "saved")
+    resumed = Learner(config, FlowPolicy.from_pretrained(saved))
+    resumed.load_trainer_state(saved)
+    assert resumed.demonstrations.from_iteration == {"pick-place-v3": 1}
+    batch = rollout(2, helped, resumed)
+    actor.close()
+    helped.update(batch)
+    resumed.update(batch)
+    assert all(torch.equal(p, q) for p, q in zip(helped.trainable_state().values(), resumed.trainable_state().values(), strict=True))
+
+
+def test_stall_demonstrations_need_a_stall_window_and_an_expert_for_every_task(tmp_path, monkeypatch) -> None:
+    """algorithm.stall_demos without the stall window that names the tasks is refused by the config; on a task the suite
+    has no scripted expert for, before the run starts."""
+    with pytest.raises(ConfigError, match="algorithm.stall_demos acts on the tasks stall_window names"):
+        two_task_config(tmp_path, **{"algorithm.stall_demos": 3, "stall_window": 0})
+    config = two_task_config(tmp_path, **{"algorithm.stall_demos": 3})
+    preflight(config, None, False)  # Metaworld has an expert for both
+    expert = MetaworldSuite.expert
+    monkeypatch.setattr(MetaworldSuite, "expert", lambda suite, task: None if task == "reach-v3" else expert(suite, task))
+    with pytest.raises(ConfigError, match=r"no scripted expert for \['reach-v3'\]: set algorithm.stall_demos: 0"):
+        preflight(config, None, False)

@@ -10,7 +10,7 @@ import pytest
 
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
-from common.metrics import counts_interval, describe_stall, stalled_tasks
+from common.metrics import counts_interval, describe_stall, stalled_tasks, task_key, why_inside
 from common.rollout import env_tasks, group_tasks
 from common.suites import make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
@@ -186,3 +186,17 @@ def test_a_stalled_tasks_line_shows_its_updates_figures_beside_the_moving_tasks(
         "; first-episode return 100 -> 300; its update over the last window (the moving tasks' mean): clip share 0.03 "
         "(0.45), sigma 0.05 (0.15)"
     )
+
+
+def test_each_task_left_inside_its_initial_interval_is_given_its_reason() -> None:
+    """A task solved at the start, one stalled to the end (demonstrations given after its stall), one given
+    demonstrations that moved since, and one that moved alone: each with its reason, in the order given."""
+    initial = {task_key(task, "success_rate"): rate for task, rate in {"a": 0.97, "b": 0.30, "c": 0.40, "d": 0.50}.items()}
+    stalled = {"b": {"first": 0.30, "last": 0.31, "first_iterations": [1, 20], "last_iterations": [81, 100]}}
+    reasons = why_inside(initial, ["a", "b", "c", "d"], stalled, {"b": 41, "c": 41})
+    assert list(reasons) == ["a", "b", "c", "d"]
+    assert reasons["a"] == "solved at the start (0.97)"
+    assert reasons["b"] == ("stalled to the end: training-layout success 0.30 over iterations 1-20, 0.31 over 81-100; "
+                            "demonstrations from iteration 41 (algorithm.stall_demos)")  # fmt: skip
+    moved = "its training-layout success left its first window, its held-out success not its initial interval"
+    assert reasons["c"] == moved + "; demonstrations from iteration 41 (algorithm.stall_demos)" and reasons["d"] == moved
