@@ -14,7 +14,6 @@ uninterrupted run exactly.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import warnings
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from common.recording import VIDEO_SIZE, EpisodeRecording, filmed_slots, record_
 from common.rollout import (
     GroupVectorEnv,
     camera_configs,
+    close_and_free,
     collect_rollout,
     env_tasks,
     evaluate_layouts,
@@ -51,15 +51,6 @@ if TYPE_CHECKING:
 def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
     """A 63-bit seed that differs for every (run seed, iteration, actor)."""
     return int(np.random.SeedSequence([seed, iteration, actor_index]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def close_and_free(envs: list | dict) -> None:
-    """Close the envs in `envs` (a list, or a dict of them), empty it and free them now. A Metaworld env sits in
-    reference cycles (the methods patched onto it hold it), which only a full collection frees: without one, every set
-    of envs an actor drops stays in its memory until Python happens to run a collection."""
-    while envs:  # popped one by one, so that no name holds the last one during the collection
-        (envs.popitem()[1] if isinstance(envs, dict) else envs.pop()).close()
-    gc.collect()
 
 
 class RolloutActor:

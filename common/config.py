@@ -179,12 +179,13 @@ class EnvConfig:
 
     suite: str = "metaworld"  # the environment suite (common.suites): metaworld, or gym (any gymnasium env id, env.gym)
     task: str = "pick-place-v3"
-    # What the policy observes (docs/lerobot.md). "project": the suite's full state (Metaworld's 39 elements) and any of
-    # its cameras by name, the project's instructions. "lerobot": what lerobot's own env class of the suite hands a
-    # policy: its state elements, its frames under its keys (Metaworld: one observation.image; LIBERO:
-    # observation.images.image and .image2), drawn as it draws them, its task sentences and, unless
-    # max_episode_steps is given, its episode limit. "auto": "lerobot" when the run starts from a lerobot checkpoint whose
-    # input features are that layout's (after policy.rename_map), else "project"; resolved when the config is read.
+    # What the policy observes (docs/lerobot.md). "project": the suite's full state (Metaworld's 39 elements; LIBERO's 8
+    # and the goal's object and target, 26) and any of its cameras by name, the project's instructions. "lerobot": what
+    # lerobot's own env class of the suite hands a policy: its state elements, its frames under its keys (Metaworld: one
+    # observation.image; LIBERO: observation.images.image and .image2), drawn as it draws them, its task sentences and,
+    # unless max_episode_steps is given, its episode limit. "auto": "lerobot" when the run starts from a lerobot
+    # checkpoint whose input features are that layout's (after policy.rename_map), else "project"; resolved when the
+    # config is read.
     observations: str = "auto"
     # How frames are drawn: "fast" (no shadows, reflections or multisampling: about ten times cheaper on a CPU), "default"
     # (the renderer's own settings, which lerobot's env classes keep), or "auto": "default" with env.observations "lerobot",

@@ -42,6 +42,10 @@ class PrecisionGapWarning(UserWarning):
     """A bfloat16 learner's log-probs differ from its float32 ones by a sizeable part of PPO's clip range."""
 
 
+class ShortRolloutWarning(UserWarning):
+    """Every rollout ends before an episode can: the steps past it are never sampled, and success counts only the quick."""
+
+
 class NonFiniteError(FloatingPointError):
     """A loss, gradient or input holds NaN or Inf."""
 
@@ -139,6 +143,21 @@ def check_ratio_sensitivity(num_elements: int, sigma_min: float, normalization: 
             stacklevel=2,
         )
     return move
+
+
+def check_rollout_length(decisions: int, chunk_size: int, max_episode_steps: int) -> None:
+    """Warn (ShortRolloutWarning) when a rollout's env steps cannot hold a whole episode. Every rollout starts its envs
+    afresh, so an episode that has not ended by then is cut: the policy never acts past that step, and the training
+    success rates count the episodes that ended, the quick successes, never the failures that run to the limit."""
+    steps = decisions * chunk_size
+    if steps < max_episode_steps:
+        warnings.warn(
+            f"a rollout of actors.decisions_per_rollout={decisions} chunks of policy.chunk_size={chunk_size} is {steps} env steps, "
+            f"fewer than env.max_episode_steps={max_episode_steps}: no episode runs past step {steps}, and the training success "
+            f"rates count only episodes that ended sooner. Set actors.decisions_per_rollout: {-(-max_episode_steps // chunk_size)}",
+            ShortRolloutWarning,
+            stacklevel=2,
+        )
 
 
 # -- finiteness -------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Ray-free, so the same code runs inside a RolloutActor, in pre-training's final e
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,6 +117,15 @@ def make_envs(suite: Suite, tasks: Sequence[str], cameras: Sequence[ImageConfig]
     """One env of each of `tasks`, starting from its first training layout (every rollout sets its own layouts before
     it resets)."""
     return [suite.make_env(task, cameras) for task in tasks]
+
+
+def close_and_free(envs: list | dict) -> None:
+    """Close the envs in `envs` (a list, or a dict of them), empty it and free them now. A Metaworld env sits in
+    reference cycles (the methods patched onto it hold it), which only a full collection frees: without one, every set
+    of envs an actor drops stays in its memory until Python happens to run a collection."""
+    while envs:  # popped one by one, so that no name holds the last one during the collection
+        (envs.popitem()[1] if isinstance(envs, dict) else envs.pop()).close()
+    gc.collect()
 
 
 def group_tasks(tasks: Sequence[str], num_groups: int, weights: dict[str, float] | None = None) -> list[str]:

@@ -16,8 +16,11 @@
   evaluations do.
 - Actions: 7 numbers in [-1, 1] as LIBERO's OSC_POSE controller takes them: end-effector translation and rotation
   deltas, then the gripper (-1 open, 1 close).
-- State: 8 numbers as lerobot's LIBERO processor builds them: end-effector position (3), its orientation as an
-  axis-angle vector (3, from robosuite's quaternion) and the two gripper finger positions (2).
+- State. With lerobot's observations (env.observations "lerobot"), 8 numbers as lerobot's LIBERO processor builds
+  them: end-effector position (3), its orientation as an axis-angle vector (3, from robosuite's quaternion) and the two
+  gripper finger positions (2). With the project's (a policy without frames needs the objects), those 8 and then what
+  of the objects the task's goal turns on (GOAL_STATE_FIELDS): the moved object's position and world-aligned box (3 + 6)
+  and its target's (3 + 6), 26 in all; a task whose goal puts no object in or on a target is refused there.
 - Cameras: "agentview" (the scene) and "wrist" (robosuite's robot0_eye_in_hand), also by lerobot's names "image"
   and "image2", rendered on demand at each
   ImageConfig's size, as lerobot presents LIBERO's frames to its policies: robosuite's raw frame turned by 180
@@ -57,7 +60,7 @@ import torch
 import yaml
 from gymnasium import spaces
 
-from common.config import ConfigError, EnvConfig, cache_dir
+from common.config import ConfigError, EnvConfig, PolicyConfig, cache_dir
 from common.file_digests import short_digest
 from common.storage import CheckpointWriteError, write_file_atomically
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
@@ -77,7 +80,7 @@ SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0])
 # The suite's names -> the scene's. "image" and "image2" are the names lerobot's LIBERO env gives the same two views
 # (pixels/image, pixels/image2): a checkpoint trained through it reads observation.images.image and .image2.
 CAMERAS = {"agentview": "agentview", "wrist": "robot0_eye_in_hand", "image": "agentview", "image2": "robot0_eye_in_hand"}
-STATE_DIM, ACTION_DIM = 8, 7
+STATE_DIM, ACTION_DIM = 8, 7  # lerobot's state
 # The benchmarks whose every task is one pick and place the scripted expert (PickAndPlaceExpert) is written for, and
 # whether it grasps their objects by the rim (libero_spatial's black bowls) rather than in the middle.
 EXPERT_BENCHMARKS = {"libero_object": False, "libero_spatial": True}
@@ -179,6 +182,10 @@ def axis_angle(quaternion: np.ndarray) -> np.ndarray:
 PRIVILEGED_FIELDS = {"eef_pos": 3, "eef_quat": 4, "gripper_qpos": 2, "object_pos": 3, "object_box": 6, "target_pos": 3,
                      "target_box": 6, "episode_step": 1}  # fmt: skip
 RELATIONS = ("in", "on")  # BDDL goal predicates that put an object somewhere: the ones a pick-and-place expert meets
+# What the project's observations add to lerobot's state: the fields of privileged_state() that place the goal's object
+# and target, which a policy without frames cannot see otherwise.
+GOAL_STATE_FIELDS = ("object_pos", "object_box", "target_pos", "target_box")
+PROJECT_STATE_DIM = STATE_DIM + sum(PRIVILEGED_FIELDS[name] for name in GOAL_STATE_FIELDS)
 
 
 def privileged_fields(state: np.ndarray) -> dict[str, np.ndarray]:
@@ -210,6 +217,19 @@ def _world_box(model: mujoco.MjModel, data: mujoco.MjData, geoms: np.ndarray) ->
     return np.concatenate([(centres - halves).min(axis=0), (centres + halves).max(axis=0)])
 
 
+def goal_relation(parsed_problem: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The first In or On of a parsed BDDL goal (relation, object, target), or None."""
+    return next((tuple(atom) for atom in parsed_problem["goal_state"] if atom[0].lower() in RELATIONS and len(atom) == 3), None)
+
+
+@functools.cache
+def moves_an_object(task: str) -> bool:
+    """`task`'s goal puts an object in or on a target (read from its BDDL file, without building the scene)."""
+    from libero.libero.envs.bddl_utils import robosuite_parse_problem
+
+    return goal_relation(robosuite_parse_problem(str(libero().bddl_files / benchmark_of(task) / f"{task}.bddl"))) is not None
+
+
 @dataclass(frozen=True)
 class GoalBodies:
     """The object a task's goal moves and the target it goes in or on (a BDDL object, or a region site of one), as
@@ -224,7 +244,7 @@ class GoalBodies:
     def of(problem: Any) -> GoalBodies | None:
         """The first In or On of LIBERO's parsed goal (problem: a task's env, as ControlEnv builds it); None when the
         goal has none (opening a drawer, turning on a stove)."""
-        relation = next((atom for atom in problem.parsed_problem["goal_state"] if atom[0].lower() in RELATIONS and len(atom) == 3), None)
+        relation = goal_relation(problem.parsed_problem)
         if relation is None:
             return None
         _, moved, target = relation
@@ -318,7 +338,7 @@ class LiberoSuite(Suite):
     name = "libero"
     layouts_per_seed = LAYOUTS_PER_SEED
     film_camera = "agentview"
-    state_size, action_size, camera_names = STATE_DIM, ACTION_DIM, tuple(CAMERAS)
+    state_size, action_size, camera_names = PROJECT_STATE_DIM, ACTION_DIM, tuple(CAMERAS)
     # lerobot's LiberoEnv: the same state and sentence, its two frames under its keys, at its 256 pixels and 30 fps
     lerobot_images = {"observation.images.image": "image", "observation.images.image2": "image2"}
     lerobot_state_size, lerobot_frame_size, lerobot_fps, lerobot_robot = STATE_DIM, 256, 30, "panda"
@@ -339,6 +359,15 @@ class LiberoSuite(Suite):
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> LiberoTaskEnv:
         return LiberoTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
+
+    def check(self, policy: PolicyConfig) -> None:
+        super().check(policy)
+        if not self.config.lerobot_observations:
+            without = [task for task in self.tasks() if not moves_an_object(task)]
+            if without:
+                raise ConfigError(f"env.observations {self.config.observations!r} adds the goal's object and target to LIBERO's state, but "
+                                  f"the goals of {without} put no object in or on a target: set env.observations: lerobot "
+                                  "(the 8-element state, for any task)")  # fmt: skip
 
 
 class _View:
@@ -402,8 +431,13 @@ class LiberoTaskEnv(SuiteEnv):
         self._cameras = [_View(model, camera, offsamples) for camera in cameras]
         self._film = None if film is None else _View(model, film, offsamples)
 
+        self._goal_in_state = not config.lerobot_observations
+        if self._goal_in_state and self._goal is None:
+            raise ValueError(f"{task}'s goal puts no object in or on a target, so env.observations {config.observations!r} has no "
+                             "objects to add to its state: set env.observations: lerobot")  # fmt: skip
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
-        self.observation_space = spaces.Box(-np.inf, np.inf, shape=(STATE_DIM,), dtype=np.float32)
+        state_size = PROJECT_STATE_DIM if self._goal_in_state else STATE_DIM
+        self.observation_space = spaces.Box(-np.inf, np.inf, shape=(state_size,), dtype=np.float32)
         self.frames: list[np.ndarray] = []
         self._observation: dict[str, np.ndarray] = {}
         self._started = False
@@ -458,7 +492,7 @@ class LiberoTaskEnv(SuiteEnv):
 
     @functools.cached_property
     def _goal(self) -> GoalBodies | None:
-        # Read on the first privileged_state(), so an env that no expert reads builds without parsing its goal.
+        # Read when first needed, so an env with lerobot's state that no expert reads builds without parsing its goal.
         return GoalBodies.of(self._env.env)
 
     def privileged_state(self) -> np.ndarray:
@@ -468,25 +502,29 @@ class LiberoTaskEnv(SuiteEnv):
             raise RuntimeError("call reset() before privileged_state(): there is no state to read yet")
         if self._goal is None:
             raise NotImplementedError(f"{self.task}'s goal relates no object to a target (In or On): no pick-and-place state to read")
-        data = self._env.sim.data._data
-        model = self._env.sim.model._model
         observation = self._observation
-        fields = {
-            "eef_pos": observation["robot0_eef_pos"], "eef_quat": observation["robot0_eef_quat"],
-            "gripper_qpos": observation["robot0_gripper_qpos"],
-            "object_pos": self._env.env.object_states_dict[self._goal.object].get_geom_state()["pos"],
-            "object_box": _world_box(model, data, self._goal.object_geoms),
-            "target_pos": self._env.env.object_states_dict[self._goal.target].get_geom_state()["pos"],
-            "target_box": _world_box(model, data, self._goal.target_geoms),
-            "episode_step": [self._episode_steps],
-        }  # fmt: skip
+        fields = {"eef_pos": observation["robot0_eef_pos"], "eef_quat": observation["robot0_eef_quat"],
+                  "gripper_qpos": observation["robot0_gripper_qpos"], **self._goal_fields(),
+                  "episode_step": [self._episode_steps]}  # fmt: skip
         return np.concatenate([np.ravel(fields[name]) for name in PRIVILEGED_FIELDS]).astype(np.float64)
 
-    @staticmethod
-    def _state(observation: dict[str, np.ndarray]) -> np.ndarray:
+    def _goal_fields(self) -> dict[str, np.ndarray]:
+        """Where the goal's object and target are now (GOAL_STATE_FIELDS)."""
+        data = self._env.sim.data._data
+        model = self._env.sim.model._model
+        objects = self._env.env.object_states_dict
+        return {"object_pos": objects[self._goal.object].get_geom_state()["pos"],
+                "object_box": _world_box(model, data, self._goal.object_geoms),
+                "target_pos": objects[self._goal.target].get_geom_state()["pos"],
+                "target_box": _world_box(model, data, self._goal.target_geoms)}  # fmt: skip
+
+    def _state(self, observation: dict[str, np.ndarray]) -> np.ndarray:
         quaternion = observation["robot0_eef_quat"]
-        state = np.concatenate([observation["robot0_eef_pos"], axis_angle(quaternion), observation["robot0_gripper_qpos"]])
-        return state.astype(np.float32)
+        parts = [observation["robot0_eef_pos"], axis_angle(quaternion), observation["robot0_gripper_qpos"]]
+        if self._goal_in_state:
+            goal = self._goal_fields()
+            parts += [np.ravel(goal[name]) for name in GOAL_STATE_FIELDS]
+        return np.concatenate(parts).astype(np.float32)
 
     def close(self) -> None:
         for view in [*self._cameras, *([self._film] if self._film is not None else [])]:

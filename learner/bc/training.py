@@ -21,7 +21,7 @@ from common.lerobot_dataset import read_demonstrations
 from common.metrics import success_interval
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy, write_directory_atomically
-from common.rollout import camera_configs, evaluate_layouts, make_envs, task_positions
+from common.rollout import camera_configs, close_and_free, evaluate_layouts, make_envs, task_positions
 from common.suites import make_suite
 from common.suites.base import Layout, Suite
 
@@ -150,7 +150,11 @@ def evaluate_by_task(policy: FlowPolicy, suite: Suite, layouts: list[Layout], ca
     """Deterministic success (bool, one per layout) of the policy on held-out layouts, ten envs of a task at a time."""
     successes = np.zeros(len(layouts), dtype=bool)
     for task, positions in task_positions(layouts).items():
-        successes[positions] = evaluate_layouts(policy, make_envs(suite, [task] * 10, cameras), [layouts[i] for i in positions])
+        envs = make_envs(suite, [task] * 10, cameras)
+        try:
+            successes[positions] = evaluate_layouts(policy, envs, [layouts[i] for i in positions])
+        finally:  # a task's envs go before the next task's come: a LIBERO env holds hundreds of megabytes
+            close_and_free(envs)
     return successes
 
 

@@ -46,7 +46,7 @@ from learner.runtime.startup import (
     plan_resources,
     resolve_init_checkpoint,
     start_actors,
-    warn_if_ratio_insensitive,
+    warn_of_config_traps,
     with_solved_task_weights,
 )
 
@@ -66,7 +66,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
         directory.warn_if_checkpoints_outgrow_the_disk(config, resume_dir or checkpoint, completed_iterations(resume_dir))
     learner_resources, actor_resources = plan_resources(config)
     log.info(banner(config, checkpoint, resume_dir, ray.cluster_resources(), actor_resources.num_cpus))
-    warn_if_ratio_insensitive(config)
+    warn_of_config_traps(config)
     learner = LearnerHandle(config, directory, checkpoint, resume_dir, learner_resources)
     learner.when_ready(lambda: clock.reached("learner_ready"))  # noted as it happens: the actors start meanwhile
     summary = RunSummary(directory, resume=resume_dir is not None)

@@ -18,7 +18,7 @@ import torch
 from actors.rollout_actor import RolloutActor
 from actors.run_files import RunFiles
 from common.config import ConfigError, RunConfig
-from common.diagnostics import check_ratio_sensitivity
+from common.diagnostics import check_ratio_sensitivity, check_rollout_length
 from common.file_digests import known_digests
 from common.flow import num_log_prob_elements, require_kernel_compiler
 from common.lerobot_checkpoint import check_features, is_lerobot_checkpoint
@@ -160,12 +160,14 @@ def describe_task_weights(config: RunConfig) -> str | None:
     return f"[start] rollout envs per task (env.task_weights {config.env.task_weights}): {counts}"
 
 
-def warn_if_ratio_insensitive(config: RunConfig) -> None:
-    """common.diagnostics.check_ratio_sensitivity on the run's policy; its warning is shown at every run's start."""
+def warn_of_config_traps(config: RunConfig) -> None:
+    """common.diagnostics.check_ratio_sensitivity on the run's policy, and check_rollout_length on its rollouts; their
+    warnings are shown at every run's start."""
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         check_ratio_sensitivity(num_log_prob_elements(config.policy), config.policy.sigma_min,
                                 config.policy.log_prob_normalization, config.algorithm.clip_eps)  # fmt: skip
+        check_rollout_length(config.actors.decisions_per_rollout, config.policy.chunk_size, config.env.max_episode_steps)
 
 
 def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import av
 import numpy as np
@@ -13,19 +14,23 @@ from tests.conftest import REPO, tiny_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
-SPATIAL_0 = "pick_up_the_black_bowl_between_the_plate_and_the_ramekin_and_place_it_on_the_plate"
+OBJECT_0 = "pick_up_the_alphabet_soup_and_place_it_in_the_basket"
+OBJECT_1 = "pick_up_the_cream_cheese_and_place_it_in_the_basket"
 
 
-def test_an_iteration_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
-    """learner.main with two actors: the tiny SmolVLA reads both 32 px cameras, the 8-d state and the task's
-    instruction, acts in 7-d, the learner updates with the ratio exactly 1 before its first step, and the held-out
-    episode is evaluated and filmed. LIBERO has no demonstrations offline, so the policy starts from random weights."""
+def test_behaviour_cloning_then_an_iteration_of_the_tiny_smolvla_in_lerobots_libero_layout(tmp_path):
+    """learner.main with two actors in lerobot's LIBERO layout: behaviour cloning from one scripted demonstration
+    (frames of both 32 px cameras under lerobot's keys, the 8-element state, the task's sentence), then one RL
+    iteration whose learner updates with the ratio exactly 1 before its first step; the held-out episode is evaluated
+    and filmed."""
     run_dir = tmp_path / "run"
-    fields = {"env.suite": "libero", "env.task": SPATIAL_0, "env.max_episode_steps": 8, "policy.obs_dim": 8, "policy.action_dim": 7,
-              "policy.cameras": "[agentview, wrist]", "policy.smolvla.max_state_dim": 8, "policy.smolvla.max_action_dim": 7,
-              "actors.envs_per_actor": 1, "actors.decisions_per_rollout": 3, "algorithm.minibatch_size": 3, "algorithm.update_epochs": 1,
-              "iterations": 1, "eval_episodes": 1, "eval_videos": 1}  # fmt: skip
-    argv = tiny_run(run_dir, None, "--allow-random-init", config_file=REPO / "configs" / "smolvla_tiny_pick.yaml", **fields)
+    fields = {"env.suite": "libero", "env.task": OBJECT_0, "env.observations": "lerobot", "env.max_episode_steps": 8,
+              "env.demo_benchmark_seed": 1, "env.eval_benchmark_seeds": "[0]", "policy.obs_dim": 8, "policy.action_dim": 7,
+              "policy.cameras": "[image, image2]", "policy.smolvla.max_state_dim": 8, "policy.smolvla.max_action_dim": 7,
+              "pretrain.num_demos": 1, "pretrain.train_steps": 3, "pretrain.batch_size": 4, "actors.envs_per_actor": 1,
+              "actors.decisions_per_rollout": 3, "algorithm.minibatch_size": 3, "algorithm.update_epochs": 1, "iterations": 1,
+              "eval_episodes": 1, "eval_videos": 1}  # fmt: skip
+    argv = tiny_run(run_dir, None, config_file=REPO / "configs" / "smolvla_tiny_pick.yaml", **fields)
     assert main(argv) == 0
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -34,9 +39,29 @@ def test_an_iteration_of_the_tiny_smolvla_on_a_libero_task(tmp_path):
     assert all(row["rollout/env_steps"] > 0 and np.isfinite(row["losses/pg_loss"]) for row in rows)
     assert rows[-1]["eval/episodes"] == 1
     config = json.loads((run_dir / "run_config.json").read_text())
-    assert (config["env"]["suite"], config["env"]["task"], config["policy"]["cameras"]) == ("libero", SPATIAL_0, ["agentview", "wrist"])
+    assert (config["env"]["observations"], config["policy"]["cameras"]) == ("lerobot", ["image", "image2"])
+    pretrain = json.loads((Path(json.loads((run_dir / "summary.json").read_text())["init_checkpoint"]) / "pretrain.json").read_text())
+    assert pretrain["demos"] == 1 and pretrain["frames"].startswith("2 camera(s) ['image', 'image2'], 32x32")
+    assert pretrain["instruction"] == "pick up the alphabet soup and place it in the basket"
     assert (run_dir / "checkpoints" / "iter_000001" / "model.safetensors").is_file()
     (video,) = (run_dir / "videos" / "iter_000001").glob("*.mp4")  # filmed from the agentview camera
     with av.open(str(video)) as container:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     assert len(frames) > 1 and frames[0].std() > 10
+
+
+def test_behaviour_cloning_then_an_iteration_of_the_mlp_on_two_libero_tasks_from_the_objects_state(tmp_path):
+    """configs/libero_object.yaml on two of its tasks at test size: the MLP on the project's LIBERO state (lerobot's 8
+    elements, the goal's object and target, the task one-hot), behaviour cloning from scripted demonstrations, then an
+    RL iteration, evaluated on LIBERO's own initial states."""
+    run_dir = tmp_path / "run"
+    fields = {"env.task": f"{OBJECT_0},{OBJECT_1}", "env.max_episode_steps": 8, "policy.obs_dim": 26 + 2, "pretrain.num_demos": 1,
+              "actors.decisions_per_rollout": 4, "eval_episodes": 1, "iterations": 1}  # fmt: skip
+    assert main(tiny_run(run_dir, None, config_file=REPO / "configs" / "libero_object.yaml", **fields)) == 0
+
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5 and np.isfinite(row["losses/pg_loss"])
+    assert row["eval/episodes"] == 2 and {f"eval/task/{task}/success_rate" for task in (OBJECT_0, OBJECT_1)} <= set(row)
+    pretrain = json.loads((Path(json.loads((run_dir / "summary.json").read_text())["init_checkpoint"]) / "pretrain.json").read_text())
+    assert pretrain["demos_per_task"] == {OBJECT_0: 1, OBJECT_1: 1} and pretrain["config"]["policy"]["obs_dim"] == 28
+    assert pretrain["eval_layouts"].startswith(f"{OBJECT_0},{OBJECT_1} benchmark seeds [0]")

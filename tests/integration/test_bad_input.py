@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,12 @@ import learner.main as main_module
 from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
 from common.config_loading import load_config
+from common.diagnostics import ShortRolloutWarning
 from common.policy import CHECKSUMS_FILE, WEIGHTS_FILE, FlowPolicy
 from common.suites.metaworld import MetaworldTaskEnv
 from learner.main import main
 from learner.runtime.reporting import banner
-from learner.runtime.startup import preflight, warn_if_ratio_insensitive
+from learner.runtime.startup import preflight, warn_of_config_traps
 from learner.update.learner import Learner, update_shape
 from tests.conftest import REPO, tiny_config, tiny_run
 
@@ -251,6 +253,19 @@ def test_the_drivers_start_up_for_a_pi0_run_builds_no_policy(monkeypatch) -> Non
     monkeypatch.setattr(FlowPolicy, "__init__", built)
     config = load_config(REPO / "configs" / "pi0_pick.yaml")
     assert len(preflight(config, "10.0.0.1:6379", resume=False)) == config.eval_episodes  # a cluster's address: no local GPU check
-    warn_if_ratio_insensitive(config)
+    warn_of_config_traps(config)
     assert "pi0" in banner(config, None, None, {"CPU": 64.0, "GPU": 8.0}, 2.0)
     assert update_shape(config).startswith("512 decisions per iteration")
+
+
+def test_a_rollout_shorter_than_an_episode_is_warned_of_at_the_start_with_the_count_that_holds_one():
+    """Every rollout starts its envs afresh, so a rollout of fewer env steps than env.max_episode_steps cuts every
+    longer episode: the start-up warns, naming the decisions that hold a whole episode. The recipes that hold one
+    start without it."""
+    config = load_config(REPO / "configs" / "libero_object.yaml", ["env.max_episode_steps=250", "actors.decisions_per_rollout=50"])
+    with pytest.warns(ShortRolloutWarning, match=r"is 200 env steps, fewer than env.max_episode_steps=250.*decisions_per_rollout: 63$"):
+        warn_of_config_traps(config)
+    for name in ("pick_place.yaml", "mt10.yaml", "libero_object.yaml"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShortRolloutWarning)
+            warn_of_config_traps(load_config(REPO / "configs" / name))

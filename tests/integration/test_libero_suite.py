@@ -57,14 +57,16 @@ def test_tasks_instructions_sizes_and_limits_are_liberos():
         assert list(suite.task_sets[name]) == [task.name for task in tasks]
         assert [suite.instruction(task.name) for task in tasks] == [task.language for task in tasks]
         assert {suite.episode_limit(task.name) for task in tasks} == {limit}
-        assert {suite.sizes(task.name) for task in tasks} == {(8, 7)}
+        assert {suite.sizes(task.name) for task in tasks} == {(26, 7)}  # the project's state: lerobot's 8 and the goal's 18
+        assert {suite_of(name, observations="lerobot").sizes(task.name) for task in tasks} == {(8, 7)}
     assert suite.tasks()[0] == SPATIAL_0 and len(suite.tasks()) == 10
     assert suite.instruction(SPATIAL_0) == "pick up the black bowl between the plate and the ramekin and place it on the plate"
     assert suite.cameras(SPATIAL_0) == ["agentview", "wrist", "image", "image2"]
     # Scripted experts: libero_spatial's grasp a bowl's rim, libero_object's the object's middle; libero_goal has none.
     assert suite.expert(SPATIAL_0).rim_grasp and not suite.expert(OBJECT_0).rim_grasp and suite.expert(DRAWER) is None
-    suite.check(PolicyConfig(obs_dim=8 + 10, action_dim=7))  # a multi-task run's state ends in the task one-hot
-    suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=7))
+    suite.check(PolicyConfig(obs_dim=26 + 10, action_dim=7))  # a multi-task run's state ends in the task one-hot
+    suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=26, action_dim=7))
+    suite_of(SPATIAL_0, observations="lerobot").check(PolicyConfig(obs_dim=8, action_dim=7))
     assert suite_of(f"{SPATIAL_0}, {DRAWER}").tasks() == [SPATIAL_0, DRAWER]
 
 
@@ -141,7 +143,7 @@ def test_fixtures_are_placed_by_the_layout():
     env.close()
 
 
-def test_state_is_lerobots_eight_numbers_and_actions_reach_libero_clipped(cameras_env, monkeypatch):
+def test_state_is_lerobots_eight_numbers_then_the_goals_object_and_target_and_actions_reach_libero_clipped(cameras_env, monkeypatch):
     from robosuite.utils.transform_utils import quat2axisangle  # robosuite's own conversion, as OpenVLA uses it
 
     env = cameras_env
@@ -160,8 +162,13 @@ def test_state_is_lerobots_eight_numbers_and_actions_reach_libero_clipped(camera
         state, reward, terminated, truncated, info = env.step(np.array(action, dtype=np.float32))
         raw = observed[-1][0]
         expected = np.concatenate([raw["robot0_eef_pos"], quat2axisangle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
-        assert state.dtype == np.float32 and state.shape == (8,) and env.observation_space.contains(state)
-        np.testing.assert_allclose(state, expected.astype(np.float32), rtol=0, atol=1e-6)
+        assert state.dtype == np.float32 and state.shape == (26,) and env.observation_space.contains(state)
+        np.testing.assert_allclose(state[:8], expected.astype(np.float32), rtol=0, atol=1e-6)
+        # Then what privileged_state() reads of the goal's object and target (the bowl and the plate), as it reads them.
+        fields = privileged_fields(env.privileged_state())
+        goal = np.concatenate([fields[name] for name in ("object_pos", "object_box", "target_pos", "target_box")])
+        np.testing.assert_array_equal(state[8:], goal.astype(np.float32))
+        assert np.abs(state[8:11] - env._env.env.sim.data.body_xpos[env._env.env.obj_body_id["akita_black_bowl_1"]]).max() < 1e-6
         assert (reward, terminated, truncated, info["success"]) == (0.0, False, False, False)
     expected_actions = np.clip(np.array(actions, dtype=np.float32).astype(np.float64), -1.0, 1.0)
     assert np.array_equal(np.stack(given), expected_actions)  # one LIBERO step per action, clipped to [-1, 1]
@@ -219,7 +226,7 @@ def test_film_keeps_each_step_and_reset_clears_it():
 
 @pytest.mark.parametrize("stop_on_success", [True, False])
 def test_success_is_liberos_goal_check_and_pays_once(stop_on_success):
-    suite = suite_of(DRAWER, stop_on_success=stop_on_success, max_episode_steps=6)
+    suite = suite_of(DRAWER, stop_on_success=stop_on_success, max_episode_steps=6, observations="lerobot")
     assert suite.episode_limit(DRAWER) == 300 and suite.instruction(DRAWER) == "open the middle drawer of the cabinet"
     env = suite.make_env(DRAWER)
     env.reset()
@@ -247,9 +254,16 @@ def test_one_line_errors(cameras_env, monkeypatch):
                    "unknown LIBERO task 'pick_up_the_black_bowl'", "libero_spatial", "closest")  # fmt: skip
     policy = PolicyConfig(obs_dim=8, action_dim=7)
     one_line_error(ConfigError, lambda: suite_of("libero_space").check(policy), "env.task:", "libero_spatial")
-    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=39, action_dim=4)), "set policy.obs_dim=8")
-    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=8, action_dim=4)), "set policy.action_dim=7")
-    corner_policy = PolicyConfig(obs_dim=8, action_dim=7, image_size=32, cameras=["agentview", "corner"])
+    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=39, action_dim=4)), "set policy.obs_dim=26")
+    lerobot_state = suite_of(SPATIAL_0, observations="lerobot")
+    one_line_error(ConfigError, lambda: lerobot_state.check(PolicyConfig(obs_dim=26, action_dim=7)), "set policy.obs_dim=8")
+    one_line_error(ConfigError, lambda: suite_of(SPATIAL_0).check(PolicyConfig(obs_dim=26, action_dim=4)), "set policy.action_dim=7")
+    # A goal that moves no object has none to add to the project's state: refused before any env is built, and by the env.
+    one_line_error(ConfigError, lambda: suite_of(f"{SPATIAL_0},{DRAWER}").check(PolicyConfig(obs_dim=28, action_dim=7)),
+                   f"the goals of ['{DRAWER}'] put no object", "set env.observations: lerobot")  # fmt: skip
+    one_line_error(ValueError, lambda: suite_of(DRAWER).make_env(DRAWER), f"{DRAWER}'s goal puts no object", "env.observations: lerobot")
+    suite_of(DRAWER, observations="lerobot").check(PolicyConfig(obs_dim=8, action_dim=7))
+    corner_policy = PolicyConfig(obs_dim=26, action_dim=7, image_size=32, cameras=["agentview", "corner"])
     one_line_error(
         ConfigError,
         lambda: suite_of(SPATIAL_0).check(corner_policy),

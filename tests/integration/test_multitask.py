@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from actors.rollout_actor import RolloutActor, close_and_free
+from actors.rollout_actor import RolloutActor
 from common.config import ConfigError, EnvConfig
 from common.diagnostics import BehaviourGapWarning
 from common.metrics import eval_metrics, rollout_metrics
 from common.policy import FlowPolicy, build_policy
+from common.rollout import close_and_free
 from common.suites import Layout, make_suite
 from common.suites.metaworld import MetaworldSuite, MetaworldTaskEnv
 from common.trajectory import RolloutBatch
