@@ -194,8 +194,9 @@ class EnvConfig:
     max_episode_steps: int = 200  # at most the suite's own limit (Metaworld: 500)
     stop_on_success: bool = True
     # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward; "shaped": success
-    # plus potential-based shaping from the suite's dense reward (common.vector_env), which pays progress toward success
-    # without changing which policy is best.
+    # plus potential-based shaping (common.vector_env) from the suite's measure of progress (Metaworld: its dense reward;
+    # LIBERO: a pick and place's reach, lift and carry), which pays progress toward success without changing which
+    # policy is best.
     reward: str = "success"
     # Initial states ("layouts") are fixed by a seed and an index (Metaworld: its benchmark seed, 50 layouts per seed).
     # Keep the three sets disjoint: demonstrations, RL training and held-out evaluation.

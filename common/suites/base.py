@@ -62,8 +62,8 @@ class SuiteEnv(gymnasium.Env):
       and returns the float32 state vector (observation_space.shape) and an info dict;
     - `step(action)` takes an action in [-1, 1]^A (action_space) and returns gymnasium's five values, with
       `info["success"]` a bool; "success" rewards pay 1.0 on the step where success first holds; with env.reward
-      "shaped" the reward is the same and `info["shaping_potential"]` is the state's dense reward over the suite's
-      `dense_reward_scale`, in [0, 1], which the chunked stepping turns into shaping (common.vector_env);
+      "shaped" (a suite that offers_shaping) the reward is the same and `info["shaping_potential"]` is the suite's measure of
+      progress toward success, in [0, 1], which the chunked stepping turns into shaping (common.vector_env);
     - `render_cameras()` renders the cameras the env was built with, on demand: (C, H, W, 3) uint8, right way up;
     - an env built with `film` keeps that camera's view after every step of the current episode in `frames`.
     """
@@ -206,9 +206,9 @@ class Suite(ABC):
     name: str  # its key in the registry
     layouts_per_seed: int  # initial states per seed
     film_camera: str  # the camera held-out episodes are filmed from (learner.replay, eval videos)
-    # The most a step's dense reward pays, when the suite knows it: env.reward "shaped" uses the dense reward over it
-    # as the potential and is refused for a suite without one.
-    dense_reward_scale: float | None = None
+    # Whether the suite's envs report a shaping potential (info["shaping_potential"]): env.reward "shaped" is refused
+    # for a suite without one.
+    offers_shaping: bool = False
 
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
@@ -336,8 +336,8 @@ class Suite(ABC):
             state_dim = self.state_dim()
         except ValueError as exc:
             raise ConfigError(f"env.task: {exc}") from None
-        if self.config.reward == "shaped" and self.dense_reward_scale is None:
-            raise ConfigError(f"env.reward 'shaped' needs a suite whose dense reward has a known scale; {self.name} has none: "
+        if self.config.reward == "shaped" and not self.offers_shaping:
+            raise ConfigError(f"env.reward 'shaped' needs a suite whose envs report a shaping potential; {self.name} has none: "
                               "use 'success' or 'dense'")  # fmt: skip
         for task in tasks:
             limit = self.episode_limit(task)

@@ -332,6 +332,25 @@ class PickAndPlaceExpert:
         return np.concatenate([translation, np.zeros(3), [gripper]])
 
 
+SHAPING_SCALE = 5.0  # per metre: a distance term of the shaping potential is 1 - tanh(5 d), 0.24 at 20 cm, 0.9 at 2 cm
+
+
+def pick_place_potential(hand: np.ndarray, object_box: np.ndarray, target_pos: np.ndarray, target_top: float,
+                         rest_bottom: float, lifted: float) -> tuple[float, float]:  # fmt: skip
+    """env.reward "shaped"'s potential of a pick and place, in [0, 1], and the episode's lift so far, to pass back at
+    its next step (0 at its first): a quarter for the hand at the object's middle, a quarter for the highest the object
+    has been lifted in the episode, from where it rested (`rest_bottom`) to the expert's carrying height above the
+    target's top, and a half for the object's middle over the target, scaled by that lift. The lift is the episode's
+    highest, so lowering the object into the target keeps what lifting it earned, and pushing it over the table earns
+    no carry."""
+    middle = (object_box[:3] + object_box[3:]) / 2
+    reach = 1.0 - np.tanh(SHAPING_SCALE * np.linalg.norm(hand - middle))
+    carry_height = max(target_top - rest_bottom, 0.0) + PickAndPlaceExpert.CLEARANCE
+    lifted = max(lifted, float(np.clip((object_box[2] - rest_bottom) / carry_height, 0.0, 1.0)))
+    over = 1.0 - np.tanh(SHAPING_SCALE * np.linalg.norm(middle[:2] - target_pos[:2]))
+    return float(0.25 * reach + 0.25 * lifted + 0.5 * lifted * over), lifted
+
+
 class LiberoSuite(Suite):
     """LIBERO's tasks, one by name or a benchmark's all (task_sets)."""
 
@@ -339,6 +358,7 @@ class LiberoSuite(Suite):
     layouts_per_seed = LAYOUTS_PER_SEED
     film_camera = "agentview"
     state_size, action_size, camera_names = PROJECT_STATE_DIM, ACTION_DIM, tuple(CAMERAS)
+    offers_shaping = True  # for pick-and-place goals: pick_place_potential
     # lerobot's LiberoEnv: the same state and sentence, its two frames under its keys, at its 256 pixels and 30 fps
     lerobot_images = {"observation.images.image": "image", "observation.images.image2": "image2"}
     lerobot_state_size, lerobot_frame_size, lerobot_fps, lerobot_robot = STATE_DIM, 256, 30, "panda"
@@ -362,12 +382,15 @@ class LiberoSuite(Suite):
 
     def check(self, policy: PolicyConfig) -> None:
         super().check(policy)
-        if not self.config.lerobot_observations:
-            without = [task for task in self.tasks() if not moves_an_object(task)]
-            if without:
-                raise ConfigError(f"env.observations {self.config.observations!r} adds the goal's object and target to LIBERO's state, but "
-                                  f"the goals of {without} put no object in or on a target: set env.observations: lerobot "
-                                  "(the 8-element state, for any task)")  # fmt: skip
+        reads_goal = not self.config.lerobot_observations or self.config.reward == "shaped"
+        without = [task for task in self.tasks() if not moves_an_object(task)] if reads_goal else []
+        if without and not self.config.lerobot_observations:
+            raise ConfigError(f"env.observations {self.config.observations!r} adds the goal's object and target to LIBERO's state, but "
+                              f"the goals of {without} put no object in or on a target: set env.observations: lerobot "
+                              "(the 8-element state, for any task)")  # fmt: skip
+        if without and self.config.reward == "shaped":
+            raise ConfigError(f"env.reward 'shaped' measures LIBERO's progress as a pick and place, but the goals of {without} put "
+                              "no object in or on a target: use env.reward 'success'")  # fmt: skip
 
 
 class _View:
@@ -435,6 +458,9 @@ class LiberoTaskEnv(SuiteEnv):
         if self._goal_in_state and self._goal is None:
             raise ValueError(f"{task}'s goal puts no object in or on a target, so env.observations {config.observations!r} has no "
                              "objects to add to its state: set env.observations: lerobot")  # fmt: skip
+        if self._reward_mode == "shaped" and self._goal is None:
+            raise ValueError(f"{task}'s goal puts no object in or on a target, so env.reward 'shaped' has no pick and place to "
+                             "measure: use env.reward 'success'")  # fmt: skip
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
         state_size = PROJECT_STATE_DIM if self._goal_in_state else STATE_DIM
         self.observation_space = spaces.Box(-np.inf, np.inf, shape=(state_size,), dtype=np.float32)
@@ -458,6 +484,8 @@ class LiberoTaskEnv(SuiteEnv):
         observation = self._start(layout)  # its layout_seed refuses a seed or index outside the suite's
         self._layout, self._started, self._observation = layout, True, observation
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
+        if self._reward_mode == "shaped":  # the object's bottom where it rests: where pick_place_potential's lift starts
+            self._lifted, self._rest_bottom = 0.0, self._goal_fields()["object_box"][2]
         self.frames = []
         return self._state(observation), {"layout": layout}
 
@@ -488,7 +516,13 @@ class LiberoTaskEnv(SuiteEnv):
         reward, terminated, truncated = self._episode_rules(success, env_reward)
         if self._film is not None:
             self.frames.append(self._film.render(self._env.sim.data._data))
-        return self._state(observation), reward, terminated, truncated, {**info, "success": success}
+        info = {**info, "success": success}
+        if self._reward_mode == "shaped":
+            goal = self._goal_fields()
+            hand, box, top = observation["robot0_eef_pos"], goal["object_box"], goal["target_box"][5]
+            potential, self._lifted = pick_place_potential(hand, box, goal["target_pos"], top, self._rest_bottom, self._lifted)
+            info["shaping_potential"] = potential
+        return self._state(observation), reward, terminated, truncated, info
 
     @functools.cached_property
     def _goal(self) -> GoalBodies | None:

@@ -212,7 +212,7 @@ def test_pusht_check_refuses_a_policy_of_other_sizes():
     )
     long_episodes = make_suite(EnvConfig(suite="gym", task=PUSHT, max_episode_steps=301, gym=GymSuiteConfig(module="gym_pusht")))
     one_line_error(ConfigError, lambda: long_episodes.check(PolicyConfig(obs_dim=5, action_dim=2)), "env.max_episode_steps (301)", "(300)")
-    # A gymnasium env's dense reward has no scale the suite knows, so it gives no shaping potential.
+    # A gymnasium env reports no measure of progress the suite knows, so it gives no shaping potential.
     shaped = make_suite(EnvConfig(suite="gym", task=PUSHT, reward="shaped", gym=GymSuiteConfig(module="gym_pusht")))
     one_line_error(ConfigError, lambda: shaped.check(PolicyConfig(obs_dim=5, action_dim=2)), "env.reward 'shaped'", "gym has none")
 

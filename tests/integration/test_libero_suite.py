@@ -263,6 +263,11 @@ def test_one_line_errors(cameras_env, monkeypatch):
                    f"the goals of ['{DRAWER}'] put no object", "set env.observations: lerobot")  # fmt: skip
     one_line_error(ValueError, lambda: suite_of(DRAWER).make_env(DRAWER), f"{DRAWER}'s goal puts no object", "env.observations: lerobot")
     suite_of(DRAWER, observations="lerobot").check(PolicyConfig(obs_dim=8, action_dim=7))
+    # Nor a pick and place whose progress env.reward "shaped" could measure.
+    shaped_drawer = suite_of(f"{SPATIAL_0},{DRAWER}", observations="lerobot", reward="shaped")
+    one_line_error(ConfigError, lambda: shaped_drawer.check(PolicyConfig(obs_dim=8, action_dim=7)), "env.reward 'shaped'",
+                   f"the goals of ['{DRAWER}'] put no object", "use env.reward 'success'")  # fmt: skip
+    one_line_error(ValueError, lambda: shaped_drawer.make_env(DRAWER), f"{DRAWER}'s goal puts no object", "env.reward 'success'")
     corner_policy = PolicyConfig(obs_dim=26, action_dim=7, image_size=32, cameras=["agentview", "corner"])
     one_line_error(
         ConfigError,
@@ -338,10 +343,37 @@ def test_lerobots_camera_names_draw_the_same_views():
         lerobots.close()
 
 
+def test_pick_place_potential_weighs_reach_lift_and_carry():
+    """The shaping potential against its terms computed here: the hand's reach to the object's middle (a quarter), the
+    episode's highest lift toward the carrying height (a quarter), the object over the target once lifted (a half)."""
+    box = np.array([0.0, 0.0, 0.0, 0.04, 0.04, 0.1])  # resting on the table, its middle at (0.02, 0.02, 0.05)
+    target, top = np.array([0.3, 0.0, 0.0]), 0.07  # a basket whose rim is 7 cm high: carried 12 cm up
+    far = np.array([0.02, 0.02, 0.45])
+
+    def closeness(distance):
+        return 1.0 - np.tanh(libero_suite.SHAPING_SCALE * distance)
+
+    potential, lifted = libero_suite.pick_place_potential(far, box, target, top, 0.0, 0.0)
+    assert lifted == 0.0 and potential == pytest.approx(0.25 * closeness(0.4), abs=1e-12)
+    held = box + [0, 0, 0.06, 0, 0, 0.06]  # half way up, the hand at its middle
+    potential, lifted = libero_suite.pick_place_potential(np.array([0.02, 0.02, 0.11]), held, target, top, 0.0, 0.0)
+    over = closeness(np.hypot(0.28, 0.02))
+    assert lifted == pytest.approx(0.5) and potential == pytest.approx(0.25 + 0.125 + 0.5 * 0.5 * over, abs=1e-12)
+    # Carried over the target and lowered into it: the lift stays the episode's highest, the carry whole.
+    inside = box + [0.28, -0.02, 0.02, 0.28, -0.02, 0.02]
+    hand = (inside[:3] + inside[3:]) / 2
+    assert libero_suite.pick_place_potential(hand, inside, target, top, 0.0, 1.0) == (pytest.approx(1.0, abs=1e-12), 1.0)
+    # Pushed over the table to below the target, never lifted: no carry.
+    pushed = box + [0.28, -0.02, 0, 0.28, -0.02, 0]
+    potential, lifted = libero_suite.pick_place_potential(far, pushed, target, top, 0.0, 0.0)
+    assert lifted == 0.0 and potential < 0.01
+
+
 def test_scripted_expert_puts_the_object_in_the_basket_episode_after_episode():
     """libero_object's expert, reading privileged_state(), succeeds from LIBERO's init states 0 and 1 within the
-    episode limit; one expert serves both episodes, as common.demonstrations uses it."""
-    suite = suite_of(OBJECT_0, max_episode_steps=EPISODE_LIMITS["libero_object"])
+    episode limit; one expert serves both episodes, as common.demonstrations uses it. Under env.reward "shaped" its
+    episodes climb the shaping potential from near 0 to near 1."""
+    suite = suite_of(OBJECT_0, max_episode_steps=EPISODE_LIMITS["libero_object"], reward="shaped")
     expert = suite.expert(OBJECT_0)
     env = suite.make_env(OBJECT_0, layout=Layout(OBJECT_0, 0, 0))
     inner = env._env.env
@@ -354,11 +386,13 @@ def test_scripted_expert_puts_the_object_in_the_basket_episode_after_episode():
             np.testing.assert_array_equal(fields["object_pos"], inner.sim.data.body_xpos[inner.obj_body_id["alphabet_soup_1"]])
             np.testing.assert_array_equal(fields["target_pos"], inner.sim.data.get_site_xpos("basket_1_contain_region"))
             assert fields["episode_step"][0] == 0 and (fields["object_box"][:3] < fields["object_box"][3:]).all()
-            steps, done, info = 0, False, {"success": False}
+            steps, done, info, potentials = 0, False, {"success": False}, []
             while not done:
                 _, _, terminated, truncated, info = env.step(expert.act(env.privileged_state()))
                 steps, done = steps + 1, terminated or truncated
+                potentials.append(info["shaping_potential"])
             assert info["success"] and steps < EPISODE_LIMITS["libero_object"], (index, steps)
+            assert 0 <= min(potentials) and potentials[0] < 0.1 and 0.9 < max(potentials) <= 1, (index, potentials)
         one_line_error(ValueError, lambda: expert.act(np.zeros(8)), "state has 8 elements", "privileged_state()")
     finally:
         env.close()
