@@ -517,12 +517,12 @@ class LiberoTaskEnv(SuiteEnv):
         if self._film is not None:
             self.frames.append(self._film.render(self._env.sim.data._data))
         info = {**info, "success": success}
+        goal = self._goal_fields() if self._reward_mode == "shaped" or self._goal_in_state else None  # read once a step
         if self._reward_mode == "shaped":
-            goal = self._goal_fields()
             hand, box, top = observation["robot0_eef_pos"], goal["object_box"], goal["target_box"][5]
             potential, self._lifted = pick_place_potential(hand, box, goal["target_pos"], top, self._rest_bottom, self._lifted)
             info["shaping_potential"] = potential
-        return self._state(observation), reward, terminated, truncated, info
+        return self._state(observation, goal), reward, terminated, truncated, info
 
     @functools.cached_property
     def _goal(self) -> GoalBodies | None:
@@ -552,11 +552,12 @@ class LiberoTaskEnv(SuiteEnv):
                 "target_pos": objects[self._goal.target].get_geom_state()["pos"],
                 "target_box": _world_box(model, data, self._goal.target_geoms)}  # fmt: skip
 
-    def _state(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+    def _state(self, observation: dict[str, np.ndarray], goal: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """The state a policy reads of `observation`; with the goal in it, from `goal` (_goal_fields) when given."""
         quaternion = observation["robot0_eef_quat"]
         parts = [observation["robot0_eef_pos"], axis_angle(quaternion), observation["robot0_gripper_qpos"]]
         if self._goal_in_state:
-            goal = self._goal_fields()
+            goal = goal or self._goal_fields()
             parts += [np.ravel(goal[name]) for name in GOAL_STATE_FIELDS]
         return np.concatenate(parts).astype(np.float32)
 
