@@ -76,11 +76,11 @@ def test_behaviour_cloning_then_an_iteration_of_the_mlp_on_two_libero_tasks_from
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["ppo/first_minibatch_ratio_dev"] <= 1e-5 and np.isfinite(row["losses/pg_loss"])
     assert row["eval/episodes"] == 2 and {f"eval/task/{task}/success_rate" for task in (OBJECT_0, OBJECT_1)} <= set(row)
-    pretrain = json.loads((Path(json.loads((run_dir / "summary.json").read_text())["init_checkpoint"]) / "pretrain.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    pretrain = json.loads((Path(summary["init_checkpoint"]) / "pretrain.json").read_text())
     assert pretrain["demos_per_task"] == {OBJECT_0: 1, OBJECT_1: 1} and pretrain["config"]["policy"]["obs_dim"] == 28
     assert pretrain["eval_layouts"].startswith(f"{OBJECT_0},{OBJECT_1} benchmark seeds [0]")
 
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert diagnose([str(run_dir), "--seed", "3"]) == 0
     report = json.loads((run_dir / "diagnosis.json").read_text())
     for task in (OBJECT_0, OBJECT_1):
