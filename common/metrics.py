@@ -314,6 +314,10 @@ STALL_FIGURES = {
 # is left above it for its success to leave the first window's interval.
 SOLVED_SUCCESS = 0.95
 
+# A first window whose interval reaches further than this from its rate holds too few episodes to tell a task that
+# moves slowly from one that does not: its stall line says so.
+STALL_RESOLUTION = 0.10
+
 
 def window_mean(rows: list[dict], key: str) -> float:
     """The mean of `key` over the rows that have a finite value of it; NaN where none has."""
@@ -325,9 +329,9 @@ def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict]:
     """The tasks of a multi-task run whose sampling policy has not moved on its training layouts: pooled over the last
     `window` iterations' rows, its first-episode success (rollout/task/<task>/first_episode_success_rate, weighted by
     first_episodes) lies inside the 95% interval of the same over the first `window` iterations, below SOLVED_SUCCESS.
-    Each with both windows' figures (its first episodes' mean return in each too, where logged), and the last window's
-    mean of the update's figures of it ("figures") and of the tasks that moved ("moving_figures", absent when none
-    did); none before the run has twice `window` iterations, or without a window."""
+    Each with both windows' figures (the first window's count of first episodes, and their mean return in each window
+    where logged), and the last window's mean of the update's figures of it ("figures") and of the tasks that moved
+    ("moving_figures", absent when none did); none before the run has twice `window` iterations, or without a window."""
     if not window or len(rows) < 2 * window:
         return {}
     tasks = sorted({key.split("/")[2] for key in rows[0] if key.startswith("rollout/task/") and key.endswith("/first_episodes")})
@@ -338,11 +342,11 @@ def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict]:
             trials = [(row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
                        row.get(task_key(task, "first_episodes", "rollout"), 0.0)) for row in part]  # fmt: skip
             n = int(sum(count for rate, count in trials if count and math.isfinite(rate)))
-            windows.append(counts_interval(sum(rate * count for rate, count in trials if count and math.isfinite(rate)), n))
-        (first, low, high), (last, *_) = windows
+            windows.append((*counts_interval(sum(rate * count for rate, count in trials if count and math.isfinite(rate)), n), n))
+        (first, low, high, first_episodes), (last, *_) = windows
         if low <= last <= high and last < SOLVED_SUCCESS:
             returns = [window_mean(part, task_key(task, "first_episode_return", "rollout")) for part in (rows[:window], rows[-window:])]
-            stalled[task] = {"first": first, "first_low": low, "first_high": high, "last": last,
+            stalled[task] = {"first": first, "first_low": low, "first_high": high, "last": last, "first_episodes": first_episodes,
                              "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
                              "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
             if all(math.isfinite(value) for value in returns):  # its reward moving while its success does not
@@ -372,6 +376,10 @@ def describe_stall(task: str, stall: dict) -> str:
         f"{task}: training-layout success {stall['first']:.2f} over iterations {first[0]:.0f}-{first[1]:.0f} and {stall['last']:.2f} "
         f"over {last[0]:.0f}-{last[1]:.0f}, inside the first window's 95% interval {interval}"
     )
+    reach = max(stall["first_high"] - stall["first"], stall["first"] - stall["first_low"])
+    if reach > STALL_RESOLUTION and "first_episodes" in stall:
+        line += (f" ({stall['first_episodes']} first episodes a window: a move under {reach:.2f} stays inside it, so this may be "
+                 "a slow task rather than a still one; a longer stall_window tells them apart)")  # fmt: skip
     if "first_return" in stall:
         line += f"; first-episode return {stall['first_return']:.4g} -> {stall['last_return']:.4g}"
     figures, moving = stall.get("figures", {}), stall.get("moving_figures", {})

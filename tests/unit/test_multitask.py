@@ -167,6 +167,23 @@ def test_a_task_whose_training_success_stays_inside_its_first_windows_interval_i
     assert list(stalled_tasks(rows, 10)) == ["pick-place-v3"]
 
 
+def test_a_stall_named_on_a_window_too_short_to_see_a_slow_move_says_so() -> None:
+    """Three first episodes an iteration over 20-iteration windows (60 a window, as a five-task LIBERO run's) leave the
+    first window's interval about +-0.12 wide: a task that climbs 0.10 stays inside it and is named, and its line says
+    that a move that small cannot leave it and what tells them apart. With 200 a window the same line carries no such
+    note."""
+    rows = stall_rows({"ketchup": [0.60] * 20 + [0.70] * 20, "bbq": [0.50] * 20 + [0.90] * 20}, episodes=3)
+    stalled = stalled_tasks(rows, 20)
+    assert list(stalled) == ["ketchup"] and stalled["ketchup"]["first_episodes"] == 60
+    _, low, high = counts_interval(36, 60)
+    assert high - 0.60 > 0.10 and low < 0.60 < 0.70 < high
+    line = describe_stall("ketchup", stalled["ketchup"])
+    assert line.endswith(f"(60 first episodes a window: a move under {max(high - 0.6, 0.6 - low):.2f} stays inside it, so this may "
+                         "be a slow task rather than a still one; a longer stall_window tells them apart)")  # fmt: skip
+    enough = stall_rows({"ketchup": [0.60] * 20 + [0.62] * 20}, episodes=10)
+    assert "first episodes a window" not in describe_stall("ketchup", stalled_tasks(enough, 20)["ketchup"])
+
+
 def test_a_stalled_tasks_line_shows_its_updates_figures_beside_the_moving_tasks() -> None:
     """Its first episodes' return in both windows, and the last window's mean of each figure the update logs per task,
     the stalled task's and the moving tasks' mean;
