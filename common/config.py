@@ -172,6 +172,9 @@ class GymSuiteConfig:
 
 OBSERVATION_LAYOUTS = ("auto", "project", "lerobot")
 
+# The windows a task's last stall window is held against (RunConfig.stall_compare, common.metrics.stalled_tasks).
+STALL_COMPARISONS = ("first", "first_or_previous")
+
 
 @dataclass
 class EnvConfig:
@@ -642,6 +645,9 @@ class RunConfig:
     # window lies inside the 95% interval of its first window's is named on the console ("[stall]") and in the summary
     # (common.metrics.stalled_tasks). 0: not watched.
     stall_window: int = 20
+    # What a task's last window is held against: "first", its first window only; "first_or_previous", the window before
+    # the last too, so that a task that moved and then stopped is named as well as one that never moved.
+    stall_compare: str = "first"
     # Checkpoints kept in run_dir/checkpoints, the newest (0: every one). An older one is deleted once a newer one is
     # complete and `latest` names it; 2 or more leave --resume a fallback if the newest is found corrupt.
     keep_checkpoints: int = 0
@@ -660,6 +666,7 @@ class RunConfig:
         require_positive(self, "", "iterations", "eval_episodes", "checkpoint_every")
         require(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
         require(self.stall_window >= 0, f"stall_window must be >= 0 (0: not watched), got {self.stall_window}")
+        require(self.stall_compare in STALL_COMPARISONS, f"stall_compare must be one of {STALL_COMPARISONS}, got {self.stall_compare!r}")
         require(
             not self.algorithm.stall_demos or self.stall_window,
             "algorithm.stall_demos acts on the tasks stall_window names: set stall_window > 0, or algorithm.stall_demos: 0",

@@ -194,9 +194,12 @@ def why_inside(initial: dict, inside: list[str], stalled: dict[str, dict], helpe
             reasons[task] = f"solved at the start ({start:.2f})"
         elif task in stalled:
             stall = stalled[task]
-            reasons[task] = (f"stalled to the end: training-layout success {stall['first']:.2f} over iterations "
-                             f"{'-'.join(map(str, stall['first_iterations']))}, {stall['last']:.2f} over "
-                             f"{'-'.join(map(str, stall['last_iterations']))}")  # fmt: skip
+            spans = [f"{stall[name]:.2f} over {'-'.join(map(str, stall[name + '_iterations']))}" for name in ("first", "previous", "last")
+                     if name in stall]  # fmt: skip
+            moved = "moved, then " if "previous" in stall else ""
+            reasons[task] = f"{moved}stalled to the end: training-layout success " + ", ".join(spans).replace(
+                " over ", " over iterations ", 1
+            )
         else:
             reasons[task] = "its training-layout success left its first window, its held-out success not its initial interval"
         if task in helped:
@@ -325,32 +328,39 @@ def window_mean(rows: list[dict], key: str) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict]:
+def stalled_tasks(rows: list[dict], window: int, compare: str = "first") -> dict[str, dict]:
     """The tasks of a multi-task run whose sampling policy has not moved on its training layouts: pooled over the last
     `window` iterations' rows, its first-episode success (rollout/task/<task>/first_episode_success_rate, weighted by
-    first_episodes) lies inside the 95% interval of the same over the first `window` iterations, below SOLVED_SUCCESS.
+    first_episodes) lies inside the 95% interval of the same over the first `window` iterations, below SOLVED_SUCCESS;
+    with `compare` "first_or_previous", or inside that of the `window` iterations before the last (a task that moved
+    and then stopped: its entry then holds that window's figures under "previous..." too).
     Each with both windows' figures (the first window's count of first episodes, and their mean return in each window
     where logged), and the last window's mean of the update's figures of it ("figures") and of the tasks that moved
     ("moving_figures", absent when none did); none before the run has twice `window` iterations, or without a window."""
     if not window or len(rows) < 2 * window:
         return {}
     tasks = sorted({key.split("/")[2] for key in rows[0] if key.startswith("rollout/task/") and key.endswith("/first_episodes")})
+    first_rows, previous_rows, last_rows = rows[:window], rows[-2 * window : -window], rows[-window:]
     stalled = {}
     for task in tasks:
-        windows = []
-        for part in (rows[:window], rows[-window:]):
-            trials = [(row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
-                       row.get(task_key(task, "first_episodes", "rollout"), 0.0)) for row in part]  # fmt: skip
-            n = int(sum(count for rate, count in trials if count and math.isfinite(rate)))
-            windows.append((*counts_interval(sum(rate * count for rate, count in trials if count and math.isfinite(rate)), n), n))
-        (first, low, high, first_episodes), (last, *_) = windows
-        if low <= last <= high and last < SOLVED_SUCCESS:
-            returns = [window_mean(part, task_key(task, "first_episode_return", "rollout")) for part in (rows[:window], rows[-window:])]
-            stalled[task] = {"first": first, "first_low": low, "first_high": high, "last": last, "first_episodes": first_episodes,
-                             "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
-                             "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
-            if all(math.isfinite(value) for value in returns):  # its reward moving while its success does not
-                stalled[task] |= {"first_return": returns[0], "last_return": returns[1]}
+        (first, low, high, first_episodes), (last, *_) = (success_window(part, task) for part in (first_rows, last_rows))
+        stall = {"first": first, "first_low": low, "first_high": high, "last": last, "first_episodes": first_episodes,
+                 "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
+                 "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
+        if last >= SOLVED_SUCCESS:
+            continue
+        if not low <= last <= high:
+            if compare == "first" or len(rows) == 2 * window:  # at twice the window, the previous window is the first
+                continue
+            previous, previous_low, previous_high, _ = success_window(previous_rows, task)
+            if not previous_low <= last <= previous_high:
+                continue
+            stall |= {"previous": previous, "previous_low": previous_low, "previous_high": previous_high,
+                      "previous_iterations": [previous_rows[0]["iteration"], previous_rows[-1]["iteration"]]}  # fmt: skip
+        returns = [window_mean(part, task_key(task, "first_episode_return", "rollout")) for part in (first_rows, last_rows)]
+        if all(math.isfinite(value) for value in returns):  # its reward moving while its success does not
+            stall |= {"first_return": returns[0], "last_return": returns[1]}
+        stalled[task] = stall
     figures = {task: last_window_figures(rows[-window:], task) for task in tasks}
     moving = [figures[task] for task in tasks if task not in stalled]
     for task, stall in stalled.items():
@@ -359,6 +369,16 @@ def stalled_tasks(rows: list[dict], window: int) -> dict[str, dict]:
             stall["moving_figures"] = {name: float(np.mean([other[name] for other in moving if name in other]))
                                        for name in figures[task] if any(name in other for other in moving)}  # fmt: skip
     return stalled
+
+
+def success_window(rows: list[dict], task: str) -> tuple[float, float, float, int]:
+    """`task`'s first-episode success on its training layouts pooled over `rows` (each row weighted by its first
+    episodes; a row with none, or a NaN rate, weighs nothing): (rate, Wilson 95% low, high, first episodes)."""
+    trials = [(row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
+               row.get(task_key(task, "first_episodes", "rollout"), 0.0)) for row in rows]  # fmt: skip
+    counted = [(rate, count) for rate, count in trials if count and math.isfinite(rate)]
+    n = int(sum(count for _, count in counted))
+    return (*counts_interval(sum(rate * count for rate, count in counted), n), n)
 
 
 def last_window_figures(rows: list[dict], task: str) -> dict[str, float]:
@@ -371,12 +391,15 @@ def describe_stall(task: str, stall: dict) -> str:
     """One line of a stalled task's figures (stalled_tasks): its success and its first episodes' return in both windows,
     then the update's figures of it over the last window, each beside the moving tasks' mean in brackets."""
     first, last = stall["first_iterations"], stall["last_iterations"]
-    interval = f"[{stall['first_low']:.2f}, {stall['first_high']:.2f}]"
-    line = (
-        f"{task}: training-layout success {stall['first']:.2f} over iterations {first[0]:.0f}-{first[1]:.0f} and {stall['last']:.2f} "
-        f"over {last[0]:.0f}-{last[1]:.0f}, inside the first window's 95% interval {interval}"
-    )
-    reach = max(stall["first_high"] - stall["first"], stall["first"] - stall["first_low"])
+    held = "previous" if "previous" in stall else "first"  # the window its last one lies inside
+    interval = f"{held} window's 95% interval [{stall[held + '_low']:.2f}, {stall[held + '_high']:.2f}]"
+    line = f"{task}: training-layout success {stall['first']:.2f} over iterations {first[0]:.0f}-{first[1]:.0f}"
+    if held == "previous":
+        previous = stall["previous_iterations"]
+        line += f", then {stall['previous']:.2f} over {previous[0]:.0f}-{previous[1]:.0f}"
+    line += f" and {stall['last']:.2f} over {last[0]:.0f}-{last[1]:.0f}, " + ("it moved, then stopped " if held == "previous" else "")
+    line += f"inside the {interval}"
+    reach = max(stall[held + "_high"] - stall[held], stall[held] - stall[held + "_low"])
     if reach > STALL_RESOLUTION and "first_episodes" in stall:
         line += (f" ({stall['first_episodes']} first episodes a window: a move under {reach:.2f} stays inside it, so this may be "
                  "a slow task rather than a still one; a longer stall_window tells them apart)")  # fmt: skip

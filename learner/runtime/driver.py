@@ -93,7 +93,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     evaluator = Evaluator(pool, eval_layouts, films)
     rows = MetricsRows(MetricsLog(directory.path / "metrics.jsonl"), evaluator, learner, wandb_run, single_batch)
     rows.recover(completed_iterations(resume_dir))
-    stalls = StallWatch(config.stall_window if len(make_suite(config.env).tasks()) > 1 else 0)
+    stalls = StallWatch(config.stall_window if len(make_suite(config.env).tasks()) > 1 else 0, config.stall_compare)
     stalled: dict[str, int] = {}  # named stalled, their demonstrations not yet with the learner (algorithm.stall_demos)
     if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
         summary.begin(config, checkpoint, eval_layouts)

@@ -260,15 +260,15 @@ class StallWatch:
     """A multi-task run's stalled tasks on the console, each named once, as its window comes round
     (common.metrics.stalled_tasks over the rows logged so far)."""
 
-    def __init__(self, window: int):
-        self.window, self.named = window, set()
+    def __init__(self, window: int, compare: str = "first"):
+        self.window, self.compare, self.named = window, compare, set()
 
     def check(self, iteration: int, log_file: MetricsLog) -> list[str]:
         """The tasks named stalled for the first time after `iteration` completed iterations."""
         if not self.window or iteration % self.window or iteration < 2 * self.window:
             return []
         named = []
-        for task, stall in stalled_tasks(log_file.read(), self.window).items():
+        for task, stall in stalled_tasks(log_file.read(), self.window, self.compare).items():
             if task not in self.named:
                 log.info(f"[stall] {describe_stall(task, stall)}")
                 self.named.add(task)
@@ -326,7 +326,7 @@ class RunSummary:
                           "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
                           "faults": faults})  # fmt: skip
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
-        if stalls := stalled_tasks(rows, config.stall_window):
+        if stalls := stalled_tasks(rows, config.stall_window, config.stall_compare):
             self.data["stalled_tasks"] = stalls
         if "initial_eval" in self.data and final_eval:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]

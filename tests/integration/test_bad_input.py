@@ -114,6 +114,7 @@ BAD_INPUTS = [
     (["--set", "actors.faults.call_timeout_s=0"], r"actors\.faults\.call_timeout_s must be > 0", None),
     (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
+    (["--set", "stall_compare=previous"], r"stall_compare must be one of \('first', 'first_or_previous'\), got 'previous'", None),
     (["--set", "actors.speed.precision=fp8"], r"actors\.speed\.precision must be one of", None),
     (
         ["--set", "actors.speed.compile_vision=true"],

@@ -167,6 +167,32 @@ def test_a_task_whose_training_success_stays_inside_its_first_windows_interval_i
     assert list(stalled_tasks(rows, 10)) == ["pick-place-v3"]
 
 
+def test_held_against_the_previous_window_too_a_task_that_moved_and_then_stopped_is_named() -> None:
+    """Windows of 20 iterations, 12 first episodes each (240 a window): a task that climbs 0.06 -> 0.17 -> 0.20 and
+    then holds at 0.19 left its first window's interval, so "first" never names it; "first_or_previous" does, its last
+    window inside the one before it, and says so in its line and its reason. A task still climbing a window at a time
+    is named by neither, and at twice the window, where the previous window is the first, the two agree."""
+    rows = stall_rows({"pick-out-of-hole-v3": [0.06] * 20 + [0.17] * 20 + [0.20] * 20 + [0.19] * 20,
+                       "coffee-pull-v3": [0.30] * 20 + [0.45] * 20 + [0.60] * 20 + [0.75] * 20}, episodes=12)  # fmt: skip
+    assert stalled_tasks(rows, 20) == {}
+    stalled = stalled_tasks(rows, 20, "first_or_previous")
+    assert list(stalled) == ["pick-out-of-hole-v3"]
+    stall = stalled["pick-out-of-hole-v3"]
+    assert stall["previous"] == pytest.approx(0.20) and stall["previous_iterations"] == [41, 60]
+    assert (stall["previous_low"], stall["previous_high"]) == pytest.approx(counts_interval(0.20 * 240, 240)[1:])
+    assert describe_stall("pick-out-of-hole-v3", stall).startswith(
+        "pick-out-of-hole-v3: training-layout success 0.06 over iterations 1-20, then 0.20 over 41-60 and 0.19 over 61-80, it "
+        f"moved, then stopped inside the previous window's 95% interval [{stall['previous_low']:.2f}, {stall['previous_high']:.2f}]"
+    )
+    initial = {task_key("pick-out-of-hole-v3", "success_rate"): 0.04}
+    assert why_inside(initial, ["pick-out-of-hole-v3"], stalled, {})["pick-out-of-hole-v3"] == (
+        "moved, then stalled to the end: training-layout success 0.06 over iterations 1-20, 0.20 over 41-60, 0.19 over 61-80"
+    )
+    assert stalled_tasks(rows[:40], 20, "first_or_previous") == stalled_tasks(rows[:40], 20) == {}
+    flat = stall_rows({"pick-out-of-hole-v3": [0.06] * 40}, episodes=12)
+    assert list(stalled_tasks(flat, 20, "first_or_previous")) == list(stalled_tasks(flat, 20)) == ["pick-out-of-hole-v3"]
+
+
 def test_a_stall_named_on_a_window_too_short_to_see_a_slow_move_says_so() -> None:
     """Three first episodes an iteration over 20-iteration windows (60 a window, as a five-task LIBERO run's) leave the
     first window's interval about +-0.12 wide: a task that climbs 0.10 stays inside it and is named, and its line says
