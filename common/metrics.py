@@ -194,12 +194,10 @@ def why_inside(initial: dict, inside: list[str], stalled: dict[str, dict], helpe
             reasons[task] = f"solved at the start ({start:.2f})"
         elif task in stalled:
             stall = stalled[task]
-            spans = [f"{stall[name]:.2f} over {'-'.join(map(str, stall[name + '_iterations']))}" for name in ("first", "previous", "last")
-                     if name in stall]  # fmt: skip
+            spans = [f"{stall[name]:.2f} over {'iterations ' if name == 'first' else ''}{'-'.join(map(str, stall[name + '_iterations']))}"
+                     for name in ("first", "previous", "last") if name in stall]  # fmt: skip
             moved = "moved, then " if "previous" in stall else ""
-            reasons[task] = f"{moved}stalled to the end: training-layout success " + ", ".join(spans).replace(
-                " over ", " over iterations ", 1
-            )
+            reasons[task] = f"{moved}stalled to the end: training-layout success " + ", ".join(spans)
         else:
             reasons[task] = "its training-layout success left its first window, its held-out success not its initial interval"
         if task in helped:
