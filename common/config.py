@@ -71,6 +71,11 @@ class PolicyConfig:
     # cameras have other names than the suite's (smolvla_base's observation.images.camera1..3) reads the suite's frames,
     # e.g. {observation.images.corner: observation.images.camera1}.
     rename_map: dict[str, str] = field(default_factory=dict)
+    # The env units the policy's [-1, 1] actions map onto, element by element: [low_1, ..., low_A, high_1, ..., high_A];
+    # []: the env acts in [-1, 1] itself (Metaworld, LIBERO). A config file or --set that leaves it gets the suite's (a
+    # gymnasium env's action bounds: PushT's 0 to 512 pixels). lerobot's policies act in the env's units, so a lerobot
+    # checkpoint's action statistics are read in these and an export's written in them.
+    action_bounds: list[float] = field(default_factory=list)
     smolvla: SmolVLAConfig = field(default_factory=SmolVLAConfig)
     pi0: Pi0Config = field(default_factory=Pi0Config)  # policy.type pi0 and pi05
 
@@ -99,6 +104,12 @@ class PolicyConfig:
         require(not bad_keys, f"{path}.image_keys and {path}.rename_map name lerobot observation keys (observation.image, "
                               f"observation.images.<name>), got {bad_keys}")  # fmt: skip
         require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
+        bounds, width = self.action_bounds, self.action_dim
+        require(
+            not bounds or (len(bounds) == 2 * width and all(low < high for low, high in zip(bounds[:width], bounds[width:]))),
+            f"{path}.action_bounds must be empty or {2 * self.action_dim} numbers (action_dim lows, then as many highs, each low "
+            f"below its high), got {bounds}",
+        )
         require(self.type in BACKENDS, f"{path}.type must be one of {sorted(BACKENDS)}, got {self.type!r}")
         for section in dict.fromkeys(backend.section for backend in BACKENDS.values() if backend.section):
             getattr(self, section).validate(f"{path}.{section}")
@@ -123,6 +134,14 @@ class PolicyConfig:
     # Fields that shape sampling and scoring, not the network: a run's config sets them on whatever
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
     SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "eval_init_noise_std", "log_prob_normalization")
+
+    def action_units(self) -> tuple[list[float], list[float]]:
+        """(centre, half width) of each action element's env units (action_bounds): an env action is centre + half width *
+        the policy's action in [-1, 1]. (0, 1) per element where action_bounds is empty."""
+        if not self.action_bounds:
+            return [0.0] * self.action_dim, [1.0] * self.action_dim
+        lows, highs = self.action_bounds[: self.action_dim], self.action_bounds[self.action_dim :]
+        return [(low + high) / 2 for low, high in zip(lows, highs)], [(high - low) / 2 for low, high in zip(lows, highs)]
 
     def image_features(self) -> list[str]:
         """The lerobot feature of each camera's frame, in the order of `cameras` (image_keys, or

@@ -154,14 +154,14 @@ def layered(data: dict[str, Any], over: dict[str, Any], schema: type = RunConfig
             data[key] = copy.deepcopy(value)
 
 
-SUITE_SIZES = ("obs_dim", "action_dim")
+SUITE_SIZES = ("obs_dim", "action_dim", "action_bounds")
 
 
 def with_suite_sizes(config: RunConfig, given: set[str]) -> RunConfig:
     """`config` with the policy's input and output widths the suite's (its state as env.observations gives it, with a
-    multi-task run's one-hot, and its actions) where `given`, the dotted fields a file or override set, leaves them: a
-    recipe for one task list runs on another unchanged. An env section the suite refuses is left for the run's checks
-    to name (Suite.check)."""
+    multi-task run's one-hot, and its actions), and its actions' env units, where `given`, the dotted fields a file
+    or override set, leaves them: a recipe for one task list runs on another unchanged. An env section the suite
+    refuses is left for the run's checks to name (Suite.check)."""
     missing = [name for name in SUITE_SIZES if f"policy.{name}" not in given]
     if not missing:
         return config
@@ -169,7 +169,8 @@ def with_suite_sizes(config: RunConfig, given: set[str]) -> RunConfig:
 
     try:
         suite = make_suite(config.env)
-        sizes = {"obs_dim": suite.state_dim(), "action_dim": suite.sizes(suite.tasks()[0])[1]}
+        task = suite.tasks()[0]
+        sizes = {"obs_dim": suite.state_dim(), "action_dim": suite.sizes(task)[1], "action_bounds": suite.action_bounds(task)}
     except ValueError:  # ConfigError included
         return config
     return dataclasses.replace(config, policy=dataclasses.replace(config.policy, **{name: sizes[name] for name in missing}))

@@ -5,7 +5,8 @@ A dataset holds what the run's policy observes (env.observations): each camera's
 (policy.image_features(): lerobot's Metaworld layout is one observation.image), observation.state as the policy reads
 it, the executed action, and each episode's task sentence. Frames are stored as images (PNG), not video: what a policy
 trains on is then exactly what the env drew. One episode per demonstration layout (env.demo_benchmark_seed), written
-as it ends, so a dataset of 480-pixel frames never sits in memory whole.
+as it ends, so a dataset of 480-pixel frames never sits in memory whole. Actions are in the env's units, as lerobot's
+policies act (policy.action_bounds; the policy's own are in [-1, 1]).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
     if out.exists():
         shutil.rmtree(out)
     cameras = [ImageConfig(policy.image_size, policy.image_size, camera) for camera in policy.cameras] if policy.image_size else []
+    centre, half_width = (np.asarray(values, dtype=np.float32) for values in policy.action_units())  # lerobot's: the env's units
     fps = suite.lerobot_fps or 30
     dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=out,
                                    robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
@@ -78,7 +80,8 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
             sentence = suite.instruction(task)
             for episode in demonstration_episodes(suite, task, layouts, config.pretrain.demo_noise, config.pretrain.seed, cameras):
                 for t in range(len(episode.actions)):
-                    frame = {STATE_KEY: episode.observations[t], ACTION_KEY: episode.actions[t], "task": sentence}
+                    action = (episode.actions[t] * half_width + centre).astype(np.float32)
+                    frame = {STATE_KEY: episode.observations[t], ACTION_KEY: action, "task": sentence}
                     for c, key in enumerate(policy.image_features() if cameras else []):
                         frame[key] = episode.frames[t, c]
                     dataset.add_frame(frame)
@@ -121,5 +124,6 @@ def read_demonstrations(directory: Path, policy: PolicyConfig, suite: Suite) -> 
     if image_keys:
         images = np.stack([np.stack([np.asarray(row[key].convert("RGB")) for key in image_keys]) for row in rows])
     state = np.asarray(rows[STATE_KEY], dtype=np.float32)
-    actions = np.asarray(rows[ACTION_KEY], dtype=np.float32)
+    centre, half_width = (np.asarray(values, dtype=np.float32) for values in policy.action_units())
+    actions = (np.asarray(rows[ACTION_KEY], dtype=np.float32) - centre) / half_width
     return Observation(state, images), actions, task_sentences, list(rows["episode_index"])

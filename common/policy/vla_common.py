@@ -460,10 +460,10 @@ class VLAFlowPolicy(FlowPolicy):
         builds them, with the project's normalisation as the statistics of lerobot's normaliser: the action's mean and
         std (MEAN_STD), the state's as lerobot_state_normalisation says; frames are not normalised, on either side.
         lerobot's pipeline then maps env-unit state to the state this policy reads, and its normalised chunk to env
-        units, as normalized_state and to_env_action do, except for their clips (normalised state to +-OBS_CLIP,
-        actions to [-1, 1]), which lerobot's normaliser does not apply. The files lerobot reads by name
-        (lerobot_files) are named by `hub_id` where given, so that the export loads wherever the hub or its cache
-        holds them; else by their directory on this machine."""
+        units (policy.action_bounds), as normalized_state, to_env_action and the suite do, except for their clips
+        (normalised state to +-OBS_CLIP, actions to [-1, 1]), which lerobot's normaliser does not apply. The files
+        lerobot reads by name (lerobot_files) are named by `hub_id` where given, so that the export loads wherever the
+        hub or its cache holds them; else by their directory on this machine."""
         from lerobot.configs.types import NormalizationMode
         from lerobot.utils.constants import ACTION, OBS_STATE
 
@@ -474,7 +474,9 @@ class VLAFlowPolicy(FlowPolicy):
             "STATE": NormalizationMode[state_mode],
             "ACTION": NormalizationMode.MEAN_STD,
         }
-        action_stats = {"mean": self.action_mean.detach().cpu().numpy(), "std": self.action_std.detach().cpu().numpy()}
+        centre, half_width = (np.asarray(values, dtype=np.float32) for values in self.config.action_units())  # to the env's units
+        action_mean, action_std = self.action_mean.detach().cpu().numpy(), self.action_std.detach().cpu().numpy()
+        action_stats = {"mean": action_mean * half_width + centre, "std": action_std * half_width}
         preprocessor, postprocessor = self.lerobot_processors(vla.config, {OBS_STATE: state_stats, ACTION: action_stats})
         if hub_id:
             self.name_on_hub(vla.config, preprocessor, hub_id)

@@ -259,6 +259,11 @@ class Suite(ABC):
         self.instruction(task)  # refuses an unknown task
         return (self.lerobot_state_size if self.config.lerobot_observations else self.state_size), self.action_size
 
+    def action_bounds(self, task: str) -> list[float]:
+        """The env units the policy's [-1, 1] actions map onto for `task` (policy.action_bounds: lows, then highs), or []
+        where the env acts in [-1, 1] itself."""
+        return []
+
     def cameras(self, task: str) -> list[str]:
         """The camera names `task`'s envs can render (what policy.cameras may list)."""
         self.instruction(task)
@@ -350,6 +355,10 @@ class Suite(ABC):
                 if unknown:
                     raise ConfigError(f"policy.cameras {unknown} are not cameras of {self.name} task {task}: it has {self.cameras(task)}")
             self.check_image_keys(policy, tasks[0])
+        bounds = self.action_bounds(tasks[0])
+        if policy.action_bounds and [float(value) for value in policy.action_bounds] != bounds:
+            raise ConfigError(f"policy.action_bounds {policy.action_bounds} are not the env units {self.name} task {tasks[0]} maps "
+                              f"[-1, 1] onto ({bounds or '[]: it acts in [-1, 1]'}): leave policy.action_bounds unset")  # fmt: skip
         what = f"{self.name} task {tasks[0]}" if len(tasks) == 1 else f"the {len(tasks)} tasks of {self.config.task} (with their one-hot)"
         for name, value, expected, kind in (("obs_dim", policy.obs_dim, state_dim, "state"),
                                             ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action")):  # fmt: skip

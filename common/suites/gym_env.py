@@ -8,21 +8,27 @@ how its observations and infos reach the loop.
   float32.
 - Success: info[env.gym.success_key] after each step.
 - Camera: one, named env.gym.camera: the env's own render() (built with render_mode "rgb_array" only when a camera or
-  a film is asked for), area-averaged to each ImageConfig's size (resize_frame).
+  a film is asked for), or the frame under that key of a Dict observation; area-averaged to each ImageConfig's size
+  (resize_frame).
+- lerobot's observations (env.observations "lerobot"), for the env ids lerobot has an env config of (LEROBOT_ENVS):
+  the env built with lerobot's observation type, its state and frame under lerobot's keys, lerobot's sentence and
+  episode limit. lerobot's policies act in the env's own units (policy.action_bounds, action_bounds()).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from common.config import EnvConfig, GymSuiteConfig
+from common.config import ConfigError, EnvConfig, GymSuiteConfig
 from common.suites.base import ImageConfig, Layout, Suite, SuiteEnv
 
 # Initial states per benchmark seed, as Metaworld's, so that the default seeds' sets stay as many and as disjoint.
@@ -30,6 +36,32 @@ LAYOUTS_PER_SEED = 50
 
 # The episode limit of env ids registered without max_episode_steps: env.max_episode_steps is then the only one.
 NO_EPISODE_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class LerobotGymEnv:
+    """What lerobot's env config of a gymnasium env id (lerobot.envs.configs) hands a policy: the keyword arguments
+    that shape its observation, the Dict observation's state and frame under lerobot's keys, and the sentence, frame
+    rate and episode limit it runs with."""
+
+    kwargs: dict[str, Any]
+    state_key: str
+    state_size: int
+    images: dict[str, str]  # lerobot's observation key -> the key of its frame in the env's Dict observation
+    frame_size: int  # the side of the frame the env observes
+    fps: int
+    episode_limit: int
+    instruction: str  # what lerobot-eval hands a policy as its task: "" for an env that describes none
+
+
+# PushT (lerobot's PushtEnv, env.type=pusht): observation type pixels_agent_pos, the pusher's position as the state and
+# the env's own observed frame, which gym_pusht draws at its default 96 pixels (lerobot sets the size of render()'s view
+# alone); 300 steps; gym_pusht describes no task, so lerobot-eval's sentence is empty.
+LEROBOT_ENVS = {
+    "gym_pusht/PushT-v0": LerobotGymEnv(kwargs={"obs_type": "pixels_agent_pos"}, state_key="agent_pos", state_size=2,
+                                        images={"observation.image": "pixels"}, frame_size=96, fps=10, episode_limit=300,
+                                        instruction=""),
+}  # fmt: skip
 
 
 def layout_seed(layout: Layout) -> int:
@@ -81,15 +113,32 @@ class GymSuite(Suite):
 
     def __init__(self, config: EnvConfig) -> None:
         super().__init__(config)
+        tasks = [name.strip() for name in config.task.split(",")]
+        lerobot = LEROBOT_ENVS.get(tasks[0])
+        if lerobot is not None and all(LEROBOT_ENVS.get(name) == lerobot for name in tasks):
+            self.lerobot_images, self.lerobot_state_size = dict(lerobot.images), lerobot.state_size
+            self.lerobot_frame_size, self.lerobot_fps = lerobot.frame_size, lerobot.fps
         self.gym: GymSuiteConfig = config.gym
-        self.film_camera = config.gym.camera  # the env's one view
+        self._instruction: str | None = None  # the sentence when it is lerobot's, not env.gym's
+        if config.lerobot_observations:
+            missing = [name for name in tasks if name not in LEROBOT_ENVS]
+            if missing or not self.lerobot_images:
+                raise ConfigError(f"env.observations 'lerobot' gives what lerobot's env config of an env id gives, and lerobot has "
+                                  f"one for {sorted(LEROBOT_ENVS)}, not for {missing or tasks} together: use env.observations "
+                                  "'project'")  # fmt: skip
+            # lerobot's observation type and keys over env.gym's: the rest of its keyword arguments stay
+            (camera,) = set(lerobot.images.values())
+            self.gym = dataclasses.replace(config.gym, kwargs={**config.gym.kwargs, **lerobot.kwargs}, state_key=lerobot.state_key,
+                                           camera=camera)  # fmt: skip
+            self._instruction = lerobot.instruction
+        self.film_camera = self.gym.camera  # the env's one view
         if self.gym.module:
             try:
                 importlib.import_module(self.gym.module)
             except ImportError as exc:
                 raise ValueError(f"env.gym.module {self.gym.module!r} cannot be imported ({exc}): install the package that "
                                  f"registers env.task {config.task!r}") from None  # fmt: skip
-        self._spaces: dict[str, tuple[spaces.Box, spaces.Box]] = {}  # task -> its state and action spaces
+        self._spaces: dict[str, tuple[spaces.Box, spaces.Box]] = {}  # task -> its state space and its env's action space
 
     def _spec(self, task: str) -> gymnasium.envs.registration.EnvSpec:
         if task not in gymnasium.registry:
@@ -103,11 +152,16 @@ class GymSuite(Suite):
 
     def instruction(self, task: str) -> str:
         self._spec(task)
+        if self._instruction is not None:
+            return self._instruction
         return self.gym.instruction or _words(task)
 
     def cameras(self, task: str) -> list[str]:
         self._spec(task)
         return [self.gym.camera]
+
+    def lerobot_episode_limit(self, task: str) -> int:
+        return LEROBOT_ENVS[task].episode_limit if task in LEROBOT_ENVS else self.episode_limit(task)
 
     def episode_limit(self, task: str) -> int:
         # gymnasium.make takes max_episode_steps among its keyword arguments, over the registered one.
@@ -118,6 +172,10 @@ class GymSuite(Suite):
         state, action = self._task_spaces(task)
         return state.shape[0], action.shape[0]
 
+    def action_bounds(self, task: str) -> list[float]:
+        _, action = self._task_spaces(task)
+        return [float(value) for value in (*action.low.reshape(-1), *action.high.reshape(-1))]
+
     def task_state_bounds(self, task: str) -> tuple[np.ndarray, np.ndarray] | None:
         state, _ = self._task_spaces(task)
         return (state.low, state.high) if np.isfinite(state.low).all() and np.isfinite(state.high).all() else None
@@ -125,12 +183,12 @@ class GymSuite(Suite):
     def _task_spaces(self, task: str) -> tuple[spaces.Box, spaces.Box]:
         if task not in self._spaces:
             env = self.build_env(task, (), Layout(task, self.config.train_benchmark_seeds[0], 0), None)
-            self._spaces[task] = (env.observation_space, env.action_space)
+            self._spaces[task] = (env.observation_space, env.env_action_space)
             env.close()
         return self._spaces[task]
 
     def build_env(self, task: str, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None) -> GymTaskEnv:
-        return GymTaskEnv(task, self.instruction(task), self.config, cameras, layout, film)
+        return GymTaskEnv(task, self.instruction(task), self.config, self.gym, cameras, layout, film)
 
 
 class GymTaskEnv(SuiteEnv):
@@ -143,10 +201,10 @@ class GymTaskEnv(SuiteEnv):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, task: str, instruction: str, config: EnvConfig, cameras: Sequence[ImageConfig], layout: Layout,
-                 film: ImageConfig | None) -> None:  # fmt: skip
+    def __init__(self, task: str, instruction: str, config: EnvConfig, gym: GymSuiteConfig, cameras: Sequence[ImageConfig],
+                 layout: Layout, film: ImageConfig | None) -> None:  # fmt: skip
         self.task, self.instruction = task, instruction
-        self._gym = config.gym
+        self._gym = gym
         self._reward_mode, self._stop_on_success, self._max_episode_steps = config.reward, config.stop_on_success, config.max_episode_steps
         for camera in [*cameras, *([film] if film is not None else [])]:
             if camera.camera != self._gym.camera:
@@ -162,7 +220,10 @@ class GymTaskEnv(SuiteEnv):
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             also = " with render_mode 'rgb_array' (for its camera)" if rendering else ""
             raise ValueError(f"env.gym.kwargs {self._gym.kwargs}{also} do not build {task}: {message}") from None
-        if rendering and "rgb_array" not in self._env.metadata.get("render_modes", []):
+        observed = self._env.observation_space
+        # The camera is a frame of the Dict observation (lerobot's PushT: pixels), or else the env's render()
+        self._frame_key = self._gym.camera if isinstance(observed, spaces.Dict) and self._gym.camera in observed.spaces else None
+        if rendering and self._frame_key is None and "rgb_array" not in self._env.metadata.get("render_modes", []):
             raise ValueError(f"{task} renders no rgb_array frames (its render modes: {self._env.metadata.get('render_modes', [])}), "
                              f"so it has no camera {self._gym.camera!r}")  # fmt: skip
 
@@ -171,6 +232,7 @@ class GymTaskEnv(SuiteEnv):
             raise ValueError(f"env.task {task}: its action space {action_space} is not a Box (the gym suite drives continuous actions)")
         if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
             raise ValueError(f"env.task {task}: its action space {action_space} is unbounded; [-1, 1] maps onto finite bounds only")
+        self.env_action_space = action_space  # the units [-1, 1] maps onto
         self._action_low = action_space.low.astype(np.float64).reshape(-1)
         self._action_high = action_space.high.astype(np.float64).reshape(-1)
         self.action_space = spaces.Box(-1.0, 1.0, shape=self._action_low.shape, dtype=np.float32)
@@ -179,7 +241,7 @@ class GymTaskEnv(SuiteEnv):
                                             state_space.high.astype(np.float32).reshape(-1), dtype=np.float32)  # fmt: skip
 
         self.frames: list[np.ndarray] = []
-        self._view: np.ndarray | None = None  # the env's render() of the current state, once drawn
+        self._view: np.ndarray | None = None  # the env's render() of the current state, once drawn, or its observed frame
         self._started = False
         self._episode_steps = 0
         self._succeeded = False
@@ -210,11 +272,20 @@ class GymTaskEnv(SuiteEnv):
             raise RuntimeError("call reset() before rendering: there is no state to draw yet")
         if self._view is None:
             view = self._env.render()
-            if not isinstance(view, np.ndarray) or view.ndim != 3 or view.shape[2] != 3 or view.dtype != np.uint8:
-                raise ValueError(f"{self.task}'s render() gave {type(view).__name__} {getattr(view, 'shape', '')}, not an (H, W, 3) "
-                                 "uint8 frame")  # fmt: skip
-            self._view = view
+            self._view = self._checked_frame(view, "render()")
         return self._view
+
+    def _checked_frame(self, view: Any, source: str) -> np.ndarray:
+        if not isinstance(view, np.ndarray) or view.ndim != 3 or view.shape[2] != 3 or view.dtype != np.uint8:
+            raise ValueError(f"{self.task}'s {source} gave {type(view).__name__} {getattr(view, 'shape', '')}, not an (H, W, 3) "
+                             "uint8 frame")  # fmt: skip
+        return view
+
+    def _observed(self, observation: Any) -> np.ndarray:
+        """The state of `observation`, keeping its frame as the current view where the camera is one of its keys."""
+        if self._frame_key is not None:
+            self._view = self._checked_frame(np.asarray(observation[self._frame_key]).copy(), f"observation[{self._frame_key!r}]")
+        return self._state(observation)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         # The seed only seeds `self.np_random` (gymnasium's contract); the env is reset with the layout's seed.
@@ -224,7 +295,7 @@ class GymTaskEnv(SuiteEnv):
         self._layout, self._started, self._view = layout, True, None
         self._episode_steps, self._succeeded, self._needs_reset = 0, False, False
         self.frames = []
-        return self._state(observation), {"layout": self._layout}
+        return self._observed(observation), {"layout": self._layout}
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
         action = self._checked_action(action, np.float64)
@@ -236,9 +307,10 @@ class GymTaskEnv(SuiteEnv):
             raise ValueError(f"env.gym.success_key {self._gym.success_key!r} is not in {self.task}'s step info; its keys: {sorted(info)}")
         success = bool(info[self._gym.success_key])
         reward, terminated, truncated = self._episode_rules(success, env_reward, bool(env_terminated), bool(env_truncated))
+        state = self._observed(observation)
         if self._film is not None:
             self.frames.append(resize_frame(self._render(), self._film.width, self._film.height))
-        return self._state(observation), reward, terminated, truncated, {**info, "success": success}
+        return state, reward, terminated, truncated, {**info, "success": success}
 
     def _state(self, observation: Any) -> np.ndarray:
         if self._gym.state_key:

@@ -115,6 +115,13 @@ BAD_INPUTS = [
     (["--set", "algorithm.gamma=1.5"], r"algorithm\.gamma must be in \(0, 1\]", None),
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
     (["--set", "stall_compare=previous"], r"stall_compare must be one of \('first', 'first_or_previous'\), got 'previous'", None),
+    (["--set", "policy.action_bounds=[0, 512]"], r"policy\.action_bounds must be empty or 8 numbers", None),
+    (["--set", "policy.action_bounds=[-2, -2, -2, -2, 2, 2, 2, 2]"], r"policy\.action_bounds .* are not the env units metaworld", None),
+    (
+        ["--set", "env.suite=gym", "--set", "env.task=MountainCarContinuous-v0", "--set", "env.observations=lerobot"],
+        r"env\.observations 'lerobot' gives what lerobot's env config of an env id gives.*use env\.observations 'project'",
+        None,
+    ),
     (["--set", "actors.speed.precision=fp8"], r"actors\.speed\.precision must be one of", None),
     (
         ["--set", "actors.speed.compile_vision=true"],

@@ -1,7 +1,7 @@
-"""lerobot's own Metaworld env class beside the project's suite in lerobot's observations (env.observations "lerobot"),
-and what a lerobot checkpoint's features make of a run's config (common.lerobot_checkpoint): the observations, the
-cameras and their keys, the refusal of frames no layout gives with advice that works, and smolvla_base's cameras on the
-GPU recipe through its camera map. The checkpoints here are config files carrying the features; their weights are
+"""lerobot's own Metaworld, LIBERO and PushT envs beside the project's suites in lerobot's observations (env.observations
+"lerobot"), and what a lerobot checkpoint's features make of a run's config (common.lerobot_checkpoint): the
+observations, the cameras and their keys, the refusal of frames no layout gives with advice that works, and
+smolvla_base's cameras on the GPU recipe through its camera map. The checkpoints here are config files carrying the features; their weights are
 another test's (tests/integration/test_lerobot_round_trip.py)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from common.config import ConfigError
@@ -188,3 +189,73 @@ def test_lerobots_libero_env_and_the_suite_give_the_same_state_sentence_scene_an
     finally:
         theirs.close()
         ours.close()
+
+
+def lerobot_eval_task(envs) -> list[str]:
+    """The task lerobot-eval hands a policy for each of `envs` (a vector env), by its rule on both lerobot lines: the
+    envs' task_description, else their task, else an empty sentence."""
+    for name in ("task_description", "task"):
+        try:
+            return list(envs.call(name))
+        except (AttributeError, NotImplementedError):
+            continue
+    return [""] * envs.num_envs
+
+
+def test_lerobots_pusht_env_and_the_suite_give_the_same_state_frames_sentence_and_limit():
+    """PushT in lerobot's observations beside lerobot's own env (make_env of its PushtEnv config, its observations through
+    its preprocess_observation): reset with the layout's seed and stepped with the same actions, the pusher's position is
+    the suite's state and the env's observed frame the suite's, pixel for pixel; the sentence is lerobot-eval's (empty)
+    and the limit its 300 steps. The policy's [-1, 1] actions are the env's 0-512 pixels through policy.action_bounds,
+    which the suite maps them onto."""
+    from lerobot.envs.configs import PushtEnv
+    from lerobot.envs.factory import make_env
+    from lerobot.envs.utils import preprocess_observation
+
+    from common.suites.base import Layout
+    from common.suites.gym_env import layout_seed
+
+    config = load_config(REPO / "configs" / "pusht.yaml", ["env.observations=lerobot", "policy.type=smolvla", "policy.image_size=96"])
+    pusht = PushtEnv()
+    assert (config.policy.cameras, config.policy.image_keys, config.policy.obs_dim) == (["pixels"], ["observation.image"], 2)
+    assert config.policy.action_bounds == [0.0, 0.0, 512.0, 512.0] and config.env.max_episode_steps == pusht.episode_length == 300
+    suite = make_suite(config.env)
+    task = suite.tasks()[0]
+    assert suite.image_sources(task) == {"observation.image": "pixels"} and suite.lerobot_fps == pusht.fps
+    layout = Layout(task, config.env.train_benchmark_seeds[0], 3)
+    ours = suite.make_env(task, [ImageConfig(96, 96, "pixels")], layout)
+    theirs = make_env(pusht, n_envs=1)[pusht.type][0]
+    low, high = np.asarray(config.policy.action_bounds[:2]), np.asarray(config.policy.action_bounds[2:])
+    rng = np.random.default_rng(0)
+    try:
+        state, _ = ours.reset()
+        raw, _ = theirs.reset(seed=[layout_seed(layout)])
+        first = ours.render_cameras()[0]
+        assert lerobot_eval_task(theirs) == [suite.instruction(task)] == [""]
+        for step in range(12):
+            given = preprocess_observation(raw)
+            np.testing.assert_array_equal(given["observation.state"][0].numpy(), state)
+            frame = (given["observation.image"][0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            np.testing.assert_array_equal(ours.render_cameras()[0], frame)
+            assert step == 0 or np.abs(frame.astype(int) - first.astype(int)).any(), "the frames follow the pusher"
+            action = rng.uniform(-1, 1, 2).astype(np.float32)
+            state, *_ = ours.step(action)
+            pixels = low + (action.astype(np.float64) + 1.0) * 0.5 * (high - low)  # the suite's map onto the env's units
+            raw, *_ = theirs.step(pixels[None].astype(np.float32))
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_lerobot_pusht_checkpoint_sets_the_runs_observations_and_its_action_units(tmp_path):
+    """init_checkpoint naming a checkpoint of lerobot's PushT features (one 96-pixel observation.image, the pusher's
+    2-element position) on the PushT recipe: lerobot's observations, its camera, the env's pixels as the actions' units,
+    lerobot's limit; the run's checks pass."""
+    checkpoint = lerobot_config(tmp_path / "pretrained_model", {"observation.image": 96}, 2, chunk_size=4, num_vlm_layers=2,
+                                vlm_model_name=str(backbone(tmp_path / "vlm")))  # fmt: skip
+    config = load_config(REPO / "configs" / "pusht.yaml", [f"init_checkpoint={checkpoint}"])
+    policy = config.policy
+    assert (config.env.observations, policy.type, policy.cameras, policy.image_size) == ("lerobot", "smolvla", ["pixels"], 96)
+    assert (config.policy.obs_dim, config.policy.action_dim, config.policy.action_bounds) == (2, 2, [0.0, 0.0, 512.0, 512.0])
+    assert config.env.max_episode_steps == 300 and make_suite(config.env).instruction(config.env.task) == ""
+    preflight(config, address=None, resume=False)

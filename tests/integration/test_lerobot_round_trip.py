@@ -2,7 +2,8 @@
 lerobot line): as init_checkpoint it starts a run as it is (every tensor of its model, its normaliser's statistics
 unfloored); the project's evaluation from lerobot's start (policy.eval_init_noise_std 1.0) is lerobot's sampler on the
 same weights and start; and the suite's scripted demonstrations written as a LeRobotDataset read back, through lerobot's
-own API, as the frames, states and actions the env gave."""
+own API, as the frames, states and actions the env gave. On PushT, whose env acts in pixels, lerobot's side speaks the
+env's units and the policy its [-1, 1]."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from safetensors.torch import load_file
 
 from common.config_loading import load_config
 from common.flow import sample_chain, transition
-from common.lerobot_dataset import lerobot_dataset_class, read_demonstrations, write_demonstrations
+from common.lerobot_dataset import dataset_features, lerobot_dataset_class, read_demonstrations, write_demonstrations
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
 from common.policy.lerobot_compat import pad_vector
 from common.suites import ImageConfig, make_suite
 from learner.bc.starting_checkpoint import lerobot_start_checkpoint
 from learner.bc.training import pretrain
+from tests.conftest import REPO
 from tests.helpers.lerobot_export import get_policy_class, make_pre_post_processors, preprocess_observation
 
 TINY = ["policy.type=smolvla", "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=3", "policy.hidden_dim=32",
@@ -120,3 +122,69 @@ def test_demonstrations_written_as_a_lerobot_dataset_are_read_back_by_lerobot_as
     report = pretrain(cloned, tmp_path / "bc", progress=False)
     assert (report["demos"], report["samples"], report["demo_success_rate"]) == (2, written["frames"], None)
     assert FlowPolicy.from_pretrained(tmp_path / "bc").config.image_keys == ["observation.image"]
+
+
+def test_a_pusht_policy_speaks_pixels_to_lerobot_and_a_lerobot_pusht_checkpoint_starts_in_the_policys_units(tmp_path):
+    """PushT in lerobot's observations: the export's postprocessor turns the chain into the env's 0-512 pixels (lerobot's
+    units), the very actions the suite steps the env with for the policy's [-1, 1] ones; read back as init_checkpoint, its
+    action statistics return to the policy's units."""
+    overrides = ["env.observations=lerobot", *TINY[:-2]]
+    source_config = load_config(REPO / "configs" / "pusht.yaml", overrides)
+    assert source_config.policy.action_bounds == [0.0, 0.0, 512.0, 512.0] and source_config.policy.image_keys == ["observation.image"]
+    torch.manual_seed(0)
+    source = build_policy(source_config.policy)
+    source.set_normalization(torch.tensor([250.0, 260.0]), torch.tensor([120.0, 110.0]), torch.tensor([0.1, -0.2]),
+                             torch.tensor([0.5, 0.4]), exact=True)  # fmt: skip
+    export = tmp_path / "pretrained_model"
+    source.to_lerobot(export)
+
+    suite = make_suite(source_config.env)
+    task = suite.tasks()[0]
+    env = suite.make_env(task, [ImageConfig(32, 32, "pixels")])
+    state, _ = env.reset()
+    frames = env.render_cameras()
+    tokens, mask = source.tokenize([suite.instruction(task)] * 2)
+    obs = Observation(torch.from_numpy(np.stack([state, state + 5.0])), torch.from_numpy(np.stack([frames, frames])),
+                      torch.from_numpy(tokens), torch.from_numpy(mask))  # fmt: skip
+    with torch.no_grad():
+        chain = sample_chain(source, source.encode(obs), 2, deterministic=True).chain
+    actions = (chain[:, -1] * source.action_std + source.action_mean).clamp(-1.0, 1.0).numpy()
+    low, high = np.asarray(source_config.policy.action_bounds[:2]), np.asarray(source_config.policy.action_bounds[2:])
+    pixels = low + (actions.astype(np.float64) + 1.0) * 0.5 * (high - low)  # what the suite steps the env with
+    env.close()
+
+    loaded = get_policy_class("smolvla").from_pretrained(str(export))
+    loaded.eval()
+    preprocessor, postprocessor = make_pre_post_processors(loaded.config, pretrained_path=str(export))
+    raw = {"pixels": obs.images[:, 0].numpy(), "agent_pos": obs.state.numpy().astype(np.float64)}
+    batch = {**preprocess_observation(raw), "task": [suite.instruction(task)] * 2}
+    start = pad_vector(chain[:, 0], loaded.config.max_action_dim)
+    with torch.no_grad():
+        theirs = postprocessor(loaded.predict_action_chunk(preprocessor(batch), noise=start))
+    assert 0 < pixels.min() and pixels.max() < 512, "inside the env's bounds, where neither side clips"
+    np.testing.assert_allclose(theirs.numpy(), pixels, atol=2e-3, rtol=0)
+
+    run = load_config(REPO / "configs" / "pusht.yaml", [f"init_checkpoint={export}", *TINY[3:-2]])
+    assert (run.env.observations, run.policy.action_bounds, run.policy.obs_dim) == ("lerobot", [0.0, 0.0, 512.0, 512.0], 2)
+    started = FlowPolicy.from_pretrained(lerobot_start_checkpoint(run))
+    torch.testing.assert_close(started.action_mean, source.action_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(started.action_std, source.action_std, atol=1e-6, rtol=0)
+
+
+def test_a_lerobot_pusht_dataset_is_read_in_the_policys_action_units(tmp_path):
+    """A LeRobotDataset of PushT in lerobot's layout, written by lerobot's own API with its actions in pixels (as
+    lerobot's PushT datasets hold them): behaviour cloning reads them in the policy's [-1, 1] units."""
+    config = load_config(REPO / "configs" / "pusht.yaml", ["env.observations=lerobot", *TINY[:-2]])
+    out = tmp_path / "pusht"
+    dataset = lerobot_dataset_class().create(repo_id="flowrl/pusht", fps=10, features=dataset_features(config.policy), root=out,
+                                             use_videos=False)  # fmt: skip
+    pixels = np.array([[384.0, 51.2], [0.0, 512.0], [256.0, 128.0]], dtype=np.float32)
+    frame = np.zeros((32, 32, 3), dtype=np.uint8)
+    for action in pixels:
+        dataset.add_frame({"observation.image": frame, "observation.state": np.array([200.0, 300.0], dtype=np.float32),
+                           "action": action, "task": ""})  # fmt: skip
+    dataset.save_episode()
+    dataset.finalize()
+    obs, actions, sentences, _ = read_demonstrations(out, config.policy, make_suite(config.env))
+    np.testing.assert_allclose(actions, [[0.5, -0.8], [-1.0, 1.0], [0.0, -0.5]], atol=1e-6, rtol=0)
+    assert sentences == [""] * 3 and obs.state.shape == (3, 2)
