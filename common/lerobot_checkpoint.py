@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.config import ConfigError, RunConfig
+from common.policy.registry import BACKENDS
 
 if TYPE_CHECKING:
     from common.suites import Suite
@@ -135,7 +136,6 @@ def with_checkpoint_features(config: RunConfig, given: set[str]) -> RunConfig:
     every tensor). Without a checkpoint "auto" is left as it is (it reads as "project"), and the cameras and keys are the
     layout's (lerobot's observations fix them) after policy.rename_map. With lerobot's observations, their episode
     limit."""
-    from common.policy.registry import BACKENDS
     from common.suites import make_suite  # a suite's module imports its simulator
 
     if config.policy.type not in BACKENDS:
@@ -202,7 +202,8 @@ def with_checkpoint_features(config: RunConfig, given: set[str]) -> RunConfig:
 def check_features(config: RunConfig, suite: Suite) -> None:
     """The run's starting lerobot checkpoint reads the frames the run's policy gets (policy.image_features(), from the
     cameras the suite gives them from) and a state of the run's width, unless its projection is learnt anew
-    (reinit_state_proj); a ConfigError naming the field and the fix otherwise. Reads the JSON only."""
+    (reinit_state_proj) or it has none (a state written into the prompt); a ConfigError naming the field and the fix
+    otherwise. Reads the JSON only."""
     start = starting_checkpoint(config)
     section = config.policy.vla_section()
     if start is None or section is None:
@@ -216,6 +217,8 @@ def check_features(config: RunConfig, suite: Suite) -> None:
                           f"{policy.image_features()} (policy.cameras {policy.cameras}): leave policy.cameras and policy.image_keys "
                           "unset, or map the env's keys with policy.rename_map")  # fmt: skip
     suite.check_image_keys(policy, suite.tasks()[0])
+    if BACKENDS[policy.type].state_in_prompt:
+        return  # a state written into the prompt as bins has no width a projection fixes (pi0.5)
     if features.state != policy.obs_dim and not getattr(policy, section).reinit_state_proj:
         layout = "" if config.env.lerobot_observations or not suite.lerobot_images else (
             f"; env.observations 'lerobot' gives {suite.lerobot_state_size}")  # fmt: skip

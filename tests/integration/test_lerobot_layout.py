@@ -1,8 +1,9 @@
 """lerobot's own Metaworld, LIBERO and PushT envs beside the project's suites in lerobot's observations (env.observations
 "lerobot"), and what a lerobot checkpoint's features make of a run's config (common.lerobot_checkpoint): the
-observations, the cameras and their keys, the refusal of frames no layout gives with advice that works, and
-smolvla_base's cameras on the GPU recipe through its camera map. The checkpoints here are config files carrying the features; their weights are
-another test's (tests/integration/test_lerobot_round_trip.py)."""
+observations, the cameras and their keys, the refusal of frames no layout gives with advice that works, and the base
+checkpoints' cameras (smolvla_base's, pi0_base's, pi05_base's) on the GPU recipes through their camera maps. The
+checkpoints here are config files carrying the features; their weights are another test's
+(tests/integration/test_lerobot_round_trip.py)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,29 @@ def test_the_gpu_recipe_reads_smolvla_bases_cameras_through_its_camera_map(tmp_p
     unmapped.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ConfigError, match=r"reads observation\.images\.camera1.*policy\.rename_map"):
         load_config(unmapped, paths)
+
+
+@pytest.mark.parametrize(("recipe", "kind"), [("pi0_pick.yaml", "pi0"), ("pi05_pick.yaml", "pi05")])
+def test_the_pi_gpu_recipes_read_their_base_checkpoints_cameras_through_their_camera_maps(tmp_path, recipe, kind):
+    """configs/pi0_pick.yaml and pi05_pick.yaml on stand-ins carrying pi0_base's and pi05_base's features (the cameras
+    observation.images.base_0_rgb, left_wrist_0_rgb and right_wrist_0_rgb at 224 pixels, a 32-element state): their
+    policy.rename_map gives those cameras Metaworld's frames and the run's checks pass; without the map the recipe is
+    refused, naming it."""
+    cameras = {f"observation.images.{name}": 224 for name in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
+    base = lerobot_config(tmp_path / f"{kind}_base", cameras, 32, type=kind, chunk_size=50, max_state_dim=32, max_action_dim=32)
+    paths = [f"policy.pi0.lerobot_checkpoint={base}", f"policy.pi0.tokenizer_path={backbone(tmp_path / 'tokenizer')}"]
+    config = load_config(REPO / "configs" / recipe, paths)
+    assert (config.policy.type, config.policy.image_keys) == (kind, list(cameras))
+    assert config.policy.cameras == ["corner", "gripperPOV", "topview"] and config.env.observations == "project"
+    make_suite(config.env).check(config.policy)
+    from learner.runtime.startup import check_features
+
+    check_features(config, make_suite(config.env))
+    unmapped = yaml.safe_load((REPO / "configs" / recipe).read_text())
+    del unmapped["policy"]["rename_map"]
+    (tmp_path / "unmapped.yaml").write_text(yaml.safe_dump(unmapped))
+    with pytest.raises(ConfigError, match=r"reads observation\.images\.base_0_rgb.*policy\.rename_map"):
+        load_config(tmp_path / "unmapped.yaml", paths)
 
 
 def test_lerobots_libero_env_and_the_suite_give_the_same_state_sentence_scene_and_limit_frames_within_a_bound():
