@@ -306,10 +306,8 @@ class PiFlowPolicy(VLAFlowPolicy):
             images = self.camera_placeholders(obs)
             image_masks = [torch.ones(obs.state.shape[0], dtype=torch.bool, device=obs.state.device) for _ in images]
         else:
-            frames = {
-                f"observation.images.{camera}": obs.images[:, i].permute(0, 3, 1, 2).float() / 255.0
-                for i, camera in enumerate(self.config.cameras)
-            }
+            # under the keys the model reads them by (lerobot's _preprocess_images looks its image features up by name)
+            frames = {key: obs.images[:, i].permute(0, 3, 1, 2).float() / 255.0 for i, key in enumerate(self.config.image_features())}
             images, image_masks = self.vla._preprocess_images(frames)
         if self.is_pi05:
             return [images, image_masks, *((obs.tokens, obs.token_mask) if self.prompt_written else self.pi05_prompt(obs))]
