@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common.file_digests import short_digest
 from common.policy.pi0.config import Pi0Config
 from common.policy.registry import BACKENDS
@@ -135,13 +137,16 @@ class PolicyConfig:
     # checkpoint it loads (the architecture always comes from the checkpoint itself).
     SAMPLING_FIELDS = ("num_steps", "sigma_min", "sigma_max", "init_noise_std", "eval_init_noise_std", "log_prob_normalization")
 
-    def action_units(self) -> tuple[list[float], list[float]]:
-        """(centre, half width) of each action element's env units (action_bounds): an env action is centre + half width *
-        the policy's action in [-1, 1]. (0, 1) per element where action_bounds is empty."""
+    def action_units(self) -> tuple[np.ndarray, np.ndarray]:
+        """(centre, half width), float32, of each action element's env units (action_bounds): an env action is centre +
+        half width * the policy's action in [-1, 1]. (0, 1) per element where action_bounds is empty."""
         if not self.action_bounds:
-            return [0.0] * self.action_dim, [1.0] * self.action_dim
-        lows, highs = self.action_bounds[: self.action_dim], self.action_bounds[self.action_dim :]
-        return [(low + high) / 2 for low, high in zip(lows, highs)], [(high - low) / 2 for low, high in zip(lows, highs)]
+            return np.zeros(self.action_dim, dtype=np.float32), np.ones(self.action_dim, dtype=np.float32)
+        lows, highs = (
+            np.asarray(bounds, dtype=np.float64)
+            for bounds in (self.action_bounds[: self.action_dim], self.action_bounds[self.action_dim :])
+        )
+        return ((lows + highs) / 2).astype(np.float32), ((highs - lows) / 2).astype(np.float32)
 
     def image_features(self) -> list[str]:
         """The lerobot feature of each camera's frame, in the order of `cameras` (image_keys, or

@@ -69,7 +69,7 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
     if out.exists():
         shutil.rmtree(out)
     cameras = [ImageConfig(policy.image_size, policy.image_size, camera) for camera in policy.cameras] if policy.image_size else []
-    centre, half_width = (np.asarray(values, dtype=np.float32) for values in policy.action_units())  # lerobot's: the env's units
+    centre, half_width = policy.action_units()  # lerobot's: the env's units
     fps = suite.lerobot_fps or 30
     dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=out,
                                    robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
@@ -124,6 +124,6 @@ def read_demonstrations(directory: Path, policy: PolicyConfig, suite: Suite) -> 
     if image_keys:
         images = np.stack([np.stack([np.asarray(row[key].convert("RGB")) for key in image_keys]) for row in rows])
     state = np.asarray(rows[STATE_KEY], dtype=np.float32)
-    centre, half_width = (np.asarray(values, dtype=np.float32) for values in policy.action_units())
+    centre, half_width = policy.action_units()
     actions = (np.asarray(rows[ACTION_KEY], dtype=np.float32) - centre) / half_width
     return Observation(state, images), actions, task_sentences, list(rows["episode_index"])

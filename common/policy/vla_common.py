@@ -474,7 +474,7 @@ class VLAFlowPolicy(FlowPolicy):
             "STATE": NormalizationMode[state_mode],
             "ACTION": NormalizationMode.MEAN_STD,
         }
-        centre, half_width = (np.asarray(values, dtype=np.float32) for values in self.config.action_units())  # to the env's units
+        centre, half_width = self.config.action_units()  # to the env's units
         action_mean, action_std = self.action_mean.detach().cpu().numpy(), self.action_std.detach().cpu().numpy()
         action_stats = {"mean": action_mean * half_width + centre, "std": action_std * half_width}
         preprocessor, postprocessor = self.lerobot_processors(vla.config, {OBS_STATE: state_stats, ACTION: action_stats})

@@ -55,8 +55,8 @@ class LerobotGymEnv:
 
 
 # PushT (lerobot's PushtEnv, env.type=pusht): observation type pixels_agent_pos, the pusher's position as the state and
-# the env's own observed frame, which gym_pusht draws at its default 96 pixels (lerobot sets the size of render()'s view
-# alone); 300 steps; gym_pusht describes no task, so lerobot-eval's sentence is empty.
+# the env's own observed frame at gym_pusht's default size (lerobot sets the size of render()'s view alone); gym_pusht
+# describes no task, so lerobot-eval's sentence is empty.
 LEROBOT_ENVS = {
     "gym_pusht/PushT-v0": LerobotGymEnv(kwargs={"obs_type": "pixels_agent_pos"}, state_key="agent_pos", state_size=2,
                                         images={"observation.image": "pixels"}, frame_size=96, fps=10, episode_limit=300,

@@ -9,7 +9,6 @@ import json
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common.config import PretrainConfig, RunConfig, cache_dir
@@ -134,7 +133,7 @@ def lerobot_start_checkpoint(config: RunConfig) -> Path:
         raise CheckpointError(f"{source}: its normaliser's state {state_mean.shape} and action {action_mean.shape} statistics are not the "
                               f"policy's ({config.policy.obs_dim},) and ({config.policy.action_dim},)")  # fmt: skip
     # lerobot's actions are in the env's units, the policy's in [-1, 1] (policy.action_bounds)
-    centre, half_width = (np.asarray(values, dtype=np.float32) for values in config.policy.action_units())
+    centre, half_width = config.policy.action_units()
     action_mean, action_std = (action_mean - centre) / half_width, action_std / half_width
     policy.set_normalization(*(torch.from_numpy(array) for array in (state_mean, state_std, action_mean, action_std)), exact=True)
     log.info(f"[start] fine-tuning the lerobot checkpoint {source} as it is (its model and normalisation; the noise head and "
