@@ -196,6 +196,11 @@ class MetricsRows:
                 log.info(json.dumps(row, indent=1, sort_keys=True))
         self.held_file.unlink(missing_ok=True)  # every row it kept is in the log now
 
+    def completed(self) -> list[dict[str, float]]:
+        """Every completed iteration's row in order, those held for their evaluations included (without them): what a
+        check after an iteration reads, whether or not an evaluation submitted at it has finished."""
+        return self.log.read() + [dict(row) for row, _ in self.held]
+
     def keep_held(self, row: dict[str, float]) -> None:
         """The held rows, without their unfinished evaluations, and `row`, the iteration's not added yet, in
         held_rows.json (replaced whole): called before a checkpoint that passes them, so that a run killed after it still
@@ -263,12 +268,12 @@ class StallWatch:
     def __init__(self, window: int, compare: str = "first"):
         self.window, self.compare, self.named = window, compare, set()
 
-    def check(self, iteration: int, log_file: MetricsLog) -> list[str]:
-        """The tasks named stalled for the first time after `iteration` completed iterations."""
+    def check(self, iteration: int, rows: list[dict[str, float]]) -> list[str]:
+        """The tasks named stalled for the first time after `iteration` completed iterations, whose rows are `rows`."""
         if not self.window or iteration % self.window or iteration < 2 * self.window:
             return []
         named = []
-        for task, stall in stalled_tasks(log_file.read(), self.window, self.compare).items():
+        for task, stall in stalled_tasks(rows, self.window, self.compare).items():
             if task not in self.named:
                 log.info(f"[stall] {describe_stall(task, stall)}")
                 self.named.add(task)

@@ -193,6 +193,27 @@ def test_held_against_the_previous_window_too_a_task_that_moved_and_then_stopped
     assert list(stalled_tasks(flat, 20, "first_or_previous")) == list(stalled_tasks(flat, 20)) == ["pick-out-of-hole-v3"]
 
 
+def test_the_watch_at_an_evaluated_iteration_reads_that_iterations_row_held_for_its_evaluation(tmp_path) -> None:
+    """An evaluated iteration's row waits in MetricsRows until its held-out evaluation finishes, while the watch checks
+    right after the iteration: it judges the windows that end at that iteration, so what it names does not hang on how
+    fast an evaluation runs. A task at 0.30 through iteration 29 that jumps to 1.00 at 30 is still, judged on the log
+    alone (iterations 20-29), and moving on the rows that end at 30 (21-30: 0.37, outside 0.27-0.33)."""
+    import types
+
+    from common.metrics import MetricsLog
+    from learner.runtime.reporting import MetricsRows, StallWatch
+
+    evaluations = types.SimpleNamespace(films=None, finished=lambda evaluation: False)
+    rows = MetricsRows(MetricsLog(tmp_path / "metrics.jsonl"), evaluations, types.SimpleNamespace(export_gauges=lambda row: None),
+                       None, single_batch=False)  # fmt: skip
+    for row in stall_rows({"pick-place-v3": [0.30] * 29 + [1.00]}, episodes=100):
+        rows.add(row, types.SimpleNamespace() if row["iteration"] == 30 else None, wait=False)
+    assert [row["iteration"] for row in rows.log.read()] == list(range(1, 30))  # iteration 30 waits for its evaluation
+    assert [row["iteration"] for row in rows.completed()] == list(range(1, 31))
+    assert StallWatch(10).check(30, rows.log.read()) == ["pick-place-v3"]
+    assert StallWatch(10).check(30, rows.completed()) == []
+
+
 def test_a_stall_named_on_a_window_too_short_to_see_a_slow_move_says_so() -> None:
     """Three first episodes an iteration over 20-iteration windows (60 a window, as a five-task LIBERO run's) leave the
     first window's interval about +-0.12 wide: a task that climbs 0.10 stays inside it and is named, and its line says
