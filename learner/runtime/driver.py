@@ -133,7 +133,7 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                 rows.after_learner_restart(iteration, rollouts.weights_ref)
                 continue
             iteration += 1
-            named = stalls.check(iteration, rows.completed())
+            named = stalls.check(iteration, rows.completed)
             if config.algorithm.stall_demos:
                 stalled.update(dict.fromkeys(named, iteration))
     except BaseException as exc:  # Ctrl-C, SIGTERM, or an unexpected error: keep what the learner has done

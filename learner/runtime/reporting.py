@@ -8,6 +8,7 @@ import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,12 +269,13 @@ class StallWatch:
     def __init__(self, window: int, compare: str = "first"):
         self.window, self.compare, self.named = window, compare, set()
 
-    def check(self, iteration: int, rows: list[dict[str, float]]) -> list[str]:
-        """The tasks named stalled for the first time after `iteration` completed iterations, whose rows are `rows`."""
+    def check(self, iteration: int, completed_rows: Callable[[], list[dict[str, float]]]) -> list[str]:
+        """The tasks named stalled for the first time after `iteration` completed iterations, whose rows
+        `completed_rows()` gives (read only when a window comes round)."""
         if not self.window or iteration % self.window or iteration < 2 * self.window:
             return []
         named = []
-        for task, stall in stalled_tasks(rows, self.window, self.compare).items():
+        for task, stall in stalled_tasks(completed_rows(), self.window, self.compare).items():
             if task not in self.named:
                 log.info(f"[stall] {describe_stall(task, stall)}")
                 self.named.add(task)

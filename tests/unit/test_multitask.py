@@ -210,8 +210,8 @@ def test_the_watch_at_an_evaluated_iteration_reads_that_iterations_row_held_for_
         rows.add(row, types.SimpleNamespace() if row["iteration"] == 30 else None, wait=False)
     assert [row["iteration"] for row in rows.log.read()] == list(range(1, 30))  # iteration 30 waits for its evaluation
     assert [row["iteration"] for row in rows.completed()] == list(range(1, 31))
-    assert StallWatch(10).check(30, rows.log.read()) == ["pick-place-v3"]
-    assert StallWatch(10).check(30, rows.completed()) == []
+    assert StallWatch(10).check(30, rows.log.read) == ["pick-place-v3"]
+    assert StallWatch(10).check(30, rows.completed) == []
 
 
 def test_a_stall_named_on_a_window_too_short_to_see_a_slow_move_says_so() -> None:
