@@ -416,8 +416,9 @@ class AlgorithmConfig:
     # compares the two.
     stale_rollouts: str = "behaviour"
     # A task the run names stalled (stall_window) gets this many scripted demonstrations (the first layouts of
-    # env.demo_benchmark_seed, with pretrain.demo_noise), and every later step that trains the actor adds their
-    # flow-matching loss, times stall_bc_coef, on batches of stall_bc_batch (learner.update.demonstration_term).
+    # env.demo_benchmark_seed, with pretrain.demo_noise and pretrain.successful_demos_only), and every later step
+    # that trains the actor adds their flow-matching loss, times stall_bc_coef, on batches of stall_bc_batch
+    # (learner.update.demonstration_term).
     # 0: a stall is only named.
     stall_demos: int = 0
     stall_bc_coef: float = 1.0
@@ -618,6 +619,10 @@ class PretrainConfig:
     target_success_min: float = 0.2
     target_success_max: float = 0.7
     demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
+    # Clone only the expert's episodes that succeed: the demonstrations are then the first layouts of
+    # env.demo_benchmark_seed on which it succeeds (for algorithm.stall_demos too). false: the first layouts, failed
+    # episodes included (each named in a FailedDemonstrationWarning).
+    successful_demos_only: bool = False
     # A LeRobotDataset directory to clone instead of the scripted expert's demonstrations (python -m learner.dataset writes
     # one; a user's own local one does too): it must hold what the run's policy observes under its keys (frames at
     # policy.image_size, observation.state) and its action, and only the run's task sentences. "": the expert.
@@ -645,6 +650,11 @@ class PretrainConfig:
             f"{path}.num_demos null picks the count from held-out success: {path}.eval_episodes must be >= 20 (100 recommended)",
         )
         require(self.demo_noise >= 0, f"{path}.demo_noise must be >= 0")
+        require(
+            not (self.successful_demos_only and self.dataset),
+            f"{path}.successful_demos_only chooses among the scripted expert's episodes, and {path}.dataset's episodes are cloned as "
+            f"they are: set {path}.successful_demos_only: false",
+        )
         require(self.lr > 0, f"{path}.lr must be > 0")
         require(self.eval_episodes >= 0, f"{path}.eval_episodes must be >= 0")
 

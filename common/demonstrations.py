@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 import numpy as np
 
 from common.suites.base import ImageConfig, Layout, Suite
+from common.validation import ConfigError
+
+
+class FailedDemonstrationWarning(UserWarning):
+    """Behaviour cloning is given scripted episodes that did not succeed: the clone learns the failures too."""
 
 
 @dataclass
@@ -25,6 +31,24 @@ def collect_demonstrations(
 ) -> list[Episode]:
     """One episode of the suite's scripted expert per layout (demonstration_episodes), all of them."""
     return list(demonstration_episodes(suite, task, layouts, action_noise, seed, cameras))
+
+
+def successful_episodes(
+    suite: Suite, task: str, layouts: Sequence[Layout], count: int, action_noise: float, seed: int, cameras: Sequence[ImageConfig] = ()
+) -> Iterator[Episode]:
+    """The first `count` episodes of the suite's scripted expert that succeed, trying `layouts` in order
+    (demonstration_episodes), each as it ends; a ConfigError naming the task once the layouts run out first."""
+    kept = tried = 0
+    with closing(demonstration_episodes(suite, task, layouts, action_noise, seed, cameras)) as episodes:
+        for episode in episodes:
+            tried += 1
+            if episode.success:
+                kept += 1
+                yield episode
+            if kept == count:
+                return
+    raise ConfigError(f"the scripted expert of {task} succeeded on {kept} of the {tried} layouts it was given, fewer than the {count} "
+                      "successful demonstrations asked for: ask for fewer, or set pretrain.successful_demos_only: false")  # fmt: skip
 
 
 def demonstration_episodes(

@@ -4,9 +4,10 @@ lerobot's policies (lerobot-train) and the project's behaviour cloning (pretrain
 A dataset holds what the run's policy observes (env.observations): each camera's frame under its lerobot key
 (policy.image_features(): lerobot's Metaworld layout is one observation.image), observation.state as the policy reads
 it, the executed action, and each episode's task sentence. Frames are stored as images (PNG), not video: what a policy
-trains on is then exactly what the env drew. One episode per demonstration layout (env.demo_benchmark_seed), written
-as it ends, so a dataset of 480-pixel frames never sits in memory whole. Actions are in the env's units, as lerobot's
-policies act (policy.action_bounds; the policy's own are in [-1, 1]).
+trains on is then exactly what the env drew. One episode per demonstration layout (env.demo_benchmark_seed; with
+pretrain.successful_demos_only, per layout on which the expert succeeds), written as it ends, so a dataset of
+480-pixel frames never sits in memory whole. Actions are in the env's units, as lerobot's policies act
+(policy.action_bounds; the policy's own are in [-1, 1]).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, PolicyConfig, RunConfig
-from common.demonstrations import Episode, demonstration_episodes
+from common.demonstrations import Episode, demonstration_episodes, successful_episodes
 from common.observation import Observation
 from common.policy.torchvision_shim import install_cpu_torchvision_shim
 from common.suites import ImageConfig, Suite, make_suite
@@ -52,10 +53,10 @@ def dataset_features(policy: PolicyConfig) -> dict[str, dict[str, Any]]:
 def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite: bool = False,
                          progress: Callable[[str, Episode], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """`episodes` scripted demonstrations of each of the run's tasks, on the first layouts of env.demo_benchmark_seed,
-    with pretrain.demo_noise and pretrain.seed as behaviour cloning draws them, into a new LeRobotDataset at `out`
-    (repo id flowrl/<suite>). Returns what was written. A ConfigError before anything is written when `out` exists
-    (unless `overwrite`), the suite has no expert or fewer layouts, or lerobot is missing; the directory is removed again
-    if writing fails."""
+    with pretrain.demo_noise and pretrain.seed as behaviour cloning draws them (the first that succeed with
+    pretrain.successful_demos_only), into a new LeRobotDataset at `out` (repo id flowrl/<suite>). Returns what was
+    written. A ConfigError before anything is written when `out` exists (unless `overwrite`), the suite has no expert or
+    fewer layouts, or lerobot is missing; the directory is removed again if writing fails (too few successes too)."""
     suite, policy = make_suite(config.env), config.policy
     tasks = suite.tasks()
     if episodes < 1 or episodes > suite.layouts_per_seed:
@@ -76,9 +77,11 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
     written = {"episodes": 0, "frames": 0, "successes": 0}
     try:
         for task in tasks:
-            layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[:episodes]
+            layouts, noise, seed = suite.layouts(task, [config.env.demo_benchmark_seed]), config.pretrain.demo_noise, config.pretrain.seed
             sentence = suite.instruction(task)
-            for episode in demonstration_episodes(suite, task, layouts, config.pretrain.demo_noise, config.pretrain.seed, cameras):
+            recorded = (successful_episodes(suite, task, layouts, episodes, noise, seed, cameras) if config.pretrain.successful_demos_only
+                        else demonstration_episodes(suite, task, layouts[:episodes], noise, seed, cameras))  # fmt: skip
+            for episode in recorded:
                 for t in range(len(episode.actions)):
                     action = (episode.actions[t] * half_width + centre).astype(np.float32)
                     frame = {STATE_KEY: episode.observations[t], ACTION_KEY: action, "task": sentence}

@@ -43,8 +43,9 @@ def bc_cache_key(config: RunConfig) -> str:
     # Fields at the values that behave as before they existed keep the key it was: cached checkpoints stay valid.
     if not relevant["pretrain"].get("task_demos", True):
         del relevant["pretrain"]["task_demos"]
-    if not relevant["pretrain"]["dataset"]:
-        del relevant["pretrain"]["dataset"]
+    for name in ("dataset", "successful_demos_only"):
+        if not relevant["pretrain"][name]:
+            del relevant["pretrain"][name]
     for section, name, unchanged in (("env", "observations", ("auto", "project")), ("env", "render", ("auto", "fast")),
                                      ("policy", "image_keys", ([],)), ("policy", "rename_map", ({},))):  # fmt: skip
         if relevant[section][name] in unchanged:

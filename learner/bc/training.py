@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.config import ConfigError, PretrainConfig, RunConfig
-from common.demonstrations import Episode, collect_demonstrations
+from common.demonstrations import Episode, FailedDemonstrationWarning, collect_demonstrations, successful_episodes
 from common.lerobot_dataset import read_demonstrations
 from common.metrics import success_interval
 from common.observation import Observation
@@ -109,12 +110,23 @@ def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras:
 def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list,
                           counts: dict[str, int]) -> tuple[Observation, Tensor, list[Episode]]:  # fmt: skip
     """counts[task] scripted episodes of each task named (the first layouts of env.demo_benchmark_seed, with
-    pretrain.demo_noise), as demonstrations() gives them."""
+    pretrain.demo_noise; the first that succeed with pretrain.successful_demos_only), as demonstrations() gives them.
+    Failed episodes among them are named in a FailedDemonstrationWarning."""
     cfg, tasks = config.pretrain, list(counts)
     episodes = []
     for task in tasks:
-        demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])[: counts[task]]
-        episodes += collect_demonstrations(suite, task, demo_layouts, cfg.demo_noise, cfg.seed, cameras)
+        demo_layouts = suite.layouts(task, [config.env.demo_benchmark_seed])
+        if cfg.successful_demos_only:
+            episodes += successful_episodes(suite, task, demo_layouts, counts[task], cfg.demo_noise, cfg.seed, cameras)
+            continue
+        task_episodes = collect_demonstrations(suite, task, demo_layouts[: counts[task]], cfg.demo_noise, cfg.seed, cameras)
+        failed = [episode.layout.index for episode in task_episodes if not episode.success]
+        if failed:
+            message = (f"{task}: {len(failed)} of its {len(task_episodes)} scripted demonstrations did not succeed (layouts {failed} "
+                       f"of benchmark seed {config.env.demo_benchmark_seed}) and are cloned as they are; "
+                       "pretrain.successful_demos_only: true keeps the ones that succeed")  # fmt: skip
+            warnings.warn(message, FailedDemonstrationWarning, stacklevel=2)
+        episodes += task_episodes
     tokens = policy.tokenize([suite.instruction(task) for task in tasks])  # one call: every row padded alike
     by_task = None if tokens is None else {task: (tokens[0][[i]], tokens[1][[i]]) for i, task in enumerate(tasks)}
     obs, chunks = demonstration_dataset(episodes, config.policy.chunk_size, by_task)

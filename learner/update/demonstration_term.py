@@ -2,9 +2,10 @@
 
 Once a multi-task run names a task stalled (common.metrics.stalled_tasks, every stall_window iterations), the driver
 hands it to the learner with the iteration from which it counts. That task's scripted demonstrations (the first
-stall_demos layouts of env.demo_benchmark_seed, with pretrain.demo_noise: what behaviour cloning would have trained on
-with that many) then join every optimiser step that trains the actor: a batch of their chunks, the velocity field's
-flow-matching loss on it times algorithm.stall_bc_coef, added to the PPO loss.
+stall_demos layouts of env.demo_benchmark_seed, with pretrain.demo_noise, or the first that succeed with
+pretrain.successful_demos_only: what behaviour cloning would have trained on with that many) then join every
+optimiser step that trains the actor: a batch of their chunks, the velocity field's flow-matching loss on it times
+algorithm.stall_bc_coef, added to the PPO loss.
 
 Why a term and not a new start: a stalled task's never-won training layouts stay never won under the run's clipped
 steps and its sampling noise, while more demonstrations of that task move it (docs/suites.md, "A stalled task,

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.config_loading import load_config
+from common.demonstrations import collect_demonstrations
 from common.flow import sample_chain, transition
 from common.lerobot_dataset import dataset_features, lerobot_dataset_class, read_demonstrations, write_demonstrations
 from common.observation import Observation
@@ -188,3 +189,17 @@ def test_a_lerobot_pusht_dataset_is_read_in_the_policys_action_units(tmp_path):
     obs, actions, sentences, _ = read_demonstrations(out, config.policy, make_suite(config.env))
     np.testing.assert_allclose(actions, [[0.5, -0.8], [-1.0, 1.0], [0.0, -0.5]], atol=1e-6, rtol=0)
     assert sentences == [""] * 3 and obs.state.shape == (3, 2)
+
+
+def test_a_dataset_of_successful_demonstrations_skips_the_layouts_where_the_expert_fails(tmp_path):
+    """push-back's expert, with the demonstrations' noise, fails on layout 5 of benchmark seed 0: six successful
+    demonstrations are layouts 0-4 and 6, every one a success."""
+    config = load_config(overrides=["env.task=push-back-v3", "pretrain.successful_demos_only=true"])
+    written = write_demonstrations(config, tmp_path / "dataset", episodes=6)
+    assert (written["episodes"], written["successes"]) == (6, 6)
+    dataset = lerobot_dataset_class()("flowrl/metaworld", root=tmp_path / "dataset")
+    assert dataset.num_episodes == 6 and dataset.num_frames == written["frames"]
+    suite = make_suite(config.env)
+    episodes = collect_demonstrations(suite, "push-back-v3", suite.layouts("push-back-v3", [0])[:7], 0.1, 0)
+    lengths = [len(episode.actions) for episode in episodes]
+    assert lengths[5] == config.env.max_episode_steps and written["frames"] == sum(lengths) - lengths[5]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import ConfigError
 from common.demonstrations import Episode
-from common.policy import FlowPolicy
+from common.policy import FlowPolicy, build_policy
 from common.suites import Layout
 from learner.bc.starting_checkpoint import bc_cache_key, ensure_bc_checkpoint
 from learner.bc.training import REPORT_FILE, chunk_dataset, demo_counts, pretrain
@@ -116,3 +117,38 @@ def test_a_multi_task_run_raises_each_tasks_count_from_the_fewest_until_it_reach
     assert len(resolved) == len(pretrain_module.TASK_DEMO_LADDER) and chosen == tmp_path / f"bc{len(resolved)}"
     (warning,) = [str(w.message) for w in caught if "outside" in str(w.message)]
     assert warning.split(" for ", 1)[1].startswith("push-v3 0.90 at 1 demos, pick-place-v3 0.00 at 50 demos. Set")
+
+
+def test_failed_demonstrations_are_named_and_successful_demos_only_clones_the_first_that_succeed(tmp_path) -> None:
+    """push-back's scripted expert, with the demonstrations' noise, fails on layouts 5 and 7 of benchmark seed 0: cloning
+    the first eight names both; successful_demos_only takes the first eight that succeed, the same episodes where they
+    coincide, and asking for more successes than the layouts hold is refused naming the task."""
+    import warnings as warnings_module
+
+    from common.demonstrations import FailedDemonstrationWarning, successful_episodes
+    from common.suites import make_suite
+    from learner.bc.training import expert_demonstrations
+
+    episodes = {"env.task": "push-back-v3", "env.max_episode_steps": 200, "pretrain.num_demos": 8}  # the default episode limit
+    config = tiny_config(tmp_path, **episodes)
+    suite, policy = make_suite(config.env), build_policy(config.policy)
+    failed = r"push-back-v3: 2 of its 8 scripted demonstrations did not succeed \(layouts \[5, 7\]"
+    with pytest.warns(FailedDemonstrationWarning, match=failed):
+        _, _, all_eight = expert_demonstrations(config, suite, policy, [], {"push-back-v3": 8})
+    assert [episode.success for episode in all_eight] == [True] * 5 + [False, True, False]
+
+    kept_config = tiny_config(tmp_path, **episodes, **{"pretrain.successful_demos_only": True})
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error", FailedDemonstrationWarning)
+        _, _, kept = expert_demonstrations(kept_config, suite, policy, [], {"push-back-v3": 8})
+    assert all(episode.success for episode in kept) and [episode.layout.index for episode in kept][:6] == [0, 1, 2, 3, 4, 6]
+    for episode, same in zip(kept[:6], [all_eight[i] for i in (0, 1, 2, 3, 4, 6)], strict=True):
+        np.testing.assert_array_equal(episode.actions, same.actions)
+    with pytest.raises(ConfigError, match=r"expert of push-back-v3 succeeded on 6 of the 8 layouts it was given, fewer than the 7"):
+        list(successful_episodes(suite, "push-back-v3", suite.layouts("push-back-v3", [0])[:8], 7, 0.1, 0))
+
+
+def test_successful_demos_only_is_refused_beside_a_dataset_and_is_part_of_the_cache_key(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"pretrain\.successful_demos_only chooses among the scripted expert's episodes.*: set "):
+        tiny_config(tmp_path, **{"pretrain.dataset": str(tmp_path), "pretrain.successful_demos_only": True})
+    assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.successful_demos_only": True})) != bc_cache_key(tiny_config(tmp_path))
