@@ -9,6 +9,7 @@ import dataclasses
 import json
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -107,11 +108,12 @@ def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras:
     return expert_demonstrations(config, suite, policy, cameras, demo_counts(config.pretrain, suite.tasks()))
 
 
-def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list,
-                          counts: dict[str, int]) -> tuple[Observation, Tensor, list[Episode]]:  # fmt: skip
+def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list, counts: dict[str, int],
+                          warn_failed: Collection[str] | None = None) -> tuple[Observation, Tensor, list[Episode]]:  # fmt: skip
     """counts[task] scripted episodes of each task named (the first layouts of env.demo_benchmark_seed, with
     pretrain.demo_noise; the first that succeed with pretrain.successful_demos_only), as demonstrations() gives them.
-    Failed episodes among them are named in a FailedDemonstrationWarning."""
+    Failed episodes among them are named in a FailedDemonstrationWarning, for the tasks in `warn_failed` only where it
+    is given (a caller collecting tasks again whose failures it has named already)."""
     cfg, tasks = config.pretrain, list(counts)
     episodes = []
     for task in tasks:
@@ -121,7 +123,7 @@ def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, c
             continue
         task_episodes = collect_demonstrations(suite, task, demo_layouts[: counts[task]], cfg.demo_noise, cfg.seed, cameras)
         failed = [episode.layout.index for episode in task_episodes if not episode.success]
-        if failed:
+        if failed and (warn_failed is None or task in warn_failed):
             message = (f"{task}: {len(failed)} of its {len(task_episodes)} scripted demonstrations did not succeed (layouts {failed} "
                        f"of benchmark seed {config.env.demo_benchmark_seed}) and are cloned as they are; "
                        "pretrain.successful_demos_only: true keeps the ones that succeed")  # fmt: skip

@@ -121,8 +121,9 @@ def test_a_multi_task_run_raises_each_tasks_count_from_the_fewest_until_it_reach
 
 def test_failed_demonstrations_are_named_and_successful_demos_only_clones_the_first_that_succeed(tmp_path) -> None:
     """push-back's scripted expert, with the demonstrations' noise, fails on layouts 5 and 7 of benchmark seed 0: cloning
-    the first eight names both; successful_demos_only takes the first eight that succeed, the same episodes where they
-    coincide, and asking for more successes than the layouts hold is refused naming the task."""
+    the first eight names both (unless push-back is left out of warn_failed); successful_demos_only takes the first
+    eight that succeed, the same episodes where they coincide, and asking for more successes than the layouts hold is
+    refused naming the task."""
     import warnings as warnings_module
 
     from common.demonstrations import FailedDemonstrationWarning, successful_episodes
@@ -136,6 +137,10 @@ def test_failed_demonstrations_are_named_and_successful_demos_only_clones_the_fi
     with pytest.warns(FailedDemonstrationWarning, match=failed):
         _, _, all_eight = expert_demonstrations(config, suite, policy, [], {"push-back-v3": 8})
     assert [episode.success for episode in all_eight] == [True] * 5 + [False, True, False]
+    with warnings_module.catch_warnings():  # a caller collecting push-back again after naming its failures
+        warnings_module.simplefilter("error", FailedDemonstrationWarning)
+        _, _, again = expert_demonstrations(config, suite, policy, [], {"push-back-v3": 8}, warn_failed=[])
+    assert [episode.success for episode in again] == [episode.success for episode in all_eight]
 
     kept_config = tiny_config(tmp_path, **episodes, **{"pretrain.successful_demos_only": True})
     with warnings_module.catch_warnings():
