@@ -318,8 +318,9 @@ class ActorFaultsConfig:
     """What happens when a rollout actor dies or wedges."""
 
     max_restarts: int = 3  # per actor: a dead or wedged actor is restarted and its call retried this many times
-    # Seconds one sample/evaluate call may take before its actor counts as wedged: it is killed, restarted and
-    # the call retried. A restarted actor's start-up gets as long again, apart from the retried call (a SmolVLA
+    # Seconds one rollout, or one group of held-out episodes (envs_per_actor of a task, run together), may take before
+    # its actor counts as wedged: it is killed, restarted and the call retried. An evaluate call gets it once per
+    # group its share holds. A restarted actor's start-up gets as long again, apart from the retried call (a SmolVLA
     # actor on CPU needs minutes per rollout: raise it there).
     call_timeout_s: float = 900.0
     # Actors whose restarts are exhausted are dropped with a warning; below this many the run stops.

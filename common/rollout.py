@@ -171,6 +171,12 @@ def task_positions(layouts: Sequence[Layout]) -> dict[str, list[int]]:
     return positions
 
 
+def episode_groups(layouts: Sequence[Layout], num_envs: int) -> int:
+    """How many groups of episodes an actor runs held-out `layouts` in (evaluate_layouts, task by task, `num_envs` at a
+    time): the units of work of one evaluate() call."""
+    return sum(-(-len(positions) // num_envs) for positions in task_positions(layouts).values())
+
+
 def instruction_tokens(policy: FlowPolicy, envs: Sequence[SuiteEnv]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Each env's instruction tokenized by the policy, once per env (it never changes): ids (N, L) int64
     and mask (N, L) bool, or (None, None) for a policy that reads no language."""

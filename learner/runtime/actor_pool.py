@@ -1,7 +1,9 @@
 """The rollout actors as one pool: every call has a deadline, and a dead or wedged actor is restarted and asked again.
 
 A rollout actor that dies, or wedges (no answer within actors.faults.call_timeout_s; it is killed), is restarted by Ray
-(actors.faults.max_restarts) and its call retried with the same arguments. A restarted actor's start-up has a deadline of its
+(actors.faults.max_restarts) and its call retried with the same arguments. A call that holds several bounded pieces of
+work has the deadline once per piece: a held-out evaluation once per group of episodes the actor runs together, so a
+long evaluation on a slow machine is not taken for a wedged actor. A restarted actor's start-up has a deadline of its
 own (actors.faults.call_timeout_s again), so the retried call's allowance is the call's alone. A rollout is a pure function of (weights, run
 seed, iteration, actor index), so the retry yields exactly the samples the dead attempt would have: its partial work
 never reaches the learner, nothing is lost or counted twice. With its restarts spent the actor is dropped with a
@@ -23,6 +25,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, OwnerDiedError, RayA
 
 from common.config import RunConfig
 from common.console import log
+from common.rollout import episode_groups
 from learner.runtime.failures import ActorsExhaustedError, LearnerDiedError
 
 # How often a restarted actor that has not answered is sent a no-op call. Ray numbers an actor's calls and a restarted
@@ -40,6 +43,7 @@ class PendingCall:
     num_returns: int
     refs: dict[int, list[ray.ObjectRef]]  # the current attempt's result refs, by actor index
     retried: set[int] = field(default_factory=set)
+    allowances: dict[int, int] = field(default_factory=dict)  # actor index -> deadlines its call has (absent: one)
 
 
 class ActorPool:
@@ -65,16 +69,17 @@ class ActorPool:
         self.pids = dict(zip(indices, ray.get([self.actors[index].pid.remote() for index in indices]), strict=True))
 
     def call(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
-             num_returns: int = 1) -> dict[int, list[ray.ObjectRef]]:  # fmt: skip
+             num_returns: int = 1, allowances: dict[int, int] | None = None) -> dict[int, list[ray.ObjectRef]]:  # fmt: skip
         """`method(*args_for(index))` on the live actors (or those of `indices`); returns the result refs of each call
         that succeeded, by actor index. A call's first result must be small: the driver fetches it to learn whether
-        the call succeeded (a receipt), and leaves any other result in the object store."""
-        return self.collect(self.submit(method, args_for, indices, num_returns))
+        the call succeeded (a receipt), and leaves any other result in the object store. `allowances`: how many times
+        actors.faults.call_timeout_s an actor's call may take, by actor index (absent: once)."""
+        return self.collect(self.submit(method, args_for, indices, num_returns, allowances))
 
     def submit(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
-               num_returns: int = 1) -> PendingCall:  # fmt: skip
+               num_returns: int = 1, allowances: dict[int, int] | None = None) -> PendingCall:  # fmt: skip
         """Start `call` without waiting: the actors queue it behind the calls they already have."""
-        call = PendingCall(method, args_for, num_returns, {})
+        call = PendingCall(method, args_for, num_returns, {}, allowances=dict(allowances or {}))
         for index in self.actors if indices is None else indices:
             self._attempt(call, index)
         return call
@@ -93,6 +98,10 @@ class ActorPool:
         nudged: dict[int, float] = {}  # retried actors, by index: when they were last sent a call (NUDGE_INTERVAL_S)
         done: dict[int, list[ray.ObjectRef]] = {}
         retried = call.retried
+
+        def deadline(index: int) -> float:
+            """A restarting actor's start-up has one call_timeout_s; its call has its allowances' worth."""
+            return timeout if index in starting else timeout * call.allowances.get(index, 1)
 
         def retry(index: int) -> None:
             """Ask the (restarting) actor again: its start-up, then the call, each within the deadline."""
@@ -113,7 +122,7 @@ class ActorPool:
         while pending:
             nudge_restarted()
             receipts = {refs[0]: index for index, refs in pending.items()} | {ref: index for index, ref in starting.items()}
-            wait = max(0.0, min(since[index] for index in pending) + timeout - time.monotonic())
+            wait = max(0.0, min(since[index] + deadline(index) for index in pending) - time.monotonic())
             if set(pending) & set(nudged):
                 wait = min(wait, NUDGE_INTERVAL_S)
             # All answers at once (then handled in actor order), but a restarted actor's start-up as soon as it is up
@@ -147,9 +156,10 @@ class ActorPool:
                         self._note_process(index, receipt["pid"], call.method)
                     if index in retried and isinstance(receipt, dict):
                         self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
-                elif time.monotonic() - since[index] >= timeout:  # wedged: kill it, Ray restarts it, ask again
+                elif time.monotonic() - since[index] >= deadline(index):  # wedged: kill it, Ray restarts it, ask again
                     what = "its restart" if index in starting else call.method
-                    log.info(f"[fault] rollout actor {index} wedged (no answer to {what} within actors.faults.call_timeout_s="
+                    times = "" if deadline(index) == timeout else f"{call.allowances[index]} x "
+                    log.info(f"[fault] rollout actor {index} wedged (no answer to {what} within {times}actors.faults.call_timeout_s="
                              f"{timeout:g}s): killing it")  # fmt: skip
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
@@ -208,7 +218,8 @@ class ActorPool:
         todo = np.arange(len(eval_layouts)) if todo is None else todo
         shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
         layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
-        call = self.submit("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares)
+        groups = {index: episode_groups(layouts, self.cfg.envs_per_actor) for index, layouts in layouts_of.items()}
+        call = self.submit("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares, allowances=groups)
         return PendingEvaluation(call, shares, weights_ref, eval_layouts, np.zeros(len(eval_layouts), dtype=bool), set())
 
     def collect_evaluate(self, pending: PendingEvaluation) -> tuple[np.ndarray, set[int]]:

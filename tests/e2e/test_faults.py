@@ -78,6 +78,19 @@ def test_a_restarted_actors_start_up_and_its_call_each_have_the_whole_deadline(t
     assert pool.restarts == {0: 1} and pool.faults["faults/actor_timeouts"] == 0
 
 
+def test_a_call_of_several_pieces_of_work_has_the_deadline_once_per_piece(tmp_path) -> None:
+    """A 3 s call under a 2 s deadline: given two deadlines (a held-out evaluation of two groups of episodes) it is
+    answered and never timed out; given one, it is taken for a wedged actor and killed."""
+    pool = pool_of(tmp_path / "a", ["slow"], seconds=3.0, call_timeout_s=2)
+    results = pool.call("work", lambda i: (5,), allowances={0: 2})
+    assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 5}
+    assert pool.faults["faults/actor_timeouts"] == 0 and pool.restarts == {0: 0}
+    once = pool_of(tmp_path / "b", ["slow"], seconds=3.0, call_timeout_s=2, max_restarts=0)
+    with pytest.raises(ActorsExhaustedError, match="rollout actor 0 died"):
+        once.call("work", lambda i: (5,))
+    assert once.faults["faults/actor_timeouts"] == 1
+
+
 def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path) -> None:
     pool = pool_of(tmp_path / "a", ["die", "ok"], max_restarts=0)
     dropped = r"rollout actor 0 died \(ActorDiedError\) with its 0 restarts spent .*: dropped; training goes on with the 1 left"

@@ -11,7 +11,8 @@ from pathlib import Path
 class Flaky:
     """Its first call dies (process exit) or hangs (sleeps for an hour), as `mode` says; after a restart it answers.
     Mode "slow_restart": the first call dies, and the restarted actor takes `seconds` to start, then `seconds` to answer
-    each call (a VLA actor reloading its model, then sampling)."""
+    each call (a VLA actor reloading its model, then sampling). Mode "slow": every call takes `seconds`, none fails (a
+    long held-out evaluation on a slow machine)."""
 
     def __init__(self, marker: str, mode: str, seconds: float = 0.0):
         self.marker, self.mode, self.seconds = Path(marker), mode, seconds
@@ -22,12 +23,12 @@ class Flaky:
         return os.getpid()
 
     def work(self, value: int) -> dict[str, int]:
-        if self.mode != "ok" and not self.marker.exists():
+        if self.mode in ("die", "hang", "slow_restart") and not self.marker.exists():
             self.marker.touch()
             if self.mode in ("die", "slow_restart"):
                 os._exit(1)
             time.sleep(3600)
-        if self.mode == "slow_restart":
+        if self.mode in ("slow_restart", "slow"):
             time.sleep(self.seconds)
         return {"env_steps": value, "pid": os.getpid()}
 

@@ -18,7 +18,7 @@ from actors.rollout_actor import RolloutActor
 from common.config import EnvConfig
 from common.policy import FlowPolicy
 from common.recording import filmed_slots, record_layouts, save_evaluation_videos
-from common.rollout import evaluate_layouts
+from common.rollout import episode_groups, evaluate_layouts
 from common.suites.metaworld import FilmedTaskEnv, ImageConfig, MetaworldSuite, MetaworldTaskEnv
 from learner import replay
 from learner.files.checkpoints import TRAINER_STATE_FILE
@@ -64,6 +64,7 @@ def test_filmed_episodes_are_the_evaluated_ones_step_for_step(tmp_path, bc_check
     plain = [TracedEnv(env.task, env.max_episode_steps, env.stop_on_success, env.reward, layout=held_out[0]) for _ in range(2)]
     successes = evaluate_layouts(policy, plain, held_out)
     traces = {layout: trace for e in plain for layout, trace in e.traces.items()}
+    assert len(plain[0].traces) == episode_groups(held_out, len(plain)) == 3  # each group of two resets the first env once
 
     def filmed(slots):
         return {k: TracedFilmedEnv(env, env.task, [], ImageConfig(40, 40, "corner4"), held_out[0]) for k in slots}

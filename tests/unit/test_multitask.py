@@ -11,8 +11,8 @@ import pytest
 from common.config import ConfigError, EnvConfig, PolicyConfig
 from common.config_loading import load_config
 from common.metrics import counts_interval, describe_stall, stalled_tasks, task_key, why_inside
-from common.rollout import env_tasks, group_tasks
-from common.suites import make_suite
+from common.rollout import env_tasks, episode_groups, group_tasks
+from common.suites import Layout, make_suite
 from common.suites.metaworld import TASK_SETS, TASKS
 from learner.runtime.monitoring import GaugeExporter
 from learner.runtime.startup import preflight
@@ -63,6 +63,14 @@ def test_weighted_tasks_get_envs_in_proportion_at_least_one_each_and_interleaved
         assert dealt.count("hard-b") > 3 * dealt.count("solved-a") - 3
     with pytest.raises(ValueError, match="4 env groups cannot sample 5 tasks"):
         group_tasks(tasks, 4)
+
+
+def test_an_actors_held_out_share_runs_in_groups_of_its_envs_task_by_task() -> None:
+    """What an evaluate() call's deadline is counted in (actors.faults.call_timeout_s once per group): an actor's share
+    of an MT10 evaluation holds tasks interleaved, and each task's layouts run in groups of the actor's envs."""
+    share = [Layout("reach-v3", 1, i) for i in range(5)] + [Layout("push-v3", 1, i) for i in range(3)] + [Layout("reach-v3", 6, 0)]
+    assert episode_groups(share, 4) == 2 + 1  # reach-v3: 6 layouts in two groups of 4; push-v3: 3 in one
+    assert episode_groups(share, 1) == len(share) and episode_groups(share[:4], 4) == 1 and episode_groups([], 4) == 0
 
 
 def test_a_run_whose_envs_do_not_divide_among_the_tasks_is_refused(tmp_path) -> None:
