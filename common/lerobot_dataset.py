@@ -12,8 +12,11 @@ pretrain.successful_demos_only, per layout on which the expert succeeds), writte
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +59,8 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
     with pretrain.demo_noise and pretrain.seed as behaviour cloning draws them (the first that succeed with
     pretrain.successful_demos_only), into a new LeRobotDataset at `out` (repo id flowrl/<suite>). Returns what was
     written. A ConfigError before anything is written when `out` exists (unless `overwrite`), the suite has no expert or
-    fewer layouts, or lerobot is missing; the directory is removed again if writing fails (too few successes too)."""
+    fewer layouts, or lerobot is missing. The dataset is written beside `out` and put in its place once whole: a
+    failed or stopped write (too few successes too) leaves `out` as it was."""
     suite, policy = make_suite(config.env), config.policy
     tasks = suite.tasks()
     if episodes < 1 or episodes > suite.layouts_per_seed:
@@ -66,16 +70,19 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
         raise ConfigError(f"{suite.name} has no scripted expert for {missing}: no demonstrations to write")
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists: choose another directory, or pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory: --overwrite replaces a dataset directory only")
     dataset_class = lerobot_dataset_class()
-    if out.exists():
-        shutil.rmtree(out)
+    # Written beside `out` and swapped in whole: a write that fails or is stopped leaves `out` as it was.
+    tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)
     cameras = [ImageConfig(policy.image_size, policy.image_size, camera) for camera in policy.cameras] if policy.image_size else []
     centre, half_width = policy.action_units()  # lerobot's: the env's units
     fps = suite.lerobot_fps or 30
-    dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=out,
-                                   robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
     written = {"episodes": 0, "frames": 0, "successes": 0}
     try:
+        dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=tmp,
+                                       robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
         for task in tasks:
             layouts, noise, seed = suite.layouts(task, [config.env.demo_benchmark_seed]), config.pretrain.demo_noise, config.pretrain.seed
             sentence = suite.instruction(task)
@@ -96,32 +103,88 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
                     progress(task, episode)
         dataset.finalize()
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return {**written, "fps": fps, "features": sorted(dataset_features(policy)), "tasks": tasks}
+
+
+def check_dataset(directory: Path, policy: PolicyConfig, suite: Suite) -> None:
+    """A ConfigError naming the file and the fix unless `directory` is a LeRobotDataset on this machine that holds what
+    `policy` reads (its keys, widths and frame size) for the run's tasks, read from its meta/ files alone: before any
+    work starts, and before lerobot, which would look for a directory it cannot read on the model hub."""
+    what = f"pretrain.dataset {directory}"
+    if not directory.exists():
+        raise ConfigError(f"{what} does not exist: give the directory `python -m learner.dataset --out` or lerobot wrote (a local "
+                          "path; datasets are never downloaded)")  # fmt: skip
+    info_file = directory / "meta" / "info.json"
+    if not directory.is_dir() or not info_file.is_file():
+        kind = "is a file" if not directory.is_dir() else "is empty" if not any(directory.iterdir()) else "has no meta/info.json"
+        raise ConfigError(f"{what} {kind}, not a LeRobotDataset directory: give the directory `python -m learner.dataset --out` wrote")
+    import pandas  # ray[tune]'s, as pyarrow
+    from pyarrow import ArrowException
+
+    try:
+        info = json.loads(info_file.read_text())
+        features, episodes, data_path = info["features"], int(info["total_episodes"]), str(info["data_path"])
+        tasks = set(pandas.read_parquet(directory / "meta" / "tasks.parquet").index)
+    except (OSError, ValueError, KeyError, TypeError, ArrowException) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{what}: its meta/ files are corrupt or incomplete ({type(exc).__name__}: {exc}): "
+                          "write the dataset again") from None  # fmt: skip
+    for key, feature in dataset_features(policy).items():
+        found = features.get(key)
+        shape = None if not isinstance(found, dict) else tuple(found.get("shape", ()))
+        if shape != tuple(feature["shape"]):
+            raise ConfigError(f"{what}: {key} is {shape or 'missing'}, the policy reads {tuple(feature['shape'])} "
+                              f"(its features: {sorted(features)})")  # fmt: skip
+    sentences = {suite.instruction(task) for task in suite.tasks()}
+    if tasks - sentences:
+        raise ConfigError(f"{what} holds the tasks {sorted(tasks - sentences)}, which are not the run's {sorted(sentences)} "
+                          "(env.task, env.observations)")  # fmt: skip
+    first_file = directory / data_path.format(chunk_index=0, file_index=0)
+    if episodes < 1 or not first_file.is_file():
+        raise ConfigError(f"{what} holds no episodes ({'total_episodes 0' if episodes < 1 else f'{first_file} is missing'}): "
+                          "write the dataset again")  # fmt: skip
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """lerobot's dataset API with every request to the model hub refused, as a ConfigError: a dataset is read from its
+    directory alone (lerobot fetches what it does not find there)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        yield
+    except OfflineModeIsEnabled as exc:
+        raise ConfigError(f"lerobot found the dataset incomplete and asked the model hub for the rest, which a run never does "
+                          f"({exc})") from None  # fmt: skip
+    finally:
+        constants.HF_HUB_OFFLINE = offline
 
 
 def read_demonstrations(directory: Path, policy: PolicyConfig, suite: Suite) -> tuple[Observation, np.ndarray, list[str], list[int]]:
     """A LeRobotDataset's frames as behaviour cloning reads them: the observations (frames under the policy's keys,
     uint8; the state), the (M, A) actions, each row's task sentence, and each row's episode. A ConfigError naming the
-    feature when the dataset does not hold what the policy reads (its keys, widths and frame size), or a sentence
-    the run's tasks do not have."""
-    dataset = lerobot_dataset_class()("flowrl/local", root=directory)
-    expected = dataset_features(policy)
-    for key, feature in expected.items():
-        found = dataset.meta.features.get(key)
-        shape = None if found is None else tuple(found["shape"])
-        if shape != tuple(feature["shape"]):
-            raise ConfigError(f"pretrain.dataset {directory}: {key} is {shape or 'missing'}, the policy reads {tuple(feature['shape'])} "
-                              f"(its features: {sorted(dataset.meta.features)})")  # fmt: skip
-    sentences = {suite.instruction(task) for task in suite.tasks()}
+    feature when the dataset does not hold what the policy reads (check_dataset), and one when lerobot cannot read
+    it from its directory."""
+    check_dataset(directory, policy, suite)
+    dataset_class = lerobot_dataset_class()
+    try:
+        with hub_offline():
+            dataset = dataset_class("flowrl/local", root=directory)
+    except ConfigError as exc:
+        raise ConfigError(f"pretrain.dataset {directory}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - lerobot's own errors for a dataset it cannot read, as one line
+        raise ConfigError(f"pretrain.dataset {directory}: lerobot cannot read it ({type(exc).__name__}: {exc}): "
+                          "write the dataset again") from None  # fmt: skip
     rows = dataset.hf_dataset.with_format(None)
     tasks = list(dataset.meta.tasks.index)
     task_sentences = [tasks[index] for index in rows["task_index"]]
-    strangers = sorted(set(task_sentences) - sentences)
-    if strangers:
-        raise ConfigError(f"pretrain.dataset {directory} holds the tasks {strangers}, which are not the run's {sorted(sentences)} "
-                          "(env.task, env.observations)")  # fmt: skip
     image_keys = policy.image_features() if policy.image_size else []
     images = None
     if image_keys:

@@ -81,7 +81,8 @@ def write_directory_atomically(directory: str | Path, write: Callable[[Path], No
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         write(tmp)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        # A copied checkpoint brings its own listing, which cannot list itself: it is written anew from the files.
+        files = sorted(p for p in tmp.rglob("*") if p.is_file() and p != tmp / CHECKSUMS_FILE)
         checksums = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
         (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True))
         for path in [*files, tmp / CHECKSUMS_FILE, *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:

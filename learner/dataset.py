@@ -6,7 +6,7 @@ Writes what the run's policy observes (env.observations: lerobot's Metaworld lay
 a 4-element observation.state and lerobot's sentence), the executed action, one episode per layout of
 env.demo_benchmark_seed, with lerobot's dataset API: `lerobot-train --dataset.root=<out>` trains on it as on any
 LeRobotDataset (docs/lerobot.md), and `pretrain.dataset: <out>` makes it the project's behaviour-cloning data. Bad input
-is one line on stderr and exit status 2, before anything is written.
+is one line on stderr and exit status 2, before anything is written; a stopped or failed write leaves no directory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from common.config import ConfigError
 from common.config_loading import load_config
 from common.console import log
 from common.lerobot_dataset import write_demonstrations
+from learner.command_shell import run_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,20 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=50, help="demonstrations per task (default 50: every layout of the seed)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
+    return run_command("python -m learner.dataset", lambda: write_dataset(args))
+
+
+def write_dataset(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     def progress(task: str, episode) -> None:
         log.info(f"[dataset] {task} layout {episode.layout.benchmark_seed}-{episode.layout.index:02d}: {len(episode.actions)} frames, "
                  f"{'success' if episode.success else 'no success'} ({time.perf_counter() - start:.0f}s)")  # fmt: skip
 
-    try:
-        config = load_config(args.config, args.set)
-        if not args.out.strip():
-            raise ConfigError("--out is empty: name the dataset directory")
-        written = write_demonstrations(config, Path(args.out), args.episodes, args.overwrite, progress)
-    except ConfigError as exc:
-        log.error(f"error: {exc}")
-        return 2
+    config = load_config(args.config, args.set)
+    if not args.out.strip():
+        raise ConfigError("--out is empty: name the dataset directory")
+    written = write_demonstrations(config, Path(args.out), args.episodes, args.overwrite, progress)
     log.info(f"[dataset] {written['episodes']} episodes ({written['successes']} successes), {written['frames']} frames at "
              f"{written['fps']} fps, features {written['features']}: {args.out} in {time.perf_counter() - start:.0f}s")  # fmt: skip
     return 0

@@ -43,9 +43,9 @@ from common.console import log
 from common.metrics import success_interval
 from common.storage import write_file_atomically
 from common.suites import Layout, make_suite
+from learner.command_shell import input_checks, run_command
 from learner.files.run_dir import RUN_CONFIG_FILE, policy_directory
 
-EXIT_BAD_INPUT = 2
 DIAGNOSIS_FILE = "diagnosis.json"
 LAYOUT_SETS = ("training", "held-out")
 MODES = ("deterministic", "noisy")
@@ -94,17 +94,20 @@ def diagnosis_layouts(config: RunConfig, episodes: int, seed: int) -> dict[str, 
 
 
 def check_input(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Path], dict[str, list[Layout]]]:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (noisy episodes per training layout), got {args.repeats}")
     run_dir = Path(args.run_dir)
     config_file = run_dir / RUN_CONFIG_FILE
     if not config_file.is_file():
         raise ValueError(f"{run_dir} is not a run directory: it has no {RUN_CONFIG_FILE}")
-    config = from_dict(RunConfig, json.loads(config_file.read_text()))
+    try:
+        config = from_dict(RunConfig, json.loads(config_file.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc}): the run's record is corrupt") from None
     config.validate()
     start = policy_directory(Path(args.start)) if args.start else starting_checkpoint(run_dir)
     end = policy_directory(Path(args.checkpoint) if args.checkpoint else run_dir)
     episodes = config.eval_episodes if args.episodes is None else args.episodes
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1 (noisy episodes per training layout), got {args.repeats}")
     return config, {"start": start, "end": end}, diagnosis_layouts(config, episodes, args.seed)
 
 
@@ -169,13 +172,9 @@ def markdown(diagnosis: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
+def diagnose(args: argparse.Namespace) -> int:
+    with input_checks():
         config, checkpoints, layouts = check_input(args)
-    except (ValueError, OSError, KeyError) as exc:  # ConfigError is a ValueError
-        log.error(f"python -m learner.diagnose: error: {exc}")
-        return EXIT_BAD_INPUT
     episodes = len(layouts["held-out"]) // len(make_suite(config.env).tasks())
     log.error(f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
               f"episodes per task each (the noisy training cell {args.repeats} times); one process per checkpoint")  # fmt: skip
@@ -197,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     write_file_atomically(Path(args.run_dir) / DIAGNOSIS_FILE, json.dumps(report, indent=2))
     log.info(markdown(diagnosis))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_command("python -m learner.diagnose", lambda: diagnose(args))
 
 
 if __name__ == "__main__":

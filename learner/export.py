@@ -24,21 +24,12 @@ from pathlib import Path
 
 from common.console import log
 from common.metrics import MetricsLog
-from common.policy import (
-    CHECKSUMS_FILE,
-    OBS_CLIP,
-    CheckpointError,
-    CheckpointWriteError,
-    FlowPolicy,
-    read_policy_config,
-    write_directory_atomically,
-)
+from common.policy import CHECKSUMS_FILE, OBS_CLIP, FlowPolicy, read_policy_config, write_directory_atomically
 from common.policy.registry import BACKENDS
 from common.policy.torchvision_shim import plain_import_advice, plain_import_fails
 from common.validation import require_hub_id
+from learner.command_shell import input_checks, run_command
 from learner.files.run_dir import policy_directory
-
-EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,26 +113,18 @@ def how_to_load(out: Path, policy: FlowPolicy) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     groups: dict[str, list[str]] = {}
     with contextlib.redirect_stdout(sys.stderr):  # lerobot's progress messages; stdout carries the summary alone
-        try:
+        with input_checks():
             if args.hub_id is not None:
                 require_hub_id(args.hub_id, "--hub-id")
             checkpoint = policy_directory(Path(args.checkpoint))
             check_out(out, checkpoint, args.overwrite)
             policy = load(checkpoint)
             hub_id = args.hub_id or policy.lerobot_hub_id()
-        except (ValueError, OSError, ImportError, CheckpointError) as exc:  # ConfigError is a ValueError
-            log.error(f"python -m learner.export: error: {exc}")
-            return EXIT_BAD_INPUT
-        try:
-            write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp, hub_id)))
-        except CheckpointWriteError as exc:  # a full disk or an unwritable directory: nothing was left at --out
-            log.error(f"python -m learner.export: error: {exc}")
-            return 1
+        write_directory_atomically(out, lambda tmp: groups.update(policy.to_lerobot(tmp, hub_id)))
     log.info(f"wrote a lerobot {policy.lerobot_type} checkpoint of {checkpoint} to {out}:")
     for what, names in {**groups, "sha256 of every file": [CHECKSUMS_FILE]}.items():
         log.info(f"  {', '.join(names)}: {what}")
@@ -155,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     if plain_import_fails():
         log.info(f"note: {plain_import_advice()}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_command("python -m learner.export", lambda: export(args))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from common.config import ConfigError, RunConfig
 from common.config_loading import fields_of, load_config
 from common.console import log
 from learner.runtime.cluster_yaml import check_cluster
-from learner.runtime.failures import Terminated
+from learner.runtime.failures import handle_stop_signals, stop_exit_code, stop_on_signal
 from learner.runtime.ray_runtime import cluster_to_join, connect_ray
 
 __all__ = ["main", "run"]
@@ -93,8 +93,8 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
             checked.add_done_callback(lambda _: startup.setdefault("input_checked", time.perf_counter() - began))
             on_sigterm = signal.getsignal(signal.SIGTERM)
             connected_here = connect_ray(joining, include_dashboard)
-            if on_sigterm is stop_on_sigterm:  # ray.init installs a handler of its own, which logs errors and aborts
-                signal.signal(signal.SIGTERM, stop_on_sigterm)
+            if on_sigterm is stop_on_signal:  # ray.init installs a handler of its own, which logs errors and aborts
+                signal.signal(signal.SIGTERM, stop_on_signal)
             startup["ray_up"] = time.perf_counter() - began
             eval_layouts = checked.result()
         if joining or on_a_ray_already:  # a local Ray this run started is one node, whose files preflight has checked
@@ -116,10 +116,6 @@ def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozens
         if connected_here:  # not a Ray the caller had started
             ray.shutdown()
         raise
-
-
-def stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated()
 
 
 def check_input(config: RunConfig, address: str | None, resume: bool) -> list:
@@ -147,14 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         log.error(f"error: --allow-config-change names no config field: {unknown}")
         return 2
-    signal.signal(signal.SIGTERM, stop_on_sigterm)  # SIGTERM saves a checkpoint like Ctrl-C (run keeps it once Ray is up)
+    handle_stop_signals()  # SIGTERM saves a checkpoint like Ctrl-C (run keeps its handler once Ray is up)
     try:
         run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
             address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
-    except Terminated:
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, the run's progress saved
+        return stop_exit_code(stop)
     except ConfigError as exc:  # bad input: a clear message, no traceback, nothing written
         log.error(f"error: {exc}")
         return 2

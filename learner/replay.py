@@ -37,14 +37,13 @@ import numpy as np
 from common.config import RunConfig
 from common.config_loading import from_dict, load_config
 from common.console import log
-from common.policy import CheckpointError, read_policy_config
+from common.policy import read_policy_config
 from common.recording import VIDEO_SIZE, EpisodeRecording, layout_id
 from common.suites import Layout, make_suite
 from common.video import side_by_side, write_mp4
 from learner.bc.training import REPORT_FILE
+from learner.command_shell import input_checks, run_command
 from learner.files.run_dir import RUN_CONFIG_FILE, policy_directory
-
-EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,17 +121,13 @@ def check_input(args: argparse.Namespace) -> tuple[list[tuple[Path, RunConfig]],
     return replays, chosen_layouts(config, args.episodes, args.seed, args.task)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
+def replay(args: argparse.Namespace) -> int:
+    with input_checks():
         replays, chosen = check_input(args)
         # Imported after the checks: it brings in torch, the envs and the policy backends.
         from actors.rollout_actor import RolloutActor
 
         actors = [RolloutActor(config, 0, checkpoint) for checkpoint, config in replays]
-    except (ValueError, OSError, KeyError, CheckpointError) as exc:  # ConfigError is a ValueError
-        log.error(f"python -m learner.replay: error: {exc}")
-        return EXIT_BAD_INPUT
     checkpoints = [checkpoint for checkpoint, _ in replays]
     try:
         for number, layout in enumerate(chosen, 1):
@@ -144,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         for actor in actors:
             actor.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_command("python -m learner.replay", lambda: replay(args))
 
 
 def write(out: Path, recordings: list[EpisodeRecording], checkpoints: list[Path]) -> Path:

@@ -27,9 +27,10 @@ from common.config import ConfigError, RunConfig
 from common.config_loading import load_config
 from common.console import log
 from common.metrics import MetricsLog, evaluated_tasks, plot_seed_curves, task_key, tasks_against_start
+from learner.command_shell import input_checks, run_command
 from learner.main import run
 from learner.runtime.ray_runtime import actor_request, learner_request, start_local_ray
-from learner.runtime.startup import resolve_init_checkpoint
+from learner.runtime.startup import preflight, resolve_init_checkpoint
 
 TRIAL_CPUS = 0.01  # the trial's own process: it only orchestrates, its learner and actors hold the real reservation
 
@@ -198,21 +199,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
-            raise ConfigError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
-        base = load_config(args.config, args.set)
-        if base.learner.num_learners > 1:
-            raise ConfigError(f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
-                              "seed's placement group; set learner.num_learners: 1")  # fmt: skip
-    except ConfigError as exc:
-        log.error(f"config error: {exc}")
-        return 2
+    return run_command("python -m learner.sweep", lambda: sweep(args))
+
+
+def sweep(args: argparse.Namespace) -> int:
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise ConfigError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    base = load_config(args.config, args.set)
+    if base.learner.num_learners > 1:
+        raise ConfigError(f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
+                          "seed's placement group; set learner.num_learners: 1")  # fmt: skip
     sweep_dir = Path(args.sweep_dir or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     taken = [seed for seed in args.seeds if (sweep_dir / f"seed_{seed}" / "metrics.jsonl").exists()]
     if taken:
-        log.error(f"error: {sweep_dir} already holds runs of seeds {taken}: pick another --sweep-dir")
-        return 2
+        raise ConfigError(f"{sweep_dir} already holds runs of seeds {taken}: pick another --sweep-dir")
+    with input_checks():  # every seed's run would refuse the same input: once, before any starts
+        preflight(base, args.address, resume=False)
     rows = run_sweep(base, args.seeds, sweep_dir, args.address)
     title = f"{base.env.task}: {len(args.seeds)} seeds, {base.iterations} iterations"
     log.info(write_report(rows, sweep_dir, title))

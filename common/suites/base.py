@@ -349,6 +349,12 @@ class Suite(ABC):
             if self.config.max_episode_steps > limit:
                 raise ConfigError(f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit "
                                   f"for {task} ({limit}): the env would end episodes there anyway")  # fmt: skip
+        for task in tasks:
+            unmapped = sorted(set(policy.rename_map) - set(self.image_sources(task)))
+            if unmapped:
+                given = ", ".join(f"{key} ({camera})" for key, camera in self.image_sources(task).items()) or "no frames"
+                raise ConfigError(f"policy.rename_map maps {unmapped}, which env.observations {self.config.observations!r} of "
+                                  f"{self.name} task {task} does not give (it gives {given}): map keys it gives")  # fmt: skip
         if policy.image_size > 0:
             for task in tasks:
                 unknown = [camera for camera in policy.cameras if camera not in self.cameras(task)]

@@ -196,6 +196,10 @@ class RunDirectory:
             return f"{WEIGHTS_FILE} unreadable ({exc})"
         return None
 
+    def has_checkpoint(self) -> bool:
+        """Whether the run has saved a checkpoint (its `latest` pointer exists)."""
+        return (self.checkpoints / LATEST_FILE).is_file()
+
     def write_latest(self, name: str) -> None:
         """Point `latest` at checkpoint `name`; a failed write (CheckpointWriteError) leaves the old pointer."""
         write_file_atomically(self.checkpoints / LATEST_FILE, name)

@@ -95,12 +95,12 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
     rows.recover(completed_iterations(resume_dir))
     stalls = StallWatch(config.stall_window if len(make_suite(config.env).tasks()) > 1 else 0, config.stall_compare)
     stalled: dict[str, int] = {}  # named stalled, their demonstrations not yet with the learner (algorithm.stall_demos)
-    if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
-        summary.begin(config, checkpoint, eval_layouts)
-        if not single_batch:
-            summary.note_initial_eval(evaluator.run(rollouts.weights_ref, "initial policy", iteration))
-            clock.reached("initial_evaluation")
     try:
+        if iteration == 0:  # a resumed run keeps the manifest and the initial evaluation of the run it continues
+            summary.begin(config, checkpoint, eval_layouts)
+            if not single_batch:
+                summary.note_initial_eval(evaluator.run(rollouts.weights_ref, "initial policy", iteration))
+                clock.reached("initial_evaluation")
         while iteration < config.iterations:
             t0 = time.perf_counter()
             try:

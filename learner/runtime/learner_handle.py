@@ -27,7 +27,7 @@ from common.config import RunConfig
 from common.console import log
 from learner.files.run_dir import RunDirectory
 from learner.group.ranks import PeerRankError
-from learner.runtime.failures import LearnerDiedError, LearnerWedgedError, Terminated
+from learner.runtime.failures import LearnerDiedError, LearnerWedgedError, stopped_by_sigterm, stops_held
 from learner.runtime.ray_runtime import ResourceRequest
 from learner.runtime.startup import start_learner
 
@@ -180,13 +180,18 @@ class LearnerHandle:
         self.ranks.kill()
 
     def save_progress(self, error: BaseException) -> None:
-        """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them."""
+        """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them, and
+        say which checkpoint `--resume` continues from. A run stopped before its first checkpoint saves its start
+        (iter_000000), so that it too can be resumed rather than started again in a new directory."""
+        what = "stopped by SIGTERM" if stopped_by_sigterm(error) else "interrupted" if isinstance(error, KeyboardInterrupt) \
+            else f"stopped by {type(error).__name__}"  # fmt: skip
         try:
-            completed, _ = ray.get(self.actor.progress.remote(), timeout=60)
-            if completed > self.last_saved:
-                self.save(completed)
-                what = "stopped by SIGTERM" if isinstance(error, Terminated) else "interrupted" if isinstance(error, KeyboardInterrupt) \
-                    else f"stopped by {type(error).__name__}"  # fmt: skip
-                log.info(f"\n[{what}] saved iter_{completed:06d}; continue with --resume")
+            with stops_held("saving the checkpoint", stopping=True):
+                completed, _ = ray.get(self.actor.progress.remote(), timeout=60)
+                if completed > self.last_saved or not self.directory.has_checkpoint():
+                    self.save(completed)
+                    log.info(f"\n[{what}] saved iter_{completed:06d}; continue with --resume")
+                else:
+                    log.info(f"\n[{what}] iter_{completed:06d} holds every completed iteration; continue with --resume")
         except Exception as exc:  # the learner is gone or wedged: nothing more can be kept
             log.info(f"[fault] could not save the learner's progress ({type(exc).__name__}): --resume continues from the last checkpoint")

@@ -22,6 +22,7 @@ from common.diagnostics import check_ratio_sensitivity, check_rollout_length
 from common.file_digests import known_digests
 from common.flow import num_log_prob_elements, require_kernel_compiler
 from common.lerobot_checkpoint import check_features, is_lerobot_checkpoint
+from common.lerobot_dataset import check_dataset
 from common.policy import WEIGHTS_FILE, read_policy_config, verify_checksums
 from common.rollout import run_group_tasks
 from common.suites import build_layout_tables, make_suite
@@ -55,9 +56,8 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     suite = make_suite(config.env)
     suite.check(config.policy)
     check_features(config, suite)
-    dataset = Path(config.pretrain.dataset).expanduser()
-    if config.pretrain.dataset and config.init_checkpoint is None and not (dataset / "meta" / "info.json").is_file():
-        raise ConfigError(f"pretrain.dataset {dataset} is not a LeRobotDataset directory (it has no meta/info.json)")
+    if config.pretrain.dataset and config.init_checkpoint is None:  # the starting policy is cloned from it
+        check_dataset(Path(config.pretrain.dataset).expanduser(), config.policy, suite)
     tasks = suite.tasks()
     check_task_demos(config.pretrain, tasks)
     missing = [task for task in tasks if suite.expert(task) is None] if config.algorithm.stall_demos and len(tasks) > 1 else []

@@ -1,15 +1,13 @@
 """End to end on the tests' local Ray: `learner.main` with 2 actors and a tiny budget, the bare main command on the
-embedded default, an exact resume."""
+embedded default, a run stopped by SIGTERM and resumed exactly."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import av
@@ -19,7 +17,7 @@ import ray
 from safetensors.numpy import load_file
 
 from learner.main import main
-from tests.conftest import REPO, tiny_config, tiny_run
+from tests.conftest import REPO, TINY_RUN, overrides, tiny_config, tiny_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -123,43 +121,69 @@ def test_policy_lag_sets_which_version_samples_each_iteration(lagged_runs, polic
     assert sorted(state["published"]) == ([] if policy_lag == 0 else [2, 3])  # what iterations 3 and 4 would sample with
 
 
-def test_a_run_stopped_by_sigterm_exits_143_after_its_checkpoint_and_resumes_as_the_uninterrupted_run(tmp_path, bc_checkpoint,
-                                                                                                       lagged_runs) -> None:  # fmt: skip
-    """`python -m learner.main` stopped by SIGTERM (as a scheduler stops a job) once it has logged its first iteration,
-    before any checkpoint:
-    it saves its progress, says so, exits 143 and prints no error-level line (ray.init's own SIGTERM handler, which
-    logs errors and aborts, is replaced once Ray is up). Resumed at the default lag 1 to 3 iterations: iteration 3 was
-    sampled with v1 in the uninterrupted run, so the checkpoint must hand v1 out again; the weights and every logged
-    figure match. (Lag 0's resume: tests/integration/test_learner.py::test_checkpoint_resume_reproduces_weights.) The
-    interrupted run keeps only its newest checkpoint (keep_checkpoints=1), the uninterrupted one every checkpoint."""
-    straight, interrupted = lagged_runs[1], tmp_path / "interrupted"
-    evaluation = LAGGED_EVALUATION[1]
+# Where a user's run is stopped (tests.helpers.stop_moments), the lag it runs at, and the checkpoint its stop saves:
+# waiting on iteration 2's rollout (a second SIGTERM while that checkpoint is written), on iteration 2's update (held
+# until the update's row is, tests/unit/test_failures.py), and on the initial held-out evaluation (the run's start).
+STOPS = {"rollout:2:save": (0, 1), "update:2": (1, 2), "evaluation:1": (1, 0)}
 
-    def checkpoints(run) -> list[str]:
-        return sorted(p.name for p in (run / "checkpoints").iterdir())
 
-    assert checkpoints(straight) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
-    address = ray.get_runtime_context().gcs_address  # the command joins the tests' Ray, as a run joins a cluster
-    # that Ray listens on loopback only; in Ray's loopback mode a joining process dials 127.0.0.1 as given, not the
-    # machine's routable address
-    loopback_mode = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    # rows logged as each iteration ends (no evaluation to wait for), no checkpoint before the signal: what it saves is its own
-    argv = tiny_args(interrupted, bc_checkpoint, 3, "--set", "eval_every=0", "--set", "checkpoint_every=10", "--set", "keep_checkpoints=1",
-                     "--address", address)  # fmt: skip
-    command = subprocess.Popen([sys.executable, "-m", "learner.main", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env={**os.environ, "RAY_ADDRESS": "", **loopback_mode})  # fmt: skip
-    rows = interrupted / "metrics.jsonl"
-    while command.poll() is None and not (rows.is_file() and rows.read_text().count("\n") >= 1):
-        time.sleep(0.05)
-    command.send_signal(signal.SIGTERM)
-    output = command.communicate(timeout=300)[0]
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory, bc_checkpoint) -> dict[str, tuple[Path, subprocess.CompletedProcess, dict]]:
+    """`python -m learner.main` stopped by SIGTERM at each of STOPS, each in a process of its own with its own local Ray,
+    as a scheduler stops a user's run (the three side by side: most of each is Ray's start-up): moment -> (run directory,
+    the finished command, what tests.helpers.stop_moments found at each signal)."""
+    runs, commands = {}, {}
+    for moment, (lag, _) in STOPS.items():
+        run_dir = tmp_path_factory.mktemp("stopped") / "run"
+        # rows logged as each iteration ends (no evaluation to wait for), no checkpoint before the signal: what it saves is its own
+        argv = tiny_args(run_dir, bc_checkpoint, 3, "--set", "eval_every=0", "--set", "checkpoint_every=10", "--set", "keep_checkpoints=1",
+                         "--set", f"actors.policy_lag={lag}", "--no-dashboard")  # fmt: skip
+        report = run_dir.parent / "stops.json"
+        commands[moment] = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.stop_moments", moment, str(report), *argv],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
+        runs[moment] = (run_dir, report)
+    finished = {}
+    for moment, command in commands.items():
+        output = command.communicate(timeout=600)[0]
+        run_dir, report = runs[moment]
+        finished[moment] = (run_dir, subprocess.CompletedProcess(command.args, command.returncode, output), json.loads(report.read_text()))
+    return finished
+
+
+@pytest.mark.parametrize("moment", list(STOPS))
+def test_a_run_stopped_by_sigterm_exits_143_after_its_checkpoint_and_resumes_as_the_uninterrupted_run(
+    stopped_runs, lagged_runs, bc_checkpoint, moment
+) -> None:
+    """Stopped by SIGTERM while its driver waits inside Ray (where Ray 2.60 turns whatever the handler raised into a plain
+    KeyboardInterrupt), the run saves its progress (a run stopped before its first iteration, its start: iter_000000),
+    says so on one line, exits 143 and prints no error-level line (ray.init's own SIGTERM handler, which logs errors and
+    aborts, is replaced once Ray is up). A second SIGTERM while that checkpoint is written is noted, not obeyed. Resumed,
+    it ends as the uninterrupted run of its lag bit for bit: at lag 1, iteration 3 was sampled with v1, so the checkpoint
+    must hand v1 out again. The interrupted run keeps only its newest checkpoint (keep_checkpoints=1)."""
+    lag, saved = STOPS[moment]
+    interrupted, command, found = stopped_runs[moment]
+    straight = lagged_runs[lag]
+    output = command.stdout
     assert command.returncode == 143, output[-3000:]
-    saved = re.search(r"\[stopped by SIGTERM\] saved iter_(\d{6}); continue with --resume", output)
-    assert saved is not None and int(saved.group(1)) in (1, 2), output[-3000:]
+    waited_on = moment.split(":")[0]
+    assert set(found) == {waited_on, *(["save"] if moment.endswith(":save") else [])}, found
+    assert all(signal_found["going"] for signal_found in found.values()), found  # each signal came inside its wait
+    if waited_on != "update":  # an update's stop is held until its row is (no exception inside the wait)
+        assert found[waited_on]["raised"] == "KeyboardInterrupt", found  # what Ray's wait raises for any handler's exception
+    assert re.findall(r"\[stopped by SIGTERM\] saved iter_(\d{6}); continue with --resume", output) == [f"{saved:06d}"], output[-3000:]
     assert not [line for line in output.splitlines() if " ERROR " in line or "SIGTERM received" in line], output[-3000:]
-    assert checkpoints(interrupted) == [f"iter_{saved.group(1)}", "latest"]
-    assert main(tiny_args(interrupted, bc_checkpoint, 3, *evaluation, "--set", "keep_checkpoints=1", "--resume")) == 0
-    assert checkpoints(interrupted) == ["iter_000003", "latest"]
+    if moment.endswith(":save"):
+        assert "[stopping] asked to stop again (SIGTERM): saving the checkpoint first" in output
+    assert sorted(p.name for p in (interrupted / "checkpoints").iterdir()) == [f"iter_{saved:06d}", "latest"]
+
+    assert main(tiny_args(interrupted, bc_checkpoint, 3, *LAGGED_EVALUATION[lag], "--set", f"actors.policy_lag={lag}",
+                          "--set", "keep_checkpoints=1", "--resume")) == 0  # fmt: skip
     a, b = weights(straight / "checkpoints" / "iter_000003"), weights(interrupted / "checkpoints" / "iter_000003")
     assert a.keys() == b.keys()
     for key in a:
@@ -168,7 +192,24 @@ def test_a_run_stopped_by_sigterm_exits_143_after_its_checkpoint_and_resumes_as_
     assert [r["iteration"] for r in rows[1]] == [1, 2, 3]
     compared = ("rollout/weight_version", "rollout/episode_return", "losses/pg_loss", "losses/v_loss")
     assert [[r[k] for k in compared] for r in rows[0]] == [[r[k] for k in compared] for r in rows[1]]
-    assert [r["rollout/weight_version"] for r in rows[1]] == [0, 0, 1]
+    assert [r["rollout/weight_version"] for r in rows[1]] == ([0, 1, 2] if lag == 0 else [0, 0, 1])
+
+
+@pytest.mark.parametrize("num_demos", [2, None])
+def test_a_checkpoint_pretrain_writes_starts_a_run(tmp_path, monkeypatch, num_demos) -> None:
+    """`python -m learner.pretrain --out DIR` then `python -m learner.main --checkpoint DIR`: with a count given it trains
+    into DIR; with pretrain.num_demos null it searches the count through the cache and copies the chosen checkpoint,
+    whose own checksums.json the copy must not list as a file of its own (else every later load finds it corrupt)."""
+    from learner import pretrain
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    search = ["pretrain.eval_episodes=20", "pretrain.target_success_min=0.0", "pretrain.target_success_max=1.0"]  # the first count
+    fields = {**TINY_RUN, "pretrain.num_demos": num_demos}
+    sets = [arg for item in [*overrides(fields), *(search if num_demos is None else [])] for arg in ("--set", item)]
+    out = tmp_path / "bc"
+    assert pretrain.main([*sets, "--out", str(out)]) == 0
+    assert main(tiny_run(tmp_path / "run", out, "--iterations", "1")) == 0
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000001"
 
 
 def test_a_payload_of_views_is_frozen_by_ray_put() -> None:

@@ -116,6 +116,11 @@ BAD_INPUTS = [
     (["--set", "keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 \(0: keep every one\), got -1", None),
     (["--set", "stall_compare=previous"], r"stall_compare must be one of \('first', 'first_or_previous'\), got 'previous'", None),
     (["--set", "policy.action_bounds=[0, 512]"], r"policy\.action_bounds must be empty or 8 numbers", None),
+    (
+        ["--set", "policy.rename_map={observation.images.nowhere: observation.image}"],
+        r"policy\.rename_map maps \['observation\.images\.nowhere'\], which .* not give \(it gives observation\.images\.corner \(corner\)",
+        None,
+    ),
     (["--set", "policy.action_bounds=[-2, -2, -2, -2, 2, 2, 2, 2]"], r"policy\.action_bounds .* are not the env units metaworld", None),
     (
         ["--set", "env.suite=gym", "--set", "env.task=MountainCarContinuous-v0", "--set", "env.observations=lerobot"],
