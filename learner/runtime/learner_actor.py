@@ -32,7 +32,7 @@ class LearnerActor:
 
     def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
                  state_bounds: list[list[float]] | None = None, known_digests: dict | None = None,
-                 group: tuple[str, int, int] | None = None, files: RunFiles | None = None):  # fmt: skip
+                 group: tuple[str, int, int] | None = None, files: RunFiles | None = None, tasks: list[str] | None = None):  # fmt: skip
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
         privileged process comes back: there the learner stays at 15, still above the actors' (learner.runtime.startup.ACTOR_NICENESS).
@@ -40,7 +40,8 @@ class LearnerActor:
         known_digests: the driver's file digests, as for actors.rollout_actor.RolloutActor.
         group: (rendezvous address, rank, ranks) of a learner group (learner.runtime.learner_group); None: the learner alone.
         files: where the run's files are (actors.run_files): a learner on another node reads its starting checkpoint
-        from there and writes its checkpoints there; None: here."""
+        from there and writes its checkpoints there; None: here.
+        tasks: the run's tasks, resolved by the driver's suite, so that this process imports no simulator (Learner)."""
         trust_digests(known_digests)
         if niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) > niceness:
             try:
@@ -59,7 +60,8 @@ class LearnerActor:
                     policy.set_state_bounds(*(torch.tensor(bound, dtype=torch.float32) for bound in state_bounds))
             # A GPU (learner.num_gpus > 0) makes Ray set CUDA_VISIBLE_DEVICES for this actor; the learner stays float32.
             policy.to("cuda" if config.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-            self.learner = Learner(config, policy, ranks=None if group is None else join_learner_group(*group, policy.obs_device))
+            ranks = None if group is None else join_learner_group(*group, policy.obs_device)
+            self.learner = Learner(config, policy, ranks=ranks, tasks=tasks)
             if resume_dir is not None:
                 self.learner.load_trainer_state(directory)
         self.gauges = GaugeExporter(config.env.task)

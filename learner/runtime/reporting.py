@@ -335,6 +335,10 @@ class RunSummary:
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
         if stalls := stalled_tasks(rows, config.stall_window, config.stall_compare):
             self.data["stalled_tasks"] = stalls
+        start = checkpoint or (Path(self.data["init_checkpoint"]) if self.data.get("init_checkpoint") else None)
+        used = demonstrations_used(start, config, self.data.get("stall_demonstrations", {}))
+        if used:
+            self.data["demonstrations"] = used
         if "initial_eval" in self.data and final_eval:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
             if evaluated_tasks([final_eval]):
@@ -351,6 +355,25 @@ class RunSummary:
         if task_curves is not None:
             self.data["task_curves"] = str(task_curves)
         print_summary(self.data)
+
+
+def demonstrations_used(start: Path | None, config: RunConfig, stalled: dict[str, int]) -> dict[str, int] | None:
+    """The scripted demonstrations of each task the run learnt from: those its behaviour-cloned start was cloned from
+    (its pretrain.json) and, for a task named stalled, algorithm.stall_demos (the first layouts of the same benchmark
+    seed, so a task's count is the larger of the two). What RL adds is what the run reaches beyond cloning these alone
+    (`python -m learner.pretrain --set 'pretrain.task_demos={...}'`). None for a start cloned from a dataset or
+    not cloned here (a lerobot checkpoint)."""
+    report_file = None if start is None else start / REPORT_FILE
+    if report_file is None or not report_file.is_file():
+        return None
+    report = json.loads(report_file.read_text())
+    pretrain = report.get("config", {}).get("pretrain", {})
+    if pretrain.get("dataset") or "demos" not in report:
+        return None
+    counts = dict(report.get("demos_per_task") or {config.env.task: report["demos"]})
+    for task in stalled:
+        counts[task] = max(counts.get(task, 0), config.algorithm.stall_demos)
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -455,6 +478,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         log.info(f"stalled        : {describe_stall(task, stall)}")
     for task, reason in summary.get("inside_tasks", {}).items():
         log.info(f"inside         : {task}: {reason}")
+    if counts := summary.get("demonstrations"):
+        fewest = min(counts.values())
+        more = ", ".join(f"{task}: {count}" for task, count in counts.items() if count != fewest)
+        clone = f"--set pretrain.num_demos={fewest}" + (f" --set 'pretrain.task_demos={{{more}}}'" if more else "")
+        log.info(f"demonstrations : {sum(counts.values())} learnt from; set the gain beside cloning them alone: "
+                 f"python -m learner.pretrain <this run's --config and --set> {clone} --out DIR")  # fmt: skip
     log.info(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         log.info(f"per-task curves: {summary['task_curves']}")

@@ -188,11 +188,13 @@ def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]
 
 def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest) -> LearnerRanks:
     """The learner's actors, fine-tuning `checkpoint` or continuing from `resume_dir`; with neither (a random init), given
-    the suite's state bounds to normalise to, when it knows them. learner.num_learners > 1: a learner group."""
-    bounds = make_suite(config.env).state_bounds() if checkpoint is None and resume_dir is None else None
+    the suite's state bounds to normalise to, when it knows them; given the run's tasks, so that they import no
+    simulator. learner.num_learners > 1: a learner group."""
+    suite = make_suite(config.env)
+    bounds = suite.state_bounds() if checkpoint is None and resume_dir is None else None
     args = (config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
     kwargs = {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "known_digests": known_digests(), "files": RunFiles.of_this_node(),
-              "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds]}  # fmt: skip
+              "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds], "tasks": suite.tasks()}  # fmt: skip
     if config.learner.num_learners > 1:
         return start_learner_group(config, request, LearnerActor, *args, **kwargs)
     return LearnerRanks([ray.remote(LearnerActor).options(**request.options(bundle_index=LEARNER_BUNDLE)).remote(*args, **kwargs)])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ from common.diagnostics import (
 from common.flow import ChainLogProb, chain_log_prob, compile_steps, num_log_prob_elements, transition_kl
 from common.policy import FlowPolicy, index_features
 from common.rl import kl_to_reference
-from common.suites import make_suite
 from common.trajectory import RolloutBatch, WeightsPayload
 from learner.files.checkpoints import LearnerCheckpoint, TrainerState
 from learner.group.ranks import SingleRank
@@ -148,11 +147,22 @@ class StepFigures:
             self.history.setdefault(key, []).append(value)
 
 
+def suite_tasks(config: RunConfig) -> list[str]:
+    """The run's tasks as its suite resolves env.task (importing the suite's simulator: a learner actor is handed them)."""
+    from common.suites import make_suite
+
+    return make_suite(config.env).tasks()
+
+
 class Learner:
-    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None, ranks: SingleRank | None = None):
+    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None, ranks: SingleRank | None = None,
+                 tasks: Sequence[str] | None = None):  # fmt: skip
         """`memory`: what learner.speed.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device).
-        `ranks`: this learner's place in a learner group (learner.group.ranks; default: alone)."""
+        `ranks`: this learner's place in a learner group (learner.group.ranks; default: alone). `tasks`: the run's tasks
+        (env.task as its suite resolves it), handed over so that the learner imports no simulator; default: resolved
+        here, by the suite."""
         require_pretrained(policy, config.allow_random_init)
+        self.tasks = list(tasks) if tasks is not None else suite_tasks(config)
         self.ranks = ranks or SingleRank()
         # Every rank starts from rank 0's trainable weights, whatever each loaded.
         self.ranks.broadcast_from_first([p for p in policy.parameters() if p.requires_grad])
@@ -247,15 +257,14 @@ class Learner:
         """The decisions whose advantages are normalised together: all of `over` (key None), or each task's."""
         if not self.cfg.normalize_advantages_per_task:
             return {None: over}
-        return task_groups(batch, over, make_suite(self.config.env).tasks())
+        return task_groups(batch, over, self.tasks)
 
     def task_figures(self, batch: RolloutBatch, old: ChainLogProb, chains: Tensor, advantages: Advantages,
                      kl_ref: Tensor | None) -> TaskFigures | None:  # fmt: skip
         """A multi-task rollout's per-decision figures, kept by task (learner.update.task_figures); None for one task."""
-        tasks = make_suite(self.config.env).tasks()
-        if len(tasks) == 1 or not batch.env_tasks:
+        if len(self.tasks) == 1 or not batch.env_tasks:
             return None
-        figures = TaskFigures(tasks, decision_tasks(batch, tasks), self.cfg.clip_eps)
+        figures = TaskFigures(self.tasks, decision_tasks(batch, self.tasks), self.cfg.clip_eps)
         figures.add_prepared("sigma", old.std.flatten(1).mean(1))
         figures.add_prepared("action_abs", chains[:, -1].abs().flatten(1).mean(1))
         if advantages.values is not None:

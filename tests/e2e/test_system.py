@@ -212,6 +212,22 @@ def test_a_checkpoint_pretrain_writes_starts_a_run(tmp_path, monkeypatch, num_de
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000001"
 
 
+def test_a_learner_that_ran_an_update_has_imported_no_simulator(tmp_path, bc_checkpoint) -> None:
+    """The learner's process is handed the run's tasks (learner.runtime.startup.start_learner), so neither its start nor its
+    updates import Metaworld or MuJoCo, the seconds of CPU and the memory of the rollout actors' side."""
+    from actors.rollout_actor import RolloutActor
+    from learner.runtime.learner_actor import LearnerActor
+
+    config = tiny_config(tmp_path)
+    batch = RolloutActor(config, 0, bc_checkpoint).sample(None, 0)
+    learner = ray.remote(LearnerActor).remote(config, str(bc_checkpoint), None, tasks=[config.env.task])
+    metrics = ray.get(learner.update.remote(batch))
+    assert np.isfinite(metrics["losses/pg_loss"])
+    envs = {"metaworld", "mujoco", "actors.rollout_actor", "common.suites.metaworld"}
+    assert ray.get(learner.__ray_call__.remote(lambda actor: sorted(envs & set(sys.modules)))) == []
+    ray.kill(learner)
+
+
 def test_a_payload_of_views_is_frozen_by_ray_put() -> None:
     """The learner publishes views of its weights (no copy, tests/unit/test_trajectory.py): ray.put serialises them
     before it returns, so the updates that follow never reach the published version."""

@@ -272,3 +272,24 @@ def test_each_task_left_inside_its_initial_interval_is_given_its_reason() -> Non
                             "demonstrations from iteration 41 (algorithm.stall_demos)")  # fmt: skip
     moved = "its training-layout success left its first window, its held-out success not its initial interval"
     assert reasons["c"] == moved + "; demonstrations from iteration 41 (algorithm.stall_demos)" and reasons["d"] == moved
+
+
+def test_the_demonstrations_a_run_learnt_from_count_its_starts_and_a_stalled_tasks(tmp_path) -> None:
+    """What a run's gain is set beside: cloning the demonstrations it learnt from alone. Its start's counts come from the
+    start's pretrain.json; a stalled task's demonstrations are the first layouts of the same seed, so its count is the
+    larger; a start cloned from a dataset (or not cloned here) gives none."""
+    from learner.runtime.reporting import demonstrations_used
+
+    config = load_config(REPO / "configs" / "mt10.yaml")
+    start = tmp_path / "bc"
+    start.mkdir()
+    counts = {"reach-v3": 2, "push-v3": 2, "door-open-v3": 1}
+    (start / "pretrain.json").write_text(json.dumps({"demos": 5, "demos_per_task": counts, "config": {"pretrain": {"dataset": ""}}}))
+    assert demonstrations_used(start, config, {}) == counts
+    assert demonstrations_used(start, config, {"push-v3": 41, "door-open-v3": 81}) == {"reach-v3": 2, "push-v3": 10, "door-open-v3": 10}
+    single = load_config(None)
+    (start / "pretrain.json").write_text(json.dumps({"demos": 5, "config": {"pretrain": {"dataset": ""}}}))
+    assert demonstrations_used(start, single, {}) == {"pick-place-v3": 5}
+    (start / "pretrain.json").write_text(json.dumps({"demos": 5, "config": {"pretrain": {"dataset": "datasets/pick"}}}))
+    assert demonstrations_used(start, single, {}) is None
+    assert demonstrations_used(tmp_path / "lerobot_start", single, {}) is None
