@@ -454,6 +454,11 @@ class VLAFlowPolicy(FlowPolicy):
 
         return make_pre_post_processors(lerobot_config, dataset_stats=stats)
 
+    def hold_padded_actions(self) -> int:
+        """This policy's lerobot model sampled by lerobot as by the project (hold_padded_actions), in place; returns how
+        many padded elements reached the expert before."""
+        return hold_padded_actions(self.vla, self.config.action_dim)
+
     def to_lerobot(self, directory: Path, hub_id: str | None = None) -> dict[str, list[str]]:
         """lerobot's policy checkpoint of this policy: its config and weights as lerobot saves them, padded action elements
         neutralised (lerobot_sampling_copy), the noise head and critic left out; and its processor pipelines as lerobot
@@ -509,18 +514,27 @@ class VLAFlowPolicy(FlowPolicy):
         return super().from_pretrained(directory, **overrides)
 
 
-def lerobot_sampling_copy(vla: nn.Module, action_dim: int) -> nn.Module:
-    """A copy of the lerobot policy `vla` whose padded action elements (action_dim onward, up to max_action_dim) do not
-    reach the expert: action_in_proj's columns for them are zero.
+def hold_padded_actions(vla: nn.Module, action_dim: int) -> int:
+    """Make the padded action elements of the lerobot policy `vla` (action_dim onward, up to max_action_dim) reach its
+    expert no more: action_in_proj's columns for them set to zero, in place. Returns how many columns were not zero.
 
     The project's chain holds those elements at zero (velocity pads a_t with zeros and reads back the first
     action_dim), so these columns never touch what it computes. lerobot's sample_actions integrates all
     max_action_dim elements, from noise it draws for all of them, and feeds them back through action_in_proj: with
-    the columns as trained, its first action_dim would follow another chain. Without them it is the project's
-    (what lerobot integrates in the padded elements is sliced off its output)."""
-    vla = copy.deepcopy(vla)
+    the columns as trained (lerobot-train trains them on its padded noise), its first action_dim would follow another
+    chain. Without them it is the project's, whatever lerobot draws for the padded elements (what it integrates there is
+    sliced off its output)."""
+    columns = vla.model.action_in_proj.weight[:, action_dim:]
+    nonzero = int((columns != 0).any(dim=0).sum())
     with torch.no_grad():
-        vla.model.action_in_proj.weight[:, action_dim:] = 0.0
+        columns.zero_()
+    return nonzero
+
+
+def lerobot_sampling_copy(vla: nn.Module, action_dim: int) -> nn.Module:
+    """A copy of the lerobot policy `vla` that lerobot's sampler samples as the project does (hold_padded_actions)."""
+    vla = copy.deepcopy(vla)
+    hold_padded_actions(vla, action_dim)
     return vla
 
 

@@ -118,7 +118,8 @@ def lerobot_start_checkpoint(config: RunConfig) -> Path:
     for name in config.policy.SAMPLING_FIELDS:
         del relevant[name]
     files = sorted(path for path in source.iterdir() if path.suffix in (".json", ".safetensors"))
-    relevant |= {"seed": config.pretrain.seed, "recipe_version": RECIPE_VERSION, "files": {path.name: file_sha256(path) for path in files}}
+    relevant |= {"seed": config.pretrain.seed, "recipe_version": RECIPE_VERSION, "files": {path.name: file_sha256(path) for path in files},
+                 "padded_actions": "held"}  # fmt: skip
     path = cache_dir("lerobot_start") / short_digest(relevant)
     if (path / WEIGHTS_FILE).is_file():
         return path
@@ -137,8 +138,14 @@ def lerobot_start_checkpoint(config: RunConfig) -> Path:
     centre, half_width = config.policy.action_units()
     action_mean, action_std = (action_mean - centre) / half_width, action_std / half_width
     policy.set_normalization(*(torch.from_numpy(array) for array in (state_mean, state_std, action_mean, action_std)), exact=True)
+    padded = policy.hold_padded_actions()
     log.info(f"[start] fine-tuning the lerobot checkpoint {source} as it is (its model and normalisation; the noise head and "
              f"critic drawn from pretrain.seed {config.pretrain.seed}): {path}")  # fmt: skip
+    if padded:
+        log.info(f"[start] its action_in_proj read {padded} padded action elements beyond the policy's {config.policy.action_dim}, "
+                 "which lerobot's sampler integrates from noise and the run's chain holds at zero: their columns are set to "
+                 "zero, so both sample this start alike; lerobot-eval's score before RL is that of its export, "
+                 f"`python -m learner.export {path} --out DIR` (docs/lerobot.md)")  # fmt: skip
     return write_directory_atomically(path, policy.save_pretrained)
 
 

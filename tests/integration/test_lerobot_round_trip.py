@@ -1,7 +1,8 @@
 """A lerobot checkpoint in lerobot's Metaworld layout in and out of the project, on the tiny SmolVLA (offline, CPU, either
 lerobot line): as init_checkpoint it starts a run as it is (every tensor of its model, its normaliser's statistics
-unfloored); the project's evaluation from lerobot's start (policy.eval_init_noise_std 1.0) is lerobot's sampler on the
-same weights and start; and the suite's scripted demonstrations written as a LeRobotDataset read back, through lerobot's
+unfloored) but for the padded action elements lerobot-train trains action_in_proj on, which the run's start holds at zero;
+the project's evaluation from lerobot's start (policy.eval_init_noise_std 1.0) is then lerobot's own sampler on the
+checkpoint with those columns held, its noise drawn on every padded element; and the suite's scripted demonstrations written as a LeRobotDataset read back, through lerobot's
 own API, as the frames, states and actions the env gave. On PushT, whose env acts in pixels, lerobot's side speaks the
 env's units and the policy its [-1, 1]."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.config_loading import load_config
 from common.demonstrations import collect_demonstrations
@@ -18,6 +19,7 @@ from common.lerobot_dataset import dataset_features, lerobot_dataset_class, read
 from common.observation import Observation
 from common.policy import FlowPolicy, build_policy
 from common.policy.lerobot_compat import pad_vector
+from common.policy.vla_common import hold_padded_actions
 from common.suites import ImageConfig, make_suite
 from learner.bc.starting_checkpoint import lerobot_start_checkpoint
 from learner.bc.training import pretrain
@@ -26,6 +28,9 @@ from tests.helpers.lerobot_export import get_policy_class, make_pre_post_process
 
 TINY = ["policy.type=smolvla", "policy.image_size=32", "policy.chunk_size=4", "policy.num_steps=3", "policy.hidden_dim=32",
         "policy.smolvla.num_vlm_layers=2", "policy.init_noise_std=1.0", "policy.eval_init_noise_std=1.0"]  # fmt: skip
+
+
+IN_PROJ = "model.action_in_proj.weight"
 
 
 def lerobot_batch(obs: Observation, sentence: str) -> dict:
@@ -49,6 +54,11 @@ def test_a_lerobot_checkpoint_starts_a_run_as_it_is_and_lerobot_samples_the_poli
                              torch.full((4,), 0.5), exact=True)  # fmt: skip
     export = tmp_path / "pretrained_model"
     source.to_lerobot(export)
+    # as lerobot-train leaves them: action_in_proj trained on the padded elements too, which lerobot draws noise for
+    weights = load_file(str(export / "model.safetensors"))
+    padded_columns = weights[IN_PROJ][:, 4:]
+    padded_columns.copy_(0.2 * torch.randn(padded_columns.shape, generator=generator))
+    save_file(weights, str(export / "model.safetensors"))
 
     run = load_config(overrides=[f"init_checkpoint={export}", *TINY[3:]])
     assert (run.env.observations, run.policy.type, run.policy.cameras, run.policy.image_size) == ("lerobot", "smolvla", ["corner4"], 32)
@@ -56,7 +66,8 @@ def test_a_lerobot_checkpoint_starts_a_run_as_it_is_and_lerobot_samples_the_poli
     assert lerobot_start_checkpoint(run) == lerobot_start_checkpoint(run)  # built once, then the cached one
     file = load_file(str(export / "model.safetensors"))
     model = policy.vla.state_dict()
-    assert len(file) == len(model) and all(torch.equal(model[name], tensor) for name, tensor in file.items())
+    assert len(file) == len(model) and all(torch.equal(model[name], tensor) for name, tensor in file.items() if name != IN_PROJ)
+    assert torch.equal(model[IN_PROJ][:, :4], file[IN_PROJ][:, :4]) and not model[IN_PROJ][:, 4:].any()  # the padded ones held
     torch.testing.assert_close(policy.obs_std, torch.tensor([0.1, 0.08, 0.01, 0.4]) + 1e-8, rtol=0, atol=1e-7)  # lerobot's std + eps
     torch.testing.assert_close(policy.action_mean, source.action_mean, rtol=0, atol=0)
 
@@ -77,13 +88,21 @@ def test_a_lerobot_checkpoint_starts_a_run_as_it_is_and_lerobot_samples_the_poli
         assert torch.equal(chain[:, 0], start)  # a_0 drawn (eval_init_noise_std 1), then no injected noise:
         for k in range(policy.num_steps):
             torch.testing.assert_close(chain[:, k + 1], transition(policy, features, chain[:, k], k)[0], rtol=0, atol=0)
+    # lerobot's own sampler on the checkpoint, its start drawn on every padded element as lerobot draws it: as trained, the
+    # padded elements steer its chain elsewhere; with their columns held, as the run's start holds them, it is the run's
     loaded = get_policy_class("smolvla").from_pretrained(str(export))
     loaded.eval()
     preprocessor, postprocessor = make_pre_post_processors(loaded.config, pretrained_path=str(export))
-    noise = pad_vector(start, loaded.config.max_action_dim)
+    padded_noise = torch.randn((2, policy.chunk_size, loaded.config.max_action_dim - 4), generator=generator)
+    noise = torch.cat([start, padded_noise], dim=-1)
+    batch = preprocessor(lerobot_batch(obs, sentence))
+    project = chain[:, -1] * policy.action_std + policy.action_mean
     with torch.no_grad():
-        actions = postprocessor(loaded.predict_action_chunk(preprocessor(lerobot_batch(obs, sentence)), noise=noise))
-    torch.testing.assert_close(actions, chain[:, -1] * policy.action_std + policy.action_mean, atol=1e-5, rtol=0)
+        as_trained = postprocessor(loaded.predict_action_chunk(batch, noise=noise.clone()))
+        assert hold_padded_actions(loaded, 4) == loaded.config.max_action_dim - 4
+        actions = postprocessor(loaded.predict_action_chunk(batch, noise=noise.clone()))
+    assert (as_trained - project).abs().max() > 1e-2
+    torch.testing.assert_close(actions, project, atol=1e-5, rtol=0)
     assert actions.std() > 0.05
 
 
