@@ -1,10 +1,10 @@
 """A lerobot checkpoint in lerobot's Metaworld layout in and out of the project, on the tiny SmolVLA (offline, CPU, either
 lerobot line): as init_checkpoint it starts a run as it is (every tensor of its model, its normaliser's statistics
-unfloored) but for the padded action elements lerobot-train trains action_in_proj on, which the run's start holds at zero;
-the project's evaluation from lerobot's start (policy.eval_init_noise_std 1.0) is then lerobot's own sampler on the
-checkpoint with those columns held, its noise drawn on every padded element; and the suite's scripted demonstrations written as a LeRobotDataset read back, through lerobot's
-own API, as the frames, states and actions the env gave. On PushT, whose env acts in pixels, lerobot's side speaks the
-env's units and the policy its [-1, 1]."""
+unfloored) but for the padded action elements lerobot-train trains action_in_proj on, which the run's start holds at
+zero; the project's evaluation from lerobot's start (policy.eval_init_noise_std 1.0) is then lerobot's own sampler on
+the checkpoint with those columns held, its noise drawn on every padded element; and the suite's scripted
+demonstrations written as a LeRobotDataset read back, through lerobot's own API, as the frames, states and actions the
+env gave. On PushT, whose env acts in pixels, lerobot's side speaks the env's units and the policy its [-1, 1]."""
 
 from __future__ import annotations
 

@@ -157,3 +157,28 @@ def test_successful_demos_only_is_refused_beside_a_dataset_and_is_part_of_the_ca
     with pytest.raises(ConfigError, match=r"pretrain\.successful_demos_only chooses among the scripted expert's episodes.*: set "):
         tiny_config(tmp_path, **{"pretrain.dataset": str(tmp_path), "pretrain.successful_demos_only": True})
     assert bc_cache_key(tiny_config(tmp_path, **{"pretrain.successful_demos_only": True})) != bc_cache_key(tiny_config(tmp_path))
+
+
+def test_cloning_curve_trains_each_count_for_each_budget_and_marks_each_counts_best(tmp_path, monkeypatch, capsys) -> None:
+    """`learner.pretrain --demos 1,2 --train-steps 20,40`: four clones, each scored on the held-out layouts as the
+    cache's (the same report), each count's best over its budgets marked, every clone a checkpoint a run can start from."""
+    from learner import pretrain as pretrain_command
+    from tests.conftest import TINY_RUN, overrides
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fields = {**TINY_RUN, "pretrain.eval_episodes": 3}
+    sets = [arg for item in overrides(fields) for arg in ("--set", item)]
+    out = tmp_path / "curve"
+    assert pretrain_command.main([*sets, "--demos", "1,2", "--train-steps", "20,40", "--out", str(out)]) == 0
+    curve = json.loads((out / "curve.json").read_text())
+    assert [(row["demos_per_task"], row["train_steps"]) for row in curve["rows"]] == [(1, 20), (1, 40), (2, 20), (2, 40)]
+    for count in (1, 2):
+        rows = [row for row in curve["rows"] if row["demos_per_task"] == count]
+        assert sum(row["best"] for row in rows) == 1 and max(rows, key=lambda row: row["success"])["best"]
+    for row in curve["rows"]:
+        report = json.loads((out / row["checkpoint"] / REPORT_FILE).read_text())
+        assert (report["demos"], report["config"]["pretrain"]["train_steps"]) == (row["demos_per_task"], row["train_steps"])
+        assert report["eval_success_rate"] == row["success"] and report["eval_episodes"] == 3
+        FlowPolicy.from_pretrained(out / row["checkpoint"])  # checksums verified, strict
+    printed = capsys.readouterr().out
+    assert "| 2 | 40 |" in printed and printed.count("**") == 4  # two counts, each one best in bold
