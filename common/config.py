@@ -671,7 +671,7 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     seed: int = 0
-    iterations: int = 150  # x 10 actors x 2 envs x 50 decisions x <= 4 steps: about 0.6M env steps
+    iterations: int = 150  # each of actors.num_actors x envs_per_actor x decisions_per_rollout chunks of policy.chunk_size steps
     eval_every: int = 25  # iterations between deterministic held-out evaluations (0: only at start and end)
     eval_episodes: int = 100  # held-out layouts per evaluation
     eval_videos: int = 2  # held-out episodes filmed per task after each evaluation (first success, first failure); 0: none

@@ -258,8 +258,8 @@ def adopt_benchmark_tasks(tables: dict[tuple[str, int], tuple[metaworld.Task, ..
 
 class _CameraRenderer:
     """Renders RGB frames of one scene camera: fast (ImageConfig.fast: no multisampling, shadows or reflections, which
-    cost about 10x in frame rate on llvmpipe and add little at policy-input resolutions) or with MuJoCo's default
-    settings, as gymnasium's MuJoCo renderer draws for lerobot's env."""
+    cost most of a software-rendered frame and add little at policy-input resolutions; docs/performance.md) or with
+    MuJoCo's default settings, as gymnasium's MuJoCo renderer draws for lerobot's env."""
 
     def __init__(self, model: mujoco.MjModel, data: mujoco.MjData, config: ImageConfig, offsamples: int) -> None:
         """offsamples: the model's own multisampling, which a default-settings context is made with."""

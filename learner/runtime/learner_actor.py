@@ -2,8 +2,9 @@
 checkpoints, exports gauges).
 
 It has its own module because Ray starts the learner's worker by importing the module that defines its class: here
-that is torch, Ray and the learner, not the driver's Metaworld, envs and rollout actors (about 0.6 CPU-seconds that the
-learner's process spent at every start, on cores the rollout actors were starting on).
+that is torch, Ray and the learner, not the driver's Metaworld, envs and rollout actors (CPU seconds that the learner's
+process would spend at every start, on cores the rollout actors are starting on). It is handed the run's tasks, so its
+updates import no simulator either.
 """
 
 from __future__ import annotations

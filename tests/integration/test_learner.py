@@ -695,7 +695,7 @@ def test_one_iteration_at_the_shipped_defaults(tmp_path) -> None:
 
 def test_the_learners_process_imports_no_envs() -> None:
     """Ray starts the learner's worker by importing learner.runtime.learner_actor: Metaworld, MuJoCo and the rollout actors
-    cost its start about 0.6 CPU-seconds, taken from the rollout actors starting beside it."""
+    cost its start CPU seconds, taken from the rollout actors starting beside it (docs/performance.md)."""
     envs = {"metaworld", "mujoco", "actors.rollout_actor", "common.suites.metaworld"}
     code = f"import sys, learner.runtime.learner_actor; print(sorted({envs!r} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
