@@ -205,7 +205,7 @@ class EnvConfig:
     """The suite and task, the episode rules, and which initial states each phase may see."""
 
     suite: str = "metaworld"  # the environment suite (common.suites): metaworld, or gym (any gymnasium env id, env.gym)
-    task: str = "pick-place-v3"
+    task: str = "pick-place-v3"  # the suite's task, or a task set (MT10, MT50) or comma-separated tasks: one policy on all
     # What the policy observes (docs/lerobot.md). "project": the suite's full state (Metaworld's 39 elements; LIBERO's 8
     # and the goal's object and target, 26) and any of its cameras by name, the project's instructions. "lerobot": what
     # lerobot's own env class of the suite hands a policy: its state elements, its frames under its keys (Metaworld: one
@@ -219,7 +219,7 @@ class EnvConfig:
     # else "fast".
     render: str = "auto"
     max_episode_steps: int = 200  # at most the suite's own limit (Metaworld: 500)
-    stop_on_success: bool = True
+    stop_on_success: bool = True  # an episode ends at its first success (else it runs to max_episode_steps)
     # "success": 1 when the task first succeeds; "dense": the suite's own (Metaworld's shaped) reward; "shaped": success
     # plus potential-based shaping (common.vector_env) from the suite's measure of progress (Metaworld: its dense reward;
     # LIBERO: a pick and place's reach, lift and carry), which pays progress toward success without changing which
@@ -230,7 +230,7 @@ class EnvConfig:
     demo_benchmark_seed: int = 0
     # Ten seeds (500 layouts) for training: with few layouts the policy can fit them and stop generalising to held-out ones.
     train_benchmark_seeds: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
-    eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])
+    eval_benchmark_seeds: list[int] = field(default_factory=lambda: [1, 6])  # the held-out layouts every evaluation scores
     # A multi-task run's rollout envs per task: each task's weight against a task not named here (1.0); the run's envs
     # (GRPO groups) are dealt out in proportion, at least one each, the tasks interleaved (common.rollout.group_tasks).
     task_weights: dict[str, float] = field(default_factory=dict)
@@ -336,8 +336,8 @@ class ActorsConfig:
     """Rollout actors: how many, their envs, their resources; how their decisions run (speed) and what happens when
     one fails (faults)."""
 
-    num_actors: int = 10
-    envs_per_actor: int = 2
+    num_actors: int = 10  # rollout actors (Ray actors), each with its own envs and copy of the policy
+    envs_per_actor: int = 2  # envs each actor steps, one chunk decision for all of them at a time
     decisions_per_rollout: int = 50  # chunk decisions per env per iteration
     num_cpus: float | None = None  # per actor; None: spread the cluster's CPUs evenly over the actors
     num_gpus: float = 0.0  # per actor, fractional "GPU slices" (e.g. 0.1); 0 on CPU machines
@@ -373,11 +373,11 @@ class AlgorithmConfig:
     gae_lambda: float = 0.95  # per chunk decision
     clip_eps: float = 0.05  # on the ratio of per-element-mean chain probabilities (see policy.log_prob_normalization)
     value_clip: float | None = None  # None: plain MSE; else clip the new value around the old by this much
-    vf_coef: float = 0.5
-    ent_coef: float = 0.0
+    vf_coef: float = 0.5  # the value loss's weight in the total loss
+    ent_coef: float = 0.0  # the entropy bonus's weight (the entropy of the chain's injected noise)
     actor_lr: float = 1e-4  # with clip_eps 0.05 (docs/results.md: the recipe and the step sizes tried)
-    critic_lr: float = 5e-4
-    update_epochs: int = 8
+    critic_lr: float = 5e-4  # the critic's learning rate (actor_lr the policy's)
+    update_epochs: int = 8  # passes over the iteration's decisions (stopped early above target_kl)
     # Every epoch shuffles the iteration's decisions and splits ALL of them into num_minibatches minibatches whose sizes
     # differ by at most one (one optimiser step each; one per decision when there are fewer decisions). Counting
     # minibatches rather than fixing their size keeps the update valid for any actors.num_actors x envs_per_actor x
@@ -389,11 +389,11 @@ class AlgorithmConfig:
     # grad_accum) and none is a short leftover.
     minibatch_size: int | None = None
     grad_accum: int = 1  # micro-batches per minibatch, sizes differing by at most one (same gradient, less memory)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradients clipped to this global norm before each optimiser step
     target_kl: float | None = 0.1  # stop the epoch loop when the k3 approx-KL exceeds this; None: never
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = 0  # iterations over which both learning rates rise linearly to their full value
     lr_schedule: str = "cosine"  # "cosine" decays to lr_final_frac * lr over the run; "constant"
-    lr_final_frac: float = 0.1
+    lr_final_frac: float = 0.1  # the cosine schedule's last learning rate, as a fraction of the first
     critic_warmup_iters: int = 3  # iterations that train only the critic (the actor's lr is 0)
     normalize_advantages: bool = True  # over the whole batch, once per iteration
     # A multi-task run's advantages normalised task by task: each task's decisions weigh alike in the update, whatever
@@ -617,8 +617,8 @@ class PretrainConfig:
     # num_demos null, a multi-task run chooses the count of each task not named here: the fewest that put that
     # task's held-out success in the window (learner.bc.starting_checkpoint.search_task_demos).
     task_demos: dict[str, int] = field(default_factory=dict)
-    target_success_min: float = 0.2
-    target_success_max: float = 0.7
+    target_success_min: float = 0.2  # the window num_demos null aims BC's held-out success at: its low end
+    target_success_max: float = 0.7  # and its high end
     demo_noise: float = 0.1  # std of Gaussian noise added to the expert's actions
     # Clone only the expert's episodes that succeed: the demonstrations are then the first layouts of
     # env.demo_benchmark_seed on which it succeeds (for algorithm.stall_demos too). false: the first layouts, failed
@@ -628,11 +628,11 @@ class PretrainConfig:
     # one; a user's own local one does too): it must hold what the run's policy observes under its keys (frames at
     # policy.image_size, observation.state) and its action, and only the run's task sentences. "": the expert.
     dataset: str = ""
-    train_steps: int = 3000
-    batch_size: int = 256
-    lr: float = 1e-3
+    train_steps: int = 3000  # AdamW steps of the flow-matching loss (python -m learner.pretrain --train-steps tries several)
+    batch_size: int = 256  # (observation, chunk) pairs per step
+    lr: float = 1e-3  # AdamW's, decayed by a cosine over train_steps
     eval_episodes: int = 100  # on env.eval_benchmark_seeds' layouts, deterministic sampling
-    seed: int = 0
+    seed: int = 0  # the demonstrations' noise, the initialisation and the batches
 
     def validate(self, path: str = "pretrain") -> None:
         require_positive(self, path, "train_steps", "batch_size")
@@ -670,12 +670,12 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    seed: int = 0
+    seed: int = 0  # the run's seed: the learner's, and with iteration and actor index each rollout's
     iterations: int = 150  # each of actors.num_actors x envs_per_actor x decisions_per_rollout chunks of policy.chunk_size steps
     eval_every: int = 25  # iterations between deterministic held-out evaluations (0: only at start and end)
     eval_episodes: int = 100  # held-out layouts per evaluation
     eval_videos: int = 2  # held-out episodes filmed per task after each evaluation (first success, first failure); 0: none
-    checkpoint_every: int = 25
+    checkpoint_every: int = 25  # iterations between checkpoints (and one at the end, on a stop and on a failure)
     # A multi-task run's stall window, in iterations: every this many, a task whose training-layout success over the last
     # window lies inside the 95% interval of its first window's is named on the console ("[stall]") and in the summary
     # (common.metrics.stalled_tasks). 0: not watched.
@@ -691,7 +691,7 @@ class RunConfig:
     # from `pretrain` (created on first use).
     init_checkpoint: str | None = None
     allow_random_init: bool = False  # fine-tune a randomly initialised policy (almost always a mistake)
-    wandb_project: str = "flowrl"
+    wandb_project: str = "flowrl"  # wandb's project (offline unless WANDB_MODE says otherwise)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -28,7 +28,7 @@ class VLASectionConfig:
     train_time_mlp: bool = True  # the flow time's MLP into the action expert
     train_state_proj: bool = False  # the state projection
     train_noise_head: bool = True  # ReinFlow noise head
-    train_critic: bool = True
+    train_critic: bool = True  # the critic (value head) the project adds
     train_expert: bool = False  # the whole action expert transformer
     train_vlm: bool = False  # the VLM backbone (vision + language model): re-encodes every minibatch
 

@@ -245,3 +245,19 @@ def test_a_vla_backend_registered_in_one_record_is_validated_shown_and_built_as_
     assert policy_class("my_vla").__name__ == "MLPFlowPolicy" and BACKENDS["my_vla"].lerobot_type is None
     with pytest.raises(ConfigError, match=r"policy.type must be one of \[.*'my_vla'.*\], got 'other'"):
         PolicyConfig(type="other").validate()
+
+
+def test_the_config_reference_is_the_schema_as_it_is() -> None:
+    """docs/reference/config.md is generated from the schema (python -m common.config_reference): every field of every
+    section with its type, default and comment; a field added, renamed, re-typed or re-documented without the page
+    regenerated fails here."""
+    from common.config_reference import reference
+
+    page = (REPO / "docs" / "reference" / "config.md").read_text()
+    assert page == reference(), "regenerate it: python -m common.config_reference > docs/reference/config.md"
+
+    def leaves(config) -> int:
+        return sum(leaves(value) if dataclasses.is_dataclass(value := getattr(config, f.name)) else 1 for f in dataclasses.fields(config))
+
+    assert page.count("\n| `") == leaves(RunConfig())  # one row per field, each with its text
+    assert "|  |\n" not in page

@@ -30,7 +30,7 @@ class Pi0Config(VLASectionConfig):
     # lerobot's architecture (its defaults are pi0_base's and pi05_base's): the PaliGemma backbone and the action
     # expert, each one of PI_GEMMA_VARIANTS (tiny ones for both, or for neither).
     paligemma_variant: str = "gemma_2b"
-    action_expert_variant: str = "gemma_300m"
+    action_expert_variant: str = "gemma_300m"  # (with paligemma_variant, above)
     image_resolution: int = 224  # SigLIP's input side; frames are resized with padding to it, as lerobot does
     train_state_proj: bool = True  # pi0 only: the state token of the expert's suffix (it does not feed the prefix)
 

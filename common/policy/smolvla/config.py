@@ -25,8 +25,8 @@ class SmolVLAConfig(VLASectionConfig):
     # lerobot's SmolVLA architecture (its defaults are smolvla_base's).
     num_vlm_layers: int = 16  # first layers of the VLM's text model kept; <= its number of layers
     num_expert_layers: int = -1  # <= 0: as many as num_vlm_layers
-    self_attn_every_n_layers: int = 2
-    expert_width_multiplier: float = 0.75
+    self_attn_every_n_layers: int = 2  # every nth layer attends over prefix and action tokens together; the others cross-attend
+    expert_width_multiplier: float = 0.75  # the action expert's width as a fraction of the VLM's
     # train_state_proj (False): the state projection feeds the VLM prefix, so training it re-encodes every minibatch.
 
     def validate(self, path: str = "policy.smolvla") -> None:
