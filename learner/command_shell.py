@@ -3,8 +3,9 @@ learner.main keeps a run's own mapping of failures beside the same stop handling
 
 - Bad input is a ConfigError or CheckpointError raised before anything is written: one line naming the field or file
   and the fix, exit 2, no traceback.
-- An output that could not be written (a full disk, an unwritable directory) is a CheckpointWriteError: one line,
-  exit 1, and nothing half-written left (every output is written atomically or removed on failure).
+- An output that could not be written (a full disk, an unwritable directory) is a CheckpointWriteError, and work that
+  failed for a reason the command names (a tool it runs exiting with an error) a CommandFailed: one line, exit 1, and
+  nothing half-written left (every output is written atomically or removed on failure).
 - SIGTERM and Ctrl-C end the command as schedulers read it: exit 143 or 130, one line, what it was writing dropped as on
   any failure.
 """
@@ -22,6 +23,10 @@ from learner.runtime.failures import handle_stop_signals, stop_exit_code, stoppe
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
 
+class CommandFailed(RuntimeError):
+    """A command's work failed for the reason its text gives (exit 1, one line)."""
+
+
 def run_command(prog: str, command: Callable[[], int | None]) -> int:
     """`command()`'s exit status (None: 0) in the shell above; `prog` begins its lines (`python -m learner.pretrain`)."""
     handle_stop_signals()
@@ -30,7 +35,7 @@ def run_command(prog: str, command: Callable[[], int | None]) -> int:
     except KeyboardInterrupt as stop:
         log.error(f"[{'stopped by SIGTERM' if stopped_by_sigterm(stop) else 'interrupted'}] {prog}: nothing unfinished was kept")
         return stop_exit_code(stop)
-    except CheckpointWriteError as exc:
+    except (CheckpointWriteError, CommandFailed) as exc:
         log.error(f"{prog}: error: {exc}")
         return EXIT_FAILED
     except (ConfigError, CheckpointError) as exc:

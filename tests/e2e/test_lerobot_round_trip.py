@@ -1,7 +1,8 @@
 """The lerobot round trip at test size, with lerobot's own commands (behind the project's torchvision guard on the
 Python 3.11 line, learner.lerobot_tools): the scripted expert's LeRobotDataset in lerobot's Metaworld layout, a tiny
 SmolVLA trained on it by lerobot-train, fine-tuned by learner.main from that checkpoint as it is, exported, and scored
-by lerobot-eval on lerobot's own Metaworld env. The figures of the full-size round trip are docs/lerobot.md's."""
+by lerobot-eval on lerobot's own Metaworld env beside the project's evaluation (learner.parity). The figures of the
+full-size round trip are docs/lerobot.md's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from common.lerobot_dataset import write_demonstrations
 from common.policy.smolvla.stand_ins import TinyVLMSpec, tiny_vlm_dir
 from learner.export import main as export
 from learner.main import main
+from learner.parity import main as parity
 from tests.conftest import REPO, tiny_run
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # learner.main runs on the tests' Ray, as the other end-to-end runs
@@ -59,7 +61,15 @@ def test_lerobot_train_starts_a_run_whose_export_lerobot_eval_scores_on_its_own_
     out = tmp_path / "export"
     assert export([str(run_dir), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["input_features"] == features  # lerobot's layout, as it came in
-    lerobot("eval", f"--policy.path={out}", "--env.type=metaworld", "--env.task=pick-place-v3", "--eval.n_episodes=1",
-            "--eval.batch_size=1", "--policy.device=cpu", f"--output_dir={tmp_path / 'eval'}", "--seed=0", timeout=400)  # fmt: skip
-    scored = json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]
+    # scored by both evaluators, as a user asks it of their own checkpoint: lerobot-eval on lerobot's env, beside the
+    # project's held-out evaluation with lerobot's semantics
+    parity_dir = tmp_path / "parity"
+    assert parity([str(out), "--config", str(REPO / "configs" / "smolvla_tiny_lerobot_pick.yaml"), "--episodes", "1", "--seed", "0",
+                   "--out", str(parity_dir)]) == 0  # fmt: skip
+    scored = json.loads((parity_dir / "lerobot_eval" / "eval_info.json").read_text())["overall"]
     assert scored["n_episodes"] == 1 and 0.0 <= scored["pc_success"] <= 100.0
+    both = json.loads((parity_dir / "parity.json").read_text())
+    assert both["lerobot_eval"]["episodes"] == both["project"]["episodes"] == 1
+    assert both["lerobot_eval"]["success"] == scored["pc_success"] / 100
+    low, high = both["project"]["ci95"]
+    assert both["agree"] == (low <= both["lerobot_eval"]["ci95"][1] and both["lerobot_eval"]["ci95"][0] <= high)

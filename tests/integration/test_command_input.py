@@ -19,13 +19,13 @@ import pytest
 
 import learner.main as main_module
 from common.policy import WEIGHTS_FILE
-from learner import dataset, diagnose, export, lerobot_tools, pretrain, replay, sweep
+from learner import dataset, diagnose, export, lerobot_tools, parity, pretrain, replay, sweep
 from learner.main import main as learner_main
 from tests.conftest import tiny_run
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "pretrain": pretrain.main, "dataset": dataset.main, "export": export.main, "replay": replay.main, "diagnose": diagnose.main,
-    "sweep": sweep.main, "lerobot_tools": lerobot_tools.main, "main": learner_main,
+    "sweep": sweep.main, "lerobot_tools": lerobot_tools.main, "parity": parity.main, "main": learner_main,
 }  # fmt: skip
 TINY = ["--set", "policy.hidden_dim=64", "--set", "policy.num_layers=2", "--set", "env.max_episode_steps=40"]
 
@@ -155,6 +155,13 @@ CASES = [
     ("sweep", "existing output", lambda i, c, d, o: ["--seeds", "0", "--sweep-dir", _taken_sweep(i)], r"already holds runs of seeds \[0\]"),
     ("sweep", "missing checkpoint", lambda i, c, d, o: ["--seeds", "0", "--sweep-dir", o, "--set", f"init_checkpoint={i / 'nowhere'}"],
      r"init checkpoint .*nowhere has no model\.safetensors"),
+    # learner.parity: a lerobot checkpoint, scored on one Metaworld task in lerobot's layout
+    ("parity", "missing checkpoint", lambda i, c, d, o: [str(i / "nowhere"), "--out", o], r"nowhere is not a lerobot checkpoint"),
+    ("parity", "not a lerobot checkpoint", lambda i, c, d, o: [str(c), "--out", o], r"is not a lerobot checkpoint .*learner\.export first"),
+    ("parity", "existing output", lambda i, c, d, o: [_lerobot_checkpoint(i), "--out", empty_directory(i, "taken")],
+     r"--out .*taken' already exists"),
+    ("parity", "episodes", lambda i, c, d, o: [_lerobot_checkpoint(i), "--out", o, "--episodes", "0"],
+     r"--episodes and --batch-size must be >= 1"),
     # learner.lerobot_tools: nothing asked of the hub
     ("lerobot_tools", "unknown command", lambda i, c, d, o: ["serve"], r"usage: python -m learner\.lerobot_tools \{train,eval\}"),
     ("lerobot_tools", "missing dataset", lambda i, c, d, o: ["train", f"--dataset.root={i / 'nowhere'}", f"--output_dir={o}"],
@@ -169,6 +176,13 @@ def _run_dir(inputs: Path, run_config: str) -> str:
     run.mkdir()
     (run / "run_config.json").write_text(run_config)
     return str(run)
+
+
+def _lerobot_checkpoint(inputs: Path) -> str:
+    """A directory whose config.json reads as a lerobot policy's (the checks before any work read no more of it)."""
+    (inputs / "lerobot").mkdir()
+    (inputs / "lerobot" / "config.json").write_text(json.dumps({"type": "smolvla", "input_features": {}}))
+    return str(inputs / "lerobot")
 
 
 def _taken_sweep(inputs: Path) -> str:
@@ -207,7 +221,7 @@ def test_the_table_has_every_command_and_each_class_of_bad_input() -> None:
         assert {(reader, case) for case in ("missing dataset", "corrupt info.json", "state width", "another task")} <= cases
     for reader in ("export", "replay"):
         assert {(reader, case) for case in ("missing checkpoint", "empty checkpoint", "corrupt checkpoint")} <= cases
-    assert {command for command, case, *_ in CASES if case == "existing output"} == {"pretrain", "dataset", "export", "sweep"}
+    assert {command for command, case, *_ in CASES if case == "existing output"} == {"pretrain", "dataset", "export", "sweep", "parity"}
 
 
 def test_a_dataset_lerobot_finds_incomplete_is_refused_without_asking_the_hub(tmp_path, tiny_dataset, monkeypatch) -> None:
