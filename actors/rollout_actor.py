@@ -54,9 +54,16 @@ def rollout_seed(seed: int, iteration: int, actor_index: int) -> int:
 
 
 class RolloutActor:
-    def __init__(self, config: RunConfig, actor_index: int, checkpoint_dir: str | Path,
-                 benchmark_tables: dict | str | None = None, niceness: int | None = None,
-                 known_digests: dict | None = None, files: RunFiles | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        actor_index: int,
+        checkpoint_dir: str | Path,
+        benchmark_tables: dict | str | None = None,
+        niceness: int | None = None,
+        known_digests: dict | None = None,
+        files: RunFiles | None = None,
+    ):
         """benchmark_tables: the run's layouts, built once outside the actor (Suite.layout_tables): a dict, or the name
         of the run's learner.runtime.startup.LayoutTables actor, whose tables the driver's start-up tasks may still be building,
         read only once the policy is loaded, just before the envs need them; None: the actor builds each benchmark seed
@@ -167,8 +174,9 @@ class RolloutActor:
         batch = self.sample(weights, iteration)
         return {"env_steps": batch.env_steps, "pid": os.getpid()}, batch
 
-    def evaluate(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout],
-                 noise_seed: int | None = None) -> tuple[int, np.ndarray]:  # fmt: skip
+    def evaluate(
+        self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], noise_seed: int | None = None
+    ) -> tuple[int, np.ndarray]:
         """Deterministic episodes on the given layouts, task by task (common.rollout.evaluate_layouts); returns (weight
         version used, successes). With noise_seed, episodes of the noisy policy the rollouts sample, its noise drawn
         from a generator with that seed."""
@@ -180,8 +188,14 @@ class RolloutActor:
                 successes[positions] = evaluate_layouts(self.policy, self.eval_envs(task), [eval_layouts[i] for i in positions], noise)
         return self.version, successes
 
-    def record_episodes(self, weights: WeightsPayload | None, eval_layouts: Sequence[Layout], size: int = VIDEO_SIZE,
-                        positions: Sequence[int] | None = None, camera: str | None = None) -> list[EpisodeRecording]:  # fmt: skip
+    def record_episodes(
+        self,
+        weights: WeightsPayload | None,
+        eval_layouts: Sequence[Layout],
+        size: int = VIDEO_SIZE,
+        positions: Sequence[int] | None = None,
+        camera: str | None = None,
+    ) -> list[EpisodeRecording]:
         """Film the episodes at `positions` (default: all) of evaluate(weights, eval_layouts): size x size frames from
         `camera` (default: the suite's film_camera), and each outcome as evaluate() gives it (common.recording.
         record_layouts: the batches evaluate() ran are run again). To film episodes of a run's evaluation, pass the

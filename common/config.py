@@ -103,8 +103,11 @@ class PolicyConfig:
             f"{path}.image_keys must be empty or name one distinct key per camera of {path}.cameras {self.cameras}, got {self.image_keys}",
         )
         bad_keys = [key for key in [*self.image_keys, *self.rename_map, *self.rename_map.values()] if not key.startswith("observation.")]
-        require(not bad_keys, f"{path}.image_keys and {path}.rename_map name lerobot observation keys (observation.image, "
-                              f"observation.images.<name>), got {bad_keys}")  # fmt: skip
+        require(
+            not bad_keys,
+            f"{path}.image_keys and {path}.rename_map name lerobot observation keys (observation.image, "
+            f"observation.images.<name>), got {bad_keys}",
+        )
         require_choice(self, path, "log_prob_normalization", ("mean", "sum"))
         bounds, width = self.action_bounds, self.action_dim
         require(
@@ -426,8 +429,15 @@ class AlgorithmConfig:
     stall_bc_batch: int = 256
 
     # Fields only one algorithm reads: the critic's (ppo) and the groups' (grpo).
-    CRITIC_FIELDS = ("gae_lambda", "value_clip", "vf_coef", "critic_lr", "critic_warmup_iters", "normalize_advantages",
-                     "normalize_advantages_per_task")  # fmt: skip
+    CRITIC_FIELDS = (
+        "gae_lambda",
+        "value_clip",
+        "vf_coef",
+        "critic_lr",
+        "critic_warmup_iters",
+        "normalize_advantages",
+        "normalize_advantages_per_task",
+    )
     GRPO_FIELDS = ("group_size", "grpo_std_normalization")
 
     def unused_fields(self) -> tuple[str, ...]:
@@ -456,16 +466,20 @@ class AlgorithmConfig:
         require(self.lr_warmup_iters >= 0 and self.critic_warmup_iters >= 0, f"{path}.lr_warmup_iters/critic_warmup_iters must be >= 0")
         require_choice(self, path, "algo", ("ppo", "grpo"))
         require(self.group_size >= 2, f"{path}.group_size must be >= 2 (a group compares its rollouts), got {self.group_size}")
-        require(0 <= self.stall_demos <= 50,
-                f"{path}.stall_demos must be in [0, 50] (one benchmark seed holds 50 layouts), got {self.stall_demos}")  # fmt: skip
+        require(
+            0 <= self.stall_demos <= 50,
+            f"{path}.stall_demos must be in [0, 50] (one benchmark seed holds 50 layouts), got {self.stall_demos}",
+        )
         require(self.stall_bc_coef > 0, f"{path}.stall_bc_coef must be > 0, got {self.stall_bc_coef}")
         require(self.stall_bc_batch > 0, f"{path}.stall_bc_batch must be > 0, got {self.stall_bc_batch}")
         require(self.kl_beta >= 0, f"{path}.kl_beta must be >= 0 (0: no KL to the reference), got {self.kl_beta}")
         require_choice(self, path, "kl_estimator", ("exact", "k1", "k2", "k3"))
         require_choice(self, path, "stale_rollouts", ("decoupled", "behaviour"))
         require(self.ratio_tolerance > 0, f"{path}.ratio_tolerance must be > 0")
-        require(not self.normalize_advantages_per_task or self.normalize_advantages,
-                f"{path}.normalize_advantages_per_task needs normalize_advantages: true")  # fmt: skip
+        require(
+            not self.normalize_advantages_per_task or self.normalize_advantages,
+            f"{path}.normalize_advantages_per_task needs normalize_advantages: true",
+        )
 
 
 @dataclass
@@ -713,8 +727,10 @@ class RunConfig:
         algorithm = self.algorithm
         for name in ("lr_warmup_iters", "critic_warmup_iters") if algorithm.algo == "ppo" else ("lr_warmup_iters",):  # GRPO: no critic
             warmup = getattr(algorithm, name)
-            require(warmup < self.iterations, f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would "
-                                               "only warm up")  # fmt: skip
+            require(
+                warmup < self.iterations,
+                f"algorithm.{name} ({warmup}) must be < iterations ({self.iterations}): the run would only warm up",
+            )
         decisions = self.actors.num_actors * self.actors.envs_per_actor * self.actors.decisions_per_rollout
         require(
             algorithm.minibatch_size is None or algorithm.minibatch_size <= decisions,
@@ -784,7 +800,9 @@ class RunConfig:
 def _ray_resources(path: str, num_gpus: float, resources: dict[str, float]) -> None:
     """Ray accepts fractions below 1 and whole numbers above; CPU/GPU have their own fields."""
     for name, amount in {"num_gpus": num_gpus, **{f"resources.{k}": v for k, v in resources.items()}}.items():
-        require(amount >= 0 and (amount <= 1 or float(amount).is_integer()),
-                 f"{path}.{name} must be >= 0 and, above 1, a whole number (Ray's rule), got {amount}")  # fmt: skip
+        require(
+            amount >= 0 and (amount <= 1 or float(amount).is_integer()),
+            f"{path}.{name} must be >= 0 and, above 1, a whole number (Ray's rule), got {amount}",
+        )
     reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(resources))
     require(not reserved, f"{path}.resources must not name {reserved}: use {path}.num_cpus / {path}.num_gpus")

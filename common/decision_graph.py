@@ -98,8 +98,12 @@ class DecisionGraph:
 
     def _pack(self) -> Tensor:
         """One eager pass over the fixed inputs and noise, its outputs packed into (batch_size, width) float32."""
-        with torch.no_grad(), torch.autocast("cuda", dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None,
-                                             cache_enabled=False):  # fmt: skip
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                "cuda", dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None, cache_enabled=False
+            ),
+        ):
             outputs = decision_tensors(self.policy, self.inputs, deterministic=False, noise=self.noise)
         self.layout = [(name, tuple(value.shape[1:])) for name, value in outputs.items()]
         return torch.cat([value.float().reshape(self.batch_size, -1) for value in outputs.values()], dim=1)

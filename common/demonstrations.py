@@ -47,8 +47,10 @@ def successful_episodes(
                 yield episode
             if kept == count:
                 return
-    raise ConfigError(f"the scripted expert of {task} succeeded on {kept} of the {tried} layouts it was given, fewer than the {count} "
-                      "successful demonstrations asked for: ask for fewer, or set pretrain.successful_demos_only: false")  # fmt: skip
+    raise ConfigError(
+        f"the scripted expert of {task} succeeded on {kept} of the {tried} layouts it was given, fewer than the {count} "
+        "successful demonstrations asked for: ask for fewer, or set pretrain.successful_demos_only: false"
+    )
 
 
 def demonstration_episodes(

@@ -34,11 +34,15 @@ EMPTY_CAMERA = "observation.images.empty_camera_"  # the frames lerobot's SmolVL
 # lerobot's config fields that the project's policy config holds too: (lerobot's name, the project's dotted field below
 # policy, or below policy.<section> where it starts with a dot).
 ARCHITECTURE_FIELDS = (
-    ("chunk_size", "chunk_size"), ("max_state_dim", ".max_state_dim"), ("max_action_dim", ".max_action_dim"),
-    ("tokenizer_max_length", ".tokenizer_max_length"), ("num_vlm_layers", ".num_vlm_layers"),
-    ("num_expert_layers", ".num_expert_layers"), ("self_attn_every_n_layers", ".self_attn_every_n_layers"),
+    ("chunk_size", "chunk_size"),
+    ("max_state_dim", ".max_state_dim"),
+    ("max_action_dim", ".max_action_dim"),
+    ("tokenizer_max_length", ".tokenizer_max_length"),
+    ("num_vlm_layers", ".num_vlm_layers"),
+    ("num_expert_layers", ".num_expert_layers"),
+    ("self_attn_every_n_layers", ".self_attn_every_n_layers"),
     ("expert_width_multiplier", ".expert_width_multiplier"),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,10 @@ def frame_side(features: LerobotFeatures) -> int:
     shapes = set(features.images.values())
     sides = {shape[1] for shape in shapes if len(shape) == 3 and shape[0] == 3 and shape[1] == shape[2]}
     if len(shapes) != 1 or len(sides) != 1:
-        raise ConfigError(f"{features.field}: the frames {features.images} are not one square RGB size (3, S, S), which policy.image_size "
-                          "is for every camera")  # fmt: skip
+        raise ConfigError(
+            f"{features.field}: the frames {features.images} are not one square RGB size (3, S, S), which policy.image_size "
+            "is for every camera"
+        )
     return sides.pop()
 
 
@@ -107,22 +113,27 @@ def layout_gives(suite: Suite, task: str, features: LerobotFeatures, rename_map:
     return bool(suite.lerobot_images) and set(features.images) <= keys and features.state == suite.lerobot_state_size
 
 
-def cameras_for(features: LerobotFeatures, sources: dict[str, str], rename_map: Mapping[str, str], observations: str,
-                suite_name: str) -> list[str]:  # fmt: skip
+def cameras_for(
+    features: LerobotFeatures, sources: dict[str, str], rename_map: Mapping[str, str], observations: str, suite_name: str
+) -> list[str]:
     """The scene camera of each of the checkpoint's frames, in its order: the one the env key it is renamed from is drawn
     from. A ConfigError naming the frame and the rename_map that would give it where none does."""
     env_key = {rename_map.get(key, key): key for key in sources}
     cameras = []
     for key in features.images:
         if key.startswith(EMPTY_CAMERA) and key not in env_key:
-            raise ConfigError(f"{features.field} reads {key}, a camera lerobot fills with a blank frame (--policy.empty_cameras), "
-                              "which the project's policies do not: train it without empty cameras, or map an env frame to "
-                              "each")  # fmt: skip
+            raise ConfigError(
+                f"{features.field} reads {key}, a camera lerobot fills with a blank frame (--policy.empty_cameras), "
+                "which the project's policies do not: train it without empty cameras, or map an env frame to "
+                "each"
+            )
         if key not in env_key:
             offered = ", ".join(sources)
             example = next(iter(sources), "observation.images.<camera>")
-            raise ConfigError(f"{features.field} reads {key}, which env.observations {observations!r} of {suite_name} does not give "
-                              f"(it gives {offered}): map one to it, e.g. --set 'policy.rename_map={{{example}: {key}}}'")  # fmt: skip
+            raise ConfigError(
+                f"{features.field} reads {key}, which env.observations {observations!r} of {suite_name} does not give "
+                f"(it gives {offered}): map one to it, e.g. --set 'policy.rename_map={{{example}: {key}}}'"
+            )
         cameras.append(sources[env_key[key]])
     return cameras
 
@@ -210,22 +221,30 @@ def check_features(config: RunConfig, suite: Suite) -> None:
         return
     features, policy = read_features(*start), config.policy
     if features.type != policy.type:
-        raise ConfigError(f"{features.field}: {features.directory} is a lerobot {features.type!r} checkpoint, not policy.type "
-                          f"{policy.type!r}")  # fmt: skip
+        raise ConfigError(
+            f"{features.field}: {features.directory} is a lerobot {features.type!r} checkpoint, not policy.type {policy.type!r}"
+        )
     if list(features.images) != policy.image_features():
-        raise ConfigError(f"{features.field} reads the frames {list(features.images)} (its input_features) but the policy is given "
-                          f"{policy.image_features()} (policy.cameras {policy.cameras}): leave policy.cameras and policy.image_keys "
-                          "unset, or map the env's keys with policy.rename_map")  # fmt: skip
+        raise ConfigError(
+            f"{features.field} reads the frames {list(features.images)} (its input_features) but the policy is given "
+            f"{policy.image_features()} (policy.cameras {policy.cameras}): leave policy.cameras and policy.image_keys "
+            "unset, or map the env's keys with policy.rename_map"
+        )
     suite.check_image_keys(policy, suite.tasks()[0])
     if BACKENDS[policy.type].state_in_prompt:
         return  # a state written into the prompt as bins has no width a projection fixes (pi0.5)
     if features.state != policy.obs_dim and not getattr(policy, section).reinit_state_proj:
-        layout = "" if config.env.lerobot_observations or not suite.lerobot_images else (
-            f"; env.observations 'lerobot' gives {suite.lerobot_state_size}")  # fmt: skip
-        raise ConfigError(f"{features.field} reads a {features.state}-element observation.state but the run's state has {policy.obs_dim} "
-                          f"(policy.obs_dim, env.observations {config.env.observations!r}{layout}): set "
-                          f"policy.{section}.reinit_state_proj: "
-                          "true to learn a new state projection")  # fmt: skip
+        layout = (
+            ""
+            if config.env.lerobot_observations or not suite.lerobot_images
+            else (f"; env.observations 'lerobot' gives {suite.lerobot_state_size}")
+        )
+        raise ConfigError(
+            f"{features.field} reads a {features.state}-element observation.state but the run's state has {policy.obs_dim} "
+            f"(policy.obs_dim, env.observations {config.env.observations!r}{layout}): set "
+            f"policy.{section}.reinit_state_proj: "
+            "true to learn a new state projection"
+        )
 
 
 def normalisation(directory: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
@@ -246,14 +265,17 @@ def normalisation(directory: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] |
     modes = step.get("config", {}).get("norm_map", {})
     for kind in ("STATE", "ACTION"):
         if modes.get(kind, "MEAN_STD") != "MEAN_STD":
-            raise CheckpointError(f"{path}: lerobot normalises {kind} by {modes[kind]}; the project's policies read state and actions "
-                                  "normalised by mean and std (train with --policy.normalization_mapping's MEAN_STD)")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: lerobot normalises {kind} by {modes[kind]}; the project's policies read state and actions "
+                "normalised by mean and std (train with --policy.normalization_mapping's MEAN_STD)"
+            )
     stats = load_file(str(directory / step["state_file"]))
     eps = float(step.get("config", {}).get("eps", 1e-8))
     found = {}
     for key in ("observation.state", "action"):
         if f"{key}.mean" not in stats or f"{key}.std" not in stats:
-            raise CheckpointError(f"{directory / step['state_file']} has no {key}.mean and {key}.std: the project needs both to "
-                                  "read lerobot's units")  # fmt: skip
+            raise CheckpointError(
+                f"{directory / step['state_file']} has no {key}.mean and {key}.std: the project needs both to read lerobot's units"
+            )
         found[key] = (stats[f"{key}.mean"].astype(np.float32), (stats[f"{key}.std"] + eps).astype(np.float32))
     return found

@@ -53,8 +53,9 @@ def dataset_features(policy: PolicyConfig) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite: bool = False,
-                         progress: Callable[[str, Episode], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def write_demonstrations(
+    config: RunConfig, out: Path, episodes: int, overwrite: bool = False, progress: Callable[[str, Episode], None] | None = None
+) -> dict[str, Any]:
     """`episodes` scripted demonstrations of each of the run's tasks, on the first layouts of env.demo_benchmark_seed,
     with pretrain.demo_noise and pretrain.seed as behaviour cloning draws them (the first that succeed with
     pretrain.successful_demos_only), into a new LeRobotDataset at `out` (repo id flowrl/<suite>). Returns what was
@@ -81,13 +82,22 @@ def write_demonstrations(config: RunConfig, out: Path, episodes: int, overwrite:
     fps = suite.lerobot_fps or 30
     written = {"episodes": 0, "frames": 0, "successes": 0}
     try:
-        dataset = dataset_class.create(repo_id=f"flowrl/{suite.name}", fps=fps, features=dataset_features(policy), root=tmp,
-                                       robot_type=suite.lerobot_robot or None, use_videos=False)  # fmt: skip
+        dataset = dataset_class.create(
+            repo_id=f"flowrl/{suite.name}",
+            fps=fps,
+            features=dataset_features(policy),
+            root=tmp,
+            robot_type=suite.lerobot_robot or None,
+            use_videos=False,
+        )
         for task in tasks:
             layouts, noise, seed = suite.layouts(task, [config.env.demo_benchmark_seed]), config.pretrain.demo_noise, config.pretrain.seed
             sentence = suite.instruction(task)
-            recorded = (successful_episodes(suite, task, layouts, episodes, noise, seed, cameras) if config.pretrain.successful_demos_only
-                        else demonstration_episodes(suite, task, layouts[:episodes], noise, seed, cameras))  # fmt: skip
+            recorded = (
+                successful_episodes(suite, task, layouts, episodes, noise, seed, cameras)
+                if config.pretrain.successful_demos_only
+                else demonstration_episodes(suite, task, layouts[:episodes], noise, seed, cameras)
+            )
             for episode in recorded:
                 for t in range(len(episode.actions)):
                     action = (episode.actions[t] * half_width + centre).astype(np.float32)
@@ -118,8 +128,10 @@ def check_dataset(directory: Path, policy: PolicyConfig, suite: Suite) -> None:
     work starts, and before lerobot, which would look for a directory it cannot read on the model hub."""
     what = f"pretrain.dataset {directory}"
     if not directory.exists():
-        raise ConfigError(f"{what} does not exist: give the directory `python -m learner.dataset --out` or lerobot wrote (a local "
-                          "path; datasets are never downloaded)")  # fmt: skip
+        raise ConfigError(
+            f"{what} does not exist: give the directory `python -m learner.dataset --out` or lerobot wrote (a local "
+            "path; datasets are never downloaded)"
+        )
     info_file = directory / "meta" / "info.json"
     if not directory.is_dir() or not info_file.is_file():
         kind = "is a file" if not directory.is_dir() else "is empty" if not any(directory.iterdir()) else "has no meta/info.json"
@@ -132,22 +144,26 @@ def check_dataset(directory: Path, policy: PolicyConfig, suite: Suite) -> None:
         features, episodes, data_path = info["features"], int(info["total_episodes"]), str(info["data_path"])
         tasks = set(pandas.read_parquet(directory / "meta" / "tasks.parquet").index)
     except (OSError, ValueError, KeyError, TypeError, ArrowException) as exc:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"{what}: its meta/ files are corrupt or incomplete ({type(exc).__name__}: {exc}): "
-                          "write the dataset again") from None  # fmt: skip
+        raise ConfigError(
+            f"{what}: its meta/ files are corrupt or incomplete ({type(exc).__name__}: {exc}): write the dataset again"
+        ) from None
     for key, feature in dataset_features(policy).items():
         found = features.get(key)
         shape = None if not isinstance(found, dict) else tuple(found.get("shape", ()))
         if shape != tuple(feature["shape"]):
-            raise ConfigError(f"{what}: {key} is {shape or 'missing'}, the policy reads {tuple(feature['shape'])} "
-                              f"(its features: {sorted(features)})")  # fmt: skip
+            raise ConfigError(
+                f"{what}: {key} is {shape or 'missing'}, the policy reads {tuple(feature['shape'])} (its features: {sorted(features)})"
+            )
     sentences = {suite.instruction(task) for task in suite.tasks()}
     if tasks - sentences:
-        raise ConfigError(f"{what} holds the tasks {sorted(tasks - sentences)}, which are not the run's {sorted(sentences)} "
-                          "(env.task, env.observations)")  # fmt: skip
+        raise ConfigError(
+            f"{what} holds the tasks {sorted(tasks - sentences)}, which are not the run's {sorted(sentences)} (env.task, env.observations)"
+        )
     first_file = directory / data_path.format(chunk_index=0, file_index=0)
     if episodes < 1 or not first_file.is_file():
-        raise ConfigError(f"{what} holds no episodes ({'total_episodes 0' if episodes < 1 else f'{first_file} is missing'}): "
-                          "write the dataset again")  # fmt: skip
+        raise ConfigError(
+            f"{what} holds no episodes ({'total_episodes 0' if episodes < 1 else f'{first_file} is missing'}): write the dataset again"
+        )
 
 
 @contextlib.contextmanager
@@ -161,8 +177,9 @@ def hub_offline() -> Iterator[None]:
     try:
         yield
     except OfflineModeIsEnabled as exc:
-        raise ConfigError(f"lerobot found the dataset incomplete and asked the model hub for the rest, which a run never does "
-                          f"({exc})") from None  # fmt: skip
+        raise ConfigError(
+            f"lerobot found the dataset incomplete and asked the model hub for the rest, which a run never does ({exc})"
+        ) from None
     finally:
         constants.HF_HUB_OFFLINE = offline
 
@@ -180,8 +197,9 @@ def read_demonstrations(directory: Path, policy: PolicyConfig, suite: Suite) -> 
     except ConfigError as exc:
         raise ConfigError(f"pretrain.dataset {directory}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - lerobot's own errors for a dataset it cannot read, as one line
-        raise ConfigError(f"pretrain.dataset {directory}: lerobot cannot read it ({type(exc).__name__}: {exc}): "
-                          "write the dataset again") from None  # fmt: skip
+        raise ConfigError(
+            f"pretrain.dataset {directory}: lerobot cannot read it ({type(exc).__name__}: {exc}): write the dataset again"
+        ) from None
     rows = dataset.hf_dataset.with_format(None)
     tasks = list(dataset.meta.tasks.index)
     task_sentences = [tasks[index] for index in rows["task_index"]]

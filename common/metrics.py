@@ -152,8 +152,14 @@ def plot_learning_curve(rows: list[dict], path: str | Path, title: str, initial_
     ]
     if evals:
         e = np.array(evals)
-        ax.errorbar(e[:, 0], e[:, 1], yerr=[e[:, 1] - e[:, 2], e[:, 3] - e[:, 1]], fmt="o-", capsize=3,
-                    label="held-out success (deterministic, 95% CI)")  # fmt: skip
+        ax.errorbar(
+            e[:, 0],
+            e[:, 1],
+            yerr=[e[:, 1] - e[:, 2], e[:, 3] - e[:, 1]],
+            fmt="o-",
+            capsize=3,
+            label="held-out success (deterministic, 95% CI)",
+        )
     return _save_success_plot(fig, ax, path, title, "success rate")
 
 
@@ -194,8 +200,11 @@ def why_inside(initial: dict, inside: list[str], stalled: dict[str, dict], helpe
             reasons[task] = f"solved at the start ({start:.2f})"
         elif task in stalled:
             stall = stalled[task]
-            spans = [f"{stall[name]:.2f} over {'iterations ' if name == 'first' else ''}{'-'.join(map(str, stall[name + '_iterations']))}"
-                     for name in ("first", "previous", "last") if name in stall]  # fmt: skip
+            spans = [
+                f"{stall[name]:.2f} over {'iterations ' if name == 'first' else ''}{'-'.join(map(str, stall[name + '_iterations']))}"
+                for name in ("first", "previous", "last")
+                if name in stall
+            ]
             moved = "moved, then " if "previous" in stall else ""
             reasons[task] = f"{moved}stalled to the end: training-layout success " + ", ".join(spans)
         else:
@@ -264,8 +273,12 @@ def eval_metrics(successes: np.ndarray, layouts: list) -> dict[str, float]:
 
     def interval(prefix: str, values: np.ndarray) -> dict[str, float]:
         rate, low, high = success_interval(values)
-        return {f"{prefix}success_rate": rate, f"{prefix}success_low": low, f"{prefix}success_high": high,
-                f"{prefix}episodes": float(len(values))}  # fmt: skip
+        return {
+            f"{prefix}success_rate": rate,
+            f"{prefix}success_low": low,
+            f"{prefix}success_high": high,
+            f"{prefix}episodes": float(len(values)),
+        }
 
     result = interval("eval/", successes)
     seeds = np.array([layout.benchmark_seed for layout in layouts])
@@ -290,8 +303,11 @@ def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Pat
     per_seed: dict[int, dict[int, tuple[float, float]]] = {}  # seed -> iteration -> (env steps, success)
     for seed, (initial, rows) in sorted(curves.items()):
         points = {0: (0.0, initial["eval/success_rate"])} if initial else {}
-        points |= {int(r["iteration"]): (float(r["rollout/total_env_steps"]), r["eval/success_rate"]) for r in rows
-                   if r.get("eval/success_rate") is not None}  # fmt: skip
+        points |= {
+            int(r["iteration"]): (float(r["rollout/total_env_steps"]), r["eval/success_rate"])
+            for r in rows
+            if r.get("eval/success_rate") is not None
+        }
         per_seed[seed] = points
         xy = np.array([points[i] for i in sorted(points)])
         ax.plot(xy[:, 0], xy[:, 1], "o-", alpha=0.45, markersize=3, label=f"seed {seed}")
@@ -305,10 +321,14 @@ def plot_seed_curves(curves: dict[int, tuple[dict, list[dict]]], path: str | Pat
 # The update's own figures of each task (learner.update.task_figures, and the raw advantage spread with per-task
 # normalisation) that a stalled task's line shows against the moving tasks': key pattern -> the line's name.
 STALL_FIGURES = {
-    "policy/task/{}/clip_share": "clip share", "policy/task/{}/approx_kl": "approx KL", "policy/task/{}/sigma_mean": "sigma",
-    "policy/task/{}/action_abs_mean": "|action|", "values/task/{}/advantage_raw_std": "advantage std",
-    "values/task/{}/explained_variance": "value EV", "kl_ref/task/{}/mean": "KL to reference",
-}  # fmt: skip
+    "policy/task/{}/clip_share": "clip share",
+    "policy/task/{}/approx_kl": "approx KL",
+    "policy/task/{}/sigma_mean": "sigma",
+    "policy/task/{}/action_abs_mean": "|action|",
+    "values/task/{}/advantage_raw_std": "advantage std",
+    "values/task/{}/explained_variance": "value EV",
+    "kl_ref/task/{}/mean": "KL to reference",
+}
 
 
 # A task at least this successful on its training layouts over the last window is solved, not stalled: too little room
@@ -342,9 +362,15 @@ def stalled_tasks(rows: list[dict], window: int, compare: str = "first") -> dict
     stalled = {}
     for task in tasks:
         (first, low, high, first_episodes), (last, *_) = (success_window(part, task) for part in (first_rows, last_rows))
-        stall = {"first": first, "first_low": low, "first_high": high, "last": last, "first_episodes": first_episodes,
-                 "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
-                 "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]]}  # fmt: skip
+        stall = {
+            "first": first,
+            "first_low": low,
+            "first_high": high,
+            "last": last,
+            "first_episodes": first_episodes,
+            "first_iterations": [rows[0]["iteration"], rows[window - 1]["iteration"]],
+            "last_iterations": [rows[-window]["iteration"], rows[-1]["iteration"]],
+        }
         if last >= SOLVED_SUCCESS:
             continue
         if not low <= last <= high:
@@ -353,8 +379,12 @@ def stalled_tasks(rows: list[dict], window: int, compare: str = "first") -> dict
             previous, previous_low, previous_high, _ = success_window(previous_rows, task)
             if not previous_low <= last <= previous_high:
                 continue
-            stall |= {"previous": previous, "previous_low": previous_low, "previous_high": previous_high,
-                      "previous_iterations": [previous_rows[0]["iteration"], previous_rows[-1]["iteration"]]}  # fmt: skip
+            stall |= {
+                "previous": previous,
+                "previous_low": previous_low,
+                "previous_high": previous_high,
+                "previous_iterations": [previous_rows[0]["iteration"], previous_rows[-1]["iteration"]],
+            }
         returns = [window_mean(part, task_key(task, "first_episode_return", "rollout")) for part in (first_rows, last_rows)]
         if all(math.isfinite(value) for value in returns):  # its reward moving while its success does not
             stall |= {"first_return": returns[0], "last_return": returns[1]}
@@ -364,16 +394,24 @@ def stalled_tasks(rows: list[dict], window: int, compare: str = "first") -> dict
     for task, stall in stalled.items():
         stall["figures"] = figures[task]
         if moving:
-            stall["moving_figures"] = {name: float(np.mean([other[name] for other in moving if name in other]))
-                                       for name in figures[task] if any(name in other for other in moving)}  # fmt: skip
+            stall["moving_figures"] = {
+                name: float(np.mean([other[name] for other in moving if name in other]))
+                for name in figures[task]
+                if any(name in other for other in moving)
+            }
     return stalled
 
 
 def success_window(rows: list[dict], task: str) -> tuple[float, float, float, int]:
     """`task`'s first-episode success on its training layouts pooled over `rows` (each row weighted by its first
     episodes; a row with none, or a NaN rate, weighs nothing): (rate, Wilson 95% low, high, first episodes)."""
-    trials = [(row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
-               row.get(task_key(task, "first_episodes", "rollout"), 0.0)) for row in rows]  # fmt: skip
+    trials = [
+        (
+            row.get(task_key(task, "first_episode_success_rate", "rollout"), math.nan),
+            row.get(task_key(task, "first_episodes", "rollout"), 0.0),
+        )
+        for row in rows
+    ]
     counted = [(rate, count) for rate, count in trials if count and math.isfinite(rate)]
     n = int(sum(count for _, count in counted))
     return (*counts_interval(sum(rate * count for rate, count in counted), n), n)
@@ -399,8 +437,10 @@ def describe_stall(task: str, stall: dict) -> str:
     line += f"inside the {interval}"
     reach = max(stall[held + "_high"] - stall[held], stall[held] - stall[held + "_low"])
     if reach > STALL_RESOLUTION and "first_episodes" in stall:
-        line += (f" ({stall['first_episodes']} first episodes a window: a move under {reach:.2f} stays inside it, so this may be "
-                 "a slow task rather than a still one; a longer stall_window tells them apart)")  # fmt: skip
+        line += (
+            f" ({stall['first_episodes']} first episodes a window: a move under {reach:.2f} stays inside it, so this may be "
+            "a slow task rather than a still one; a longer stall_window tells them apart)"
+        )
     if "first_return" in stall:
         line += f"; first-episode return {stall['first_return']:.4g} -> {stall['last_return']:.4g}"
     figures, moving = stall.get("figures", {}), stall.get("moving_figures", {})

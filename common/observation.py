@@ -30,8 +30,12 @@ Array = np.ndarray | Tensor
 
 # Field name -> (dtype name every array of it must have, in numpy and torch alike; dims of ONE observation).
 _SPEC: dict[str, tuple[str, int]] = {
-    "state": ("float32", 1), "images": ("uint8", 4), "tokens": ("int64", 1), "token_mask": ("bool", 1), "image_embeddings": ("float32", 3),
-}  # fmt: skip
+    "state": ("float32", 1),
+    "images": ("uint8", 4),
+    "tokens": ("int64", 1),
+    "token_mask": ("bool", 1),
+    "image_embeddings": ("float32", 3),
+}
 
 
 @dataclass

@@ -55,8 +55,13 @@ class EpisodeRecording:
     def captioned(self, label: str | None = None) -> np.ndarray:
         """The frames with the task, layout, outcome and a step counter written on them (and `label` above, if given)."""
         head = [label] if label else []
-        return caption(self.frames, [[*head, f"{self.task}  layout {self.layout_id}", f"step {t}/{self.steps}  {self.outcome}"]
-                                     for t in range(1, len(self.frames) + 1)])  # fmt: skip
+        return caption(
+            self.frames,
+            [
+                [*head, f"{self.task}  layout {self.layout_id}", f"step {t}/{self.steps}  {self.outcome}"]
+                for t in range(1, len(self.frames) + 1)
+            ],
+        )
 
 
 def filmed_slots(size: int, positions: Sequence[int]) -> list[int]:
@@ -65,8 +70,13 @@ def filmed_slots(size: int, positions: Sequence[int]) -> list[int]:
     return sorted({position % size for position in positions})
 
 
-def record_layouts(policy: FlowPolicy, envs: list[SuiteEnv], filmed: Mapping[int, SuiteEnv], layouts: Sequence[Layout],
-                   positions: Sequence[int] | None = None) -> list[EpisodeRecording]:  # fmt: skip
+def record_layouts(
+    policy: FlowPolicy,
+    envs: list[SuiteEnv],
+    filmed: Mapping[int, SuiteEnv],
+    layouts: Sequence[Layout],
+    positions: Sequence[int] | None = None,
+) -> list[EpisodeRecording]:
     """The episodes at `positions` (default: all) of `evaluate_layouts(policy, envs, layouts)`, filmed, in position order.
 
     evaluate_layouts runs layouts in groups of len(envs); each group holding a filmed position runs again whole,

@@ -97,8 +97,12 @@ def value_loss(values: Tensor, returns: Tensor, old_values: Tensor, value_clip: 
         # The first two moments of the returns and the residuals, from which the explained variance of several
         # micro-batches (or ranks) together follows (explained_variance_of_moments).
         returns64, residuals64 = returns.double(), (returns - values).double()
-        moments = {"returns_mean": returns64.mean(), "returns_sq_mean": (returns64**2).mean(), "residual_mean": residuals64.mean(),
-                   "residual_sq_mean": (residuals64**2).mean()}  # fmt: skip
+        moments = {
+            "returns_mean": returns64.mean(),
+            "returns_sq_mean": (returns64**2).mean(),
+            "residual_mean": residuals64.mean(),
+            "residual_sq_mean": (residuals64**2).mean(),
+        }
     return v_loss, {"explained_variance": explained_var, **moments}
 
 
@@ -288,14 +292,16 @@ def grpo_advantages(
     table_mask = group_complete.repeat_interleave(group_size, 0)  # (N, E)
     advantages = table_advantages[env_ids, episode_index]
     mask = table_mask[env_ids, episode_index]
-    metrics.update({
-        "groups": group_complete.sum(),
-        "groups_broken": group_broken.sum(),
-        "groups_incomplete": (group_started & ~group_ended).sum(),
-        "episodes_cut_off": (table_started & ~table_complete).sum(),
-        "masked_decision_frac": 1.0 - mask.float().mean(),
-        "episode_return": group_returns[group_complete].mean(),  # over complete groups; NaN with none
-    })  # fmt: skip
+    metrics.update(
+        {
+            "groups": group_complete.sum(),
+            "groups_broken": group_broken.sum(),
+            "groups_incomplete": (group_started & ~group_ended).sum(),
+            "episodes_cut_off": (table_started & ~table_complete).sum(),
+            "masked_decision_frac": 1.0 - mask.float().mean(),
+            "episode_return": group_returns[group_complete].mean(),  # over complete groups; NaN with none
+        }
+    )
     return advantages, mask, metrics
 
 

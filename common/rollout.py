@@ -218,13 +218,19 @@ def collect_rollout(
         step = vec_env.step_chunk(decision.env_actions)
         policy_cpu, env_cpu = policy_cpu + stepped - decided, env_cpu + time.thread_time() - stepped
         row = {
-            "chains": decision.chain, "rewards": step.reward, "discounts": step.discount, "terminated": step.terminated,
-            "truncated": step.truncated, "log_probs": decision.log_prob, "log_probs_per_element": decision.log_prob_per_element,
-        }  # fmt: skip
+            "chains": decision.chain,
+            "rewards": step.reward,
+            "discounts": step.discount,
+            "terminated": step.terminated,
+            "truncated": step.truncated,
+            "log_probs": decision.log_prob,
+            "log_probs_per_element": decision.log_prob_per_element,
+        }
         for name, value in row.items():
             per_step.setdefault(name, []).append(value)
-        observations.append(obs if decision.image_embeddings is None else
-                            dataclasses.replace(obs, images=None, image_embeddings=decision.image_embeddings))  # fmt: skip
+        observations.append(
+            obs if decision.image_embeddings is None else dataclasses.replace(obs, images=None, image_embeddings=decision.image_embeddings)
+        )
         ended = np.flatnonzero(step.terminated | step.truncated) if t < num_decisions - 1 else np.arange(vec_env.num_envs)
         bootstrap_at.append(np.stack([np.full(len(ended), t), ended], axis=1))
         bootstrap_obs.append(step.next_obs.index(ended))

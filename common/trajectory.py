@@ -80,8 +80,9 @@ class RolloutBatch:
     def bootstrap_observations(self) -> Observation:
         """(M, ...) the bootstrap observations, with their envs' instruction tokens when the policy reads language."""
         rows = self.bootstrap_rows()
-        tokens = {name: array.reshape(-1, array.shape[-1])[rows] for name, array in self.obs.present().items()
-                  if name in ("tokens", "token_mask")}  # fmt: skip
+        tokens = {
+            name: array.reshape(-1, array.shape[-1])[rows] for name, array in self.obs.present().items() if name in ("tokens", "token_mask")
+        }
         return Observation(**self.bootstrap_obs.present(), **tokens)
 
     def validate(self) -> None:
@@ -105,21 +106,27 @@ class RolloutBatch:
         if at.dtype != np.int64 or at.ndim != 2 or at.shape[1] != 2 or not (at >= 0).all() or not (at < leading).all():
             raise ValueError(f"{where}: RolloutBatch.bootstrap_at must be (M, 2) int64 (decision, env) pairs within {leading}")
         if not np.array_equal(self.bootstrap_rows(), np.flatnonzero(needed)):
-            raise ValueError(f"{where}: RolloutBatch.bootstrap_at must name, in order, every decision whose episode ended and "
-                             "every env's last decision, and no other")  # fmt: skip
+            raise ValueError(
+                f"{where}: RolloutBatch.bootstrap_at must name, in order, every decision whose episode ended and "
+                "every env's last decision, and no other"
+            )
         seen = {"images", "image_embeddings"} & set(self.obs.present())
         fields, want = sorted(self.bootstrap_obs.present()), ["images", "state"] if seen else ["state"]
         if self.bootstrap_obs.batch_shape != (len(at),) or fields != want:
-            raise ValueError(f"{where}: RolloutBatch.bootstrap_obs must hold {want} of the {len(at)} bootstrap rows, got "
-                             f"{self.bootstrap_obs.batch_shape} rows of {fields}")  # fmt: skip
+            raise ValueError(
+                f"{where}: RolloutBatch.bootstrap_obs must hold {want} of the {len(at)} bootstrap rows, got "
+                f"{self.bootstrap_obs.batch_shape} rows of {fields}"
+            )
         if self.env_tasks and len(self.env_tasks) != self.num_envs:
             raise ValueError(f"{where}: RolloutBatch.env_tasks names {len(self.env_tasks)} envs, expected {self.num_envs}")
         if len(self.episode_first) != len(self.episode_successes):
-            raise ValueError(f"{where}: RolloutBatch.episode_first flags {len(self.episode_first)} episodes, "
-                             f"expected {len(self.episode_successes)}")  # fmt: skip
+            raise ValueError(
+                f"{where}: RolloutBatch.episode_first flags {len(self.episode_first)} episodes, expected {len(self.episode_successes)}"
+            )
         if self.episode_tasks and len(self.episode_tasks) != len(self.episode_successes):
-            raise ValueError(f"{where}: RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, "
-                             f"expected {len(self.episode_successes)}")  # fmt: skip
+            raise ValueError(
+                f"{where}: RolloutBatch.episode_tasks names {len(self.episode_tasks)} episodes, expected {len(self.episode_successes)}"
+            )
         floats = {name: getattr(self, name) for name in self.PER_DECISION}
         if self.obs.image_embeddings is not None:
             floats["obs.image_embeddings"] = self.obs.image_embeddings
@@ -161,8 +168,12 @@ class RolloutBatch:
     def statistics_only(self) -> RolloutBatch:
         """The record without its chains and frames (views, no copies): what the rollout statistics read, for a learner
         rank to send to the rank that reports them."""
-        return dataclasses.replace(self, obs=Observation(state=self.obs.state), chains=self.chains[:, :, :0],
-                                   bootstrap_obs=Observation(state=self.bootstrap_obs.state))  # fmt: skip
+        return dataclasses.replace(
+            self,
+            obs=Observation(state=self.obs.state),
+            chains=self.chains[:, :, :0],
+            bootstrap_obs=Observation(state=self.bootstrap_obs.state),
+        )
 
     def tensors(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Copies as torch tensors (copies, because the arrays may be read-only shared memory)."""

@@ -139,8 +139,10 @@ class ChunkedVectorEnv:
         if actions.ndim != 3 or actions.shape[1] == 0 or (actions.shape[0], actions.shape[2]) != expected:
             raise ValueError(f"actions must have shape (N={expected[0]}, H>=1, A={expected[1]}), got {actions.shape}")
 
-        outcomes = [execute_chunk(env, env_actions, self._gamma, potential)
-                    for env, env_actions, potential in zip(self.envs, actions, self._potentials, strict=True)]  # fmt: skip
+        outcomes = [
+            execute_chunk(env, env_actions, self._gamma, potential)
+            for env, env_actions, potential in zip(self.envs, actions, self._potentials, strict=True)
+        ]
         next_obs = Observation(np.stack([outcome.final_obs for outcome in outcomes]), self._frames())  # before any reset
         obs = Observation(**{name: array.copy() for name, array in next_obs.present().items()})
         episode_returns: list[float] = []

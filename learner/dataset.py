@@ -24,8 +24,9 @@ from learner.command_shell import run_command
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m learner.dataset", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m learner.dataset", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML run config (its env, policy and pretrain sections say what to record)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
     parser.add_argument("--out", required=True, help="the dataset directory to write (must not exist, unless --overwrite)")
@@ -39,15 +40,19 @@ def write_dataset(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     def progress(task: str, episode) -> None:
-        log.info(f"[dataset] {task} layout {episode.layout.benchmark_seed}-{episode.layout.index:02d}: {len(episode.actions)} frames, "
-                 f"{'success' if episode.success else 'no success'} ({time.perf_counter() - start:.0f}s)")  # fmt: skip
+        log.info(
+            f"[dataset] {task} layout {episode.layout.benchmark_seed}-{episode.layout.index:02d}: {len(episode.actions)} frames, "
+            f"{'success' if episode.success else 'no success'} ({time.perf_counter() - start:.0f}s)"
+        )
 
     config = load_config(args.config, args.set)
     if not args.out.strip():
         raise ConfigError("--out is empty: name the dataset directory")
     written = write_demonstrations(config, Path(args.out), args.episodes, args.overwrite, progress)
-    log.info(f"[dataset] {written['episodes']} episodes ({written['successes']} successes), {written['frames']} frames at "
-             f"{written['fps']} fps, features {written['features']}: {args.out} in {time.perf_counter() - start:.0f}s")  # fmt: skip
+    log.info(
+        f"[dataset] {written['episodes']} episodes ({written['successes']} successes), {written['frames']} frames at "
+        f"{written['fps']} fps, features {written['features']}: {args.out} in {time.perf_counter() - start:.0f}s"
+    )
     return 0
 
 

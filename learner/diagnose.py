@@ -53,15 +53,22 @@ REPEATS = "training/noisy repeats"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m learner.diagnose", description="Success on training and held-out layouts, "
-                                     "deterministic and noisy, at a run's start and end, task by task.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m learner.diagnose",
+        description="Success on training and held-out layouts, deterministic and noisy, at a run's start and end, task by task.",
+    )
     parser.add_argument("run_dir", help="a run directory (with run_config.json and checkpoints/)")
     parser.add_argument("--checkpoint", help="the end to diagnose: a policy directory (default: the run's latest checkpoint)")
     parser.add_argument("--start", help="the start to compare with (default: the starting checkpoint the run's manifest names)")
     parser.add_argument("--episodes", type=int, help="layouts per task and layout set (default: the run's eval_episodes)")
     parser.add_argument("--seed", type=int, default=0, help="draws the training layouts and the noise (default 0)")
-    parser.add_argument("--repeats", type=int, default=1, help="noisy episodes per training layout (default 1); with more, each "
-                        "task's training layouts are counted as never, sometimes or always won")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="noisy episodes per training layout (default 1); with more, each "
+        "task's training layouts are counted as never, sometimes or always won",
+    )
     return parser.parse_args(argv)
 
 
@@ -83,8 +90,10 @@ def diagnosis_layouts(config: RunConfig, episodes: int, seed: int) -> dict[str, 
     held_out_pool = len(suite.layouts(suite.tasks()[0], config.env.eval_benchmark_seeds))
     training_pool = len(suite.layouts(suite.tasks()[0], config.env.train_benchmark_seeds))
     if not 1 <= episodes <= min(held_out_pool, training_pool):
-        raise ValueError(f"--episodes must be in [1, {min(held_out_pool, training_pool)}] (layouts per task of "
-                         f"env.eval_benchmark_seeds and env.train_benchmark_seeds), got {episodes}")  # fmt: skip
+        raise ValueError(
+            f"--episodes must be in [1, {min(held_out_pool, training_pool)}] (layouts per task of "
+            f"env.eval_benchmark_seeds and env.train_benchmark_seeds), got {episodes}"
+        )
     rng = np.random.default_rng(seed)
     training = []
     for task in suite.tasks():
@@ -118,8 +127,11 @@ def successes_of(config: RunConfig, checkpoint: Path, layouts: dict[str, list[La
 
     actor = RolloutActor(config, 0, checkpoint)
     try:
-        successes = {f"{name}/{mode}": actor.evaluate(None, layouts[name], None if mode == "deterministic" else seed)[1]
-                     for name in LAYOUT_SETS for mode in MODES}  # fmt: skip
+        successes = {
+            f"{name}/{mode}": actor.evaluate(None, layouts[name], None if mode == "deterministic" else seed)[1]
+            for name in LAYOUT_SETS
+            for mode in MODES
+        }
         more = [actor.evaluate(None, layouts["training"], seed + repeat)[1] for repeat in range(1, repeats)]
         return successes | {REPEATS: np.stack([successes["training/noisy"], *more])}
     finally:
@@ -133,8 +145,12 @@ def layout_outcomes(repeats: np.ndarray, layouts: list[Layout]) -> dict[str, dic
     table = {}
     for task in dict.fromkeys(tasks):
         mine = won[tasks == task]
-        table[task] = {"never": float(np.mean(mine == 0)), "sometimes": float(np.mean((mine > 0) & (mine < len(repeats)))),
-                       "always": float(np.mean(mine == len(repeats))), "layouts": len(mine)}  # fmt: skip
+        table[task] = {
+            "never": float(np.mean(mine == 0)),
+            "sometimes": float(np.mean((mine > 0) & (mine < len(repeats)))),
+            "always": float(np.mean(mine == len(repeats))),
+            "layouts": len(mine),
+        }
     return table
 
 
@@ -176,8 +192,10 @@ def diagnose(args: argparse.Namespace) -> int:
     with input_checks():
         config, checkpoints, layouts = check_input(args)
     episodes = len(layouts["held-out"]) // len(make_suite(config.env).tasks())
-    log.error(f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
-              f"episodes per task each (the noisy training cell {args.repeats} times); one process per checkpoint")  # fmt: skip
+    log.error(
+        f"[diagnose] {len(set(checkpoints.values()))} checkpoints x {len(LAYOUT_SETS)} layout sets x {len(MODES)} modes, {episodes} "
+        f"episodes per task each (the noisy training cell {args.repeats} times); one process per checkpoint"
+    )
     began = time.monotonic()
     # Spawned, not forked: a forked child inherits the parent's MuJoCo and torch thread state.
     distinct = list(dict.fromkeys(checkpoints.values()))  # a start given as the end is run once
@@ -190,9 +208,16 @@ def diagnose(args: argparse.Namespace) -> int:
             if args.repeats > 1:
                 diagnosis[label]["layout_outcomes"] = layout_outcomes(successes[REPEATS], layouts["training"])
             log.error(f"[diagnose] {label} ({path}) done at {time.monotonic() - began:.0f}s")
-    report = {**diagnosis, "episodes_per_task": episodes, "seed": args.seed, "repeats": args.repeats,
-              "layout_sets": {"training": f"drawn from env.train_benchmark_seeds {config.env.train_benchmark_seeds} with seed {args.seed}",
-                              "held-out": f"the first of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}"}}  # fmt: skip
+    report = {
+        **diagnosis,
+        "episodes_per_task": episodes,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "layout_sets": {
+            "training": f"drawn from env.train_benchmark_seeds {config.env.train_benchmark_seeds} with seed {args.seed}",
+            "held-out": f"the first of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}",
+        },
+    }
     write_file_atomically(Path(args.run_dir) / DIAGNOSIS_FILE, json.dumps(report, indent=2))
     log.info(markdown(diagnosis))
     return 0

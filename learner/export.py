@@ -81,9 +81,11 @@ def beyond_clip_note(checkpoint: Path, last: int = 10) -> str | None:
         return None
     rows = rows[-last:]
     share = sum(row["rollout/state_beyond_clip"] for row in rows) / len(rows)
-    return (f"note: lerobot's normaliser does not clip the state as the policy does (at +-{OBS_CLIP:g} std of its mean): in "
-            f"iterations {rows[0]['iteration']}-{rows[-1]['iteration']} of the run, {100 * share:.1f}% of the decisions met "
-            "a state beyond it, where lerobot's actions differ from the policy's")  # fmt: skip
+    return (
+        f"note: lerobot's normaliser does not clip the state as the policy does (at +-{OBS_CLIP:g} std of its mean): in "
+        f"iterations {rows[0]['iteration']}-{rows[-1]['iteration']} of the run, {100 * share:.1f}% of the decisions met "
+        "a state beyond it, where lerobot's actions differ from the policy's"
+    )
 
 
 def how_to_load(out: Path, policy: FlowPolicy) -> str:
@@ -97,9 +99,10 @@ def how_to_load(out: Path, policy: FlowPolicy) -> str:
     ]
     start = policy.config.eval_init_noise_std
     if start == 1.0:
-        lines += ["  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation)))",
-                  "  # lerobot draws each chain's start from N(0, I), as the project evaluated it: lerobot-eval runs the same "
-                  "policy"]  # fmt: skip
+        lines += [
+            "  actions = postprocessor(policy.predict_action_chunk(preprocessor(observation)))",
+            "  # lerobot draws each chain's start from N(0, I), as the project evaluated it: lerobot-eval runs the same policy",
+        ]
         return "\n".join(lines)
     lines += [
         f"  # the project evaluated it from a_0 = {'0' if start == 0 else f'N(0, {start:g}^2)'}; lerobot draws N(0, I) unless "
@@ -130,8 +133,10 @@ def export(args: argparse.Namespace) -> int:
         log.info(f"  {', '.join(names)}: {what}")
     log.info(how_to_load(out.resolve(), policy))
     if hub_id is None:
-        log.info(f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
-                 "loads only where that directory exists; give their hub id with --hub-id to load it anywhere")  # fmt: skip
+        log.info(
+            f"note: the export names {policy.lerobot_files()} (this machine's) for the files it does not hold, so it "
+            "loads only where that directory exists; give their hub id with --hub-id to load it anywhere"
+        )
     clipped = beyond_clip_note(checkpoint)
     if clipped:
         log.info(clipped)

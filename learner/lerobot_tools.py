@@ -40,8 +40,10 @@ def check_local_directories(arguments: list[str]) -> None:
         path = Path(value).expanduser()
         if not path.is_dir() or (flag == "--dataset.root" and not (path / "meta" / "info.json").is_file()):
             what = "a LeRobotDataset directory (with meta/info.json)" if flag == "--dataset.root" else "a checkpoint directory"
-            raise ConfigError(f"{flag}={value} is not {what} on this machine: lerobot would ask the model hub for it, which a run "
-                              "here never does (set HF_HUB_OFFLINE=0 to let it)")  # fmt: skip
+            raise ConfigError(
+                f"{flag}={value} is not {what} on this machine: lerobot would ask the model hub for it, which a run "
+                "here never does (set HF_HUB_OFFLINE=0 to let it)"
+            )
 
 
 def run_lerobot(arguments: list[str]) -> int:

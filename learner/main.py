@@ -48,19 +48,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--resume", action="store_true", help="continue from run_dir's latest checkpoint")
-    parser.add_argument("--allow-config-change", action="append", default=[], metavar="FIELD",
-                        help="with --resume: accept a config that differs from the run's in FIELD (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--allow-config-change",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="with --resume: accept a config that differs from the run's in FIELD (repeatable)",
+    )
     parser.add_argument("--single-batch", action="store_true", help="one rollout and one update, printing every intermediate quantity")
     parser.add_argument("--no-dashboard", action="store_true", help="start local Ray without its dashboard")
-    parser.add_argument("--check-cluster", metavar="CLUSTER_YAML",
-                        help="check a Ray cluster YAML against this run config offline, print the planned placement, exit")  # fmt: skip
+    parser.add_argument(
+        "--check-cluster",
+        metavar="CLUSTER_YAML",
+        help="check a Ray cluster YAML against this run config offline, print the planned placement, exit",
+    )
     return parser.parse_args(argv)
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("num_actors", "actors.num_actors"), ("iterations", "iterations"), ("seed", "seed"), ("run_dir", "run_dir"),
-                      ("checkpoint", "init_checkpoint"), ("algo", "algorithm.algo")):  # fmt: skip
+    for flag, key in (
+        ("num_actors", "actors.num_actors"),
+        ("iterations", "iterations"),
+        ("seed", "seed"),
+        ("run_dir", "run_dir"),
+        ("checkpoint", "init_checkpoint"),
+        ("algo", "algorithm.algo"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
@@ -71,8 +85,15 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
-def run(config: RunConfig, *, resume: bool = False, allow_config_change: frozenset[str] = frozenset(), address: str | None = None,
-        include_dashboard: bool = True, **options: Any) -> dict[str, Any]:  # fmt: skip
+def run(
+    config: RunConfig,
+    *,
+    resume: bool = False,
+    allow_config_change: frozenset[str] = frozenset(),
+    address: str | None = None,
+    include_dashboard: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
     """Train; returns the summary (also written to run_dir/summary.json). The run holds its directory throughout.
 
     Ray starts while the input is checked (learner.runtime.startup.preflight): importing it brings in torch, the
@@ -145,8 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handle_stop_signals()  # SIGTERM saves a checkpoint like Ctrl-C (run keeps its handler once Ray is up)
     try:
-        run(config, resume=args.resume, allow_config_change=frozenset(args.allow_config_change), single_batch=args.single_batch,
-            address=args.address, include_dashboard=not args.no_dashboard)  # fmt: skip
+        run(
+            config,
+            resume=args.resume,
+            allow_config_change=frozenset(args.allow_config_change),
+            single_batch=args.single_batch,
+            address=args.address,
+            include_dashboard=not args.no_dashboard,
+        )
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM, the run's progress saved
         return stop_exit_code(stop)
     except ConfigError as exc:  # bad input: a clear message, no traceback, nothing written

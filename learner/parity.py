@@ -58,8 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_input(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     checkpoint, out = Path(args.checkpoint).expanduser(), Path(args.out)
     if not is_lerobot_checkpoint(checkpoint):
-        raise ConfigError(f"{checkpoint} is not a lerobot checkpoint (no config.json naming input_features): give lerobot-train's "
-                          "pretrained_model, or export a run's checkpoint with python -m learner.export first")  # fmt: skip
+        raise ConfigError(
+            f"{checkpoint} is not a lerobot checkpoint (no config.json naming input_features): give lerobot-train's "
+            "pretrained_model, or export a run's checkpoint with python -m learner.export first"
+        )
     if not args.out.strip() or out.exists():
         raise ConfigError(f"--out {args.out!r} {'already exists' if args.out.strip() else 'is empty'}: name a new directory")
     if args.episodes < 1 or args.batch_size < 1:
@@ -67,9 +69,11 @@ def check_input(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     config = load_config(args.config, [*args.set, f"init_checkpoint={checkpoint}", "policy.eval_init_noise_std=1.0"])
     suite = make_suite(config.env)
     if config.env.suite != "metaworld" or not config.env.lerobot_observations or len(suite.tasks()) != 1:
-        raise ConfigError(f"learner.parity scores one Metaworld task in lerobot's layout (lerobot-eval's env.type=metaworld); the "
-                          f"config gives env.suite {config.env.suite!r}, env.observations {config.env.observations!r}, "
-                          f"env.task {config.env.task!r}")  # fmt: skip
+        raise ConfigError(
+            f"learner.parity scores one Metaworld task in lerobot's layout (lerobot-eval's env.type=metaworld); the "
+            f"config gives env.suite {config.env.suite!r}, env.observations {config.env.observations!r}, "
+            f"env.task {config.env.task!r}"
+        )
     if args.episodes > len(suite.held_out(args.episodes)):
         raise ConfigError(f"--episodes {args.episodes} exceeds the held-out layouts of env.eval_benchmark_seeds")
     suite.check(config.policy)
@@ -79,9 +83,20 @@ def check_input(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 def lerobot_eval(export: Path, task: str, episodes: int, batch_size: int, seed: int, output: Path) -> dict[str, Any]:
     """lerobot-eval's overall result on `export`, run as a user runs it (learner.lerobot_tools, in its own process)."""
-    command = [sys.executable, "-m", "learner.lerobot_tools", "eval", f"--policy.path={export}", "--env.type=metaworld",
-               f"--env.task={task}", f"--eval.n_episodes={episodes}", f"--eval.batch_size={min(batch_size, episodes)}",
-               "--policy.device=cpu", f"--seed={seed}", f"--output_dir={output}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "learner.lerobot_tools",
+        "eval",
+        f"--policy.path={export}",
+        "--env.type=metaworld",
+        f"--env.task={task}",
+        f"--eval.n_episodes={episodes}",
+        f"--eval.batch_size={min(batch_size, episodes)}",
+        "--policy.device=cpu",
+        f"--seed={seed}",
+        f"--output_dir={output}",
+    ]
     done = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
     if done.returncode != 0:
         raise CommandFailed(f"lerobot-eval exited {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
@@ -120,13 +135,25 @@ def parity(args: argparse.Namespace) -> int:
         theirs = counts_interval(round(overall["pc_success"] * overall["n_episodes"] / 100), int(overall["n_episodes"]))
         agree = project[1] <= theirs[2] and theirs[1] <= project[2]
         result = {
-            "checkpoint": str(Path(args.checkpoint).resolve()), "start": str(start), "task": task,
-            "project": {"success": project[0], "ci95": list(project[1:]), "episodes": len(successes), "seconds": project_seconds,
-                        "layouts": f"the first {len(layouts)} of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}"},
-            "lerobot_eval": {"success": theirs[0], "ci95": list(theirs[1:]), "episodes": int(overall["n_episodes"]),
-                             "seconds": lerobot_seconds, "seed": args.seed},
+            "checkpoint": str(Path(args.checkpoint).resolve()),
+            "start": str(start),
+            "task": task,
+            "project": {
+                "success": project[0],
+                "ci95": list(project[1:]),
+                "episodes": len(successes),
+                "seconds": project_seconds,
+                "layouts": f"the first {len(layouts)} of env.eval_benchmark_seeds {config.env.eval_benchmark_seeds}",
+            },
+            "lerobot_eval": {
+                "success": theirs[0],
+                "ci95": list(theirs[1:]),
+                "episodes": int(overall["n_episodes"]),
+                "seconds": lerobot_seconds,
+                "seed": args.seed,
+            },
             "agree": agree,
-        }  # fmt: skip
+        }
         (tmp / PARITY_FILE).write_text(json.dumps(result, indent=2))
         tmp.rename(out)
     except BaseException:

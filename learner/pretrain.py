@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a config field")
     parser.add_argument("--out", required=True, help="directory to write (must not exist yet)")
     parser.add_argument("--demos", metavar="N,N,...", help="clone each count of demonstrations per task and score each (cloning's curve)")
-    parser.add_argument("--train-steps", metavar="S,S,...", help="with --demos: train each count for each of these budgets "
-                        "(default: pretrain.train_steps)")  # fmt: skip
+    parser.add_argument(
+        "--train-steps", metavar="S,S,...", help="with --demos: train each count for each of these budgets (default: pretrain.train_steps)"
+    )
     return parser.parse_args(argv)
 
 
@@ -124,9 +125,18 @@ def cloning_curve(config: RunConfig, counts: list[int], budgets: list[int], out:
             trained = dataclasses.replace(config, pretrain=dataclasses.replace(config.pretrain, train_steps=steps))
             name = f"demos_{count:03d}_steps_{steps:05d}"
             clones[name], report = cached_bc_checkpoint(with_demo_counts(trained, dict.fromkeys(tasks, count)))
-            rows.append({"demos_per_task": count, "train_steps": steps, "success": report["eval_success_rate"],
-                         "ci95": report["eval_success_95ci"], "per_task": report.get("per_task", {}),
-                         "demo_success_rate": report["demo_success_rate"], "checkpoint": name, "best": False})  # fmt: skip
+            rows.append(
+                {
+                    "demos_per_task": count,
+                    "train_steps": steps,
+                    "success": report["eval_success_rate"],
+                    "ci95": report["eval_success_95ci"],
+                    "per_task": report.get("per_task", {}),
+                    "demo_success_rate": report["demo_success_rate"],
+                    "checkpoint": name,
+                    "best": False,
+                }
+            )
         best = max((row for row in rows if row["demos_per_task"] == count), key=lambda row: row["success"])
         best["best"] = True
     curve = {"task": config.env.task, "tasks": tasks, "eval_layouts": report["eval_layouts"], "rows": rows}
@@ -144,10 +154,12 @@ def curve_table(curve: dict[str, Any]) -> str:
     """curve.json as a markdown table: one row per count and budget, each count's best in bold, with each task's success
     where there are several."""
     tasks = curve["tasks"] if len(curve["tasks"]) > 1 else []
-    lines = [f"cloning {curve['task']}: held-out success ({curve['eval_layouts']}), deterministic, Wilson 95% intervals; "
-             "in bold, each count's best over its training budgets",
-             "| demonstrations per task | training steps | success (95% CI) |" + "".join(f" {task} |" for task in tasks),
-             "|---|---|---|" + "---|" * len(tasks)]  # fmt: skip
+    lines = [
+        f"cloning {curve['task']}: held-out success ({curve['eval_layouts']}), deterministic, Wilson 95% intervals; "
+        "in bold, each count's best over its training budgets",
+        "| demonstrations per task | training steps | success (95% CI) |" + "".join(f" {task} |" for task in tasks),
+        "|---|---|---|" + "---|" * len(tasks),
+    ]
     for row in curve["rows"]:
         low, high = row["ci95"]
         success = f"{row['success']:.3f} ({low:.3f}-{high:.3f})"

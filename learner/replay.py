@@ -131,8 +131,10 @@ def replay(args: argparse.Namespace) -> int:
     checkpoints = [checkpoint for checkpoint, _ in replays]
     try:
         for number, layout in enumerate(chosen, 1):
-            log.error(f"[replay] episode {number}/{len(chosen)}: {layout.task} layout {layout_id(layout)} "
-                      f"({' vs '.join(map(label, checkpoints))})")  # fmt: skip
+            log.error(
+                f"[replay] episode {number}/{len(chosen)}: {layout.task} layout {layout_id(layout)} "
+                f"({' vs '.join(map(label, checkpoints))})"
+            )
             recordings = [actor.record_episodes(None, [layout], args.size, camera=args.camera)[0] for actor in actors]
             log.info(summary(recordings, checkpoints, write(Path(args.out), recordings, checkpoints)))
     finally:

@@ -102,8 +102,12 @@ def run_sweep(base: RunConfig, seeds: list[int], sweep_dir: Path, address: str |
         if result.error is not None:
             rows.append({"seed": seed, "status": "failed", "error": _last_line(result.error), "run_dir": configs[seed].run_dir})
         else:
-            rows.append({"status": "ok", **{k: result.metrics[k] for k in ("seed", "initial", "final", "gain", "env_steps",
-                                                                          "wall_seconds", "run_dir")}})  # fmt: skip
+            rows.append(
+                {
+                    "status": "ok",
+                    **{k: result.metrics[k] for k in ("seed", "initial", "final", "gain", "env_steps", "wall_seconds", "run_dir")},
+                }
+            )
     return sorted(rows, key=lambda row: row["seed"])
 
 
@@ -207,8 +211,10 @@ def sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     base = load_config(args.config, args.set)
     if base.learner.num_learners > 1:
-        raise ConfigError(f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
-                          "seed's placement group; set learner.num_learners: 1")  # fmt: skip
+        raise ConfigError(
+            f"learner.num_learners={base.learner.num_learners}: a sweep runs each seed's learner alone in the "
+            "seed's placement group; set learner.num_learners: 1"
+        )
     sweep_dir = Path(args.sweep_dir or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     taken = [seed for seed in args.seeds if (sweep_dir / f"seed_{seed}" / "metrics.jsonl").exists()]
     if taken:

@@ -10,8 +10,18 @@ common.config does) imports neither torch nor any model.
 import importlib
 from typing import Any
 
-_BASE_NAMES = ("CONFIG_FILE", "OBS_CLIP", "OBS_STD_FLOOR", "WEIGHTS_FILE", "FlowPolicy", "build_policy", "concat_features",
-               "index_features", "policy_class", "read_policy_config")  # fmt: skip
+_BASE_NAMES = (
+    "CONFIG_FILE",
+    "OBS_CLIP",
+    "OBS_STD_FLOOR",
+    "WEIGHTS_FILE",
+    "FlowPolicy",
+    "build_policy",
+    "concat_features",
+    "index_features",
+    "policy_class",
+    "read_policy_config",
+)
 _STORAGE_NAMES = ("CHECKSUMS_FILE", "CheckpointError", "CheckpointWriteError", "verify_checksums", "write_directory_atomically")
 _PUBLIC = {
     **dict.fromkeys(_BASE_NAMES, "common.policy.base"),

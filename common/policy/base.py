@@ -265,8 +265,9 @@ def index_features(features: Any, idx: Tensor | slice) -> Any:
     if isinstance(features, Tensor):
         return features[idx.to(features.device) if isinstance(idx, Tensor) else idx]
     if dataclasses.is_dataclass(features) and not isinstance(features, type):
-        return dataclasses.replace(features, **{f.name: index_features(getattr(features, f.name), idx)
-                                                for f in dataclasses.fields(features) if f.init})  # fmt: skip
+        return dataclasses.replace(
+            features, **{f.name: index_features(getattr(features, f.name), idx) for f in dataclasses.fields(features) if f.init}
+        )
     if isinstance(features, dict):
         return type(features)((key, index_features(value, idx)) for key, value in features.items())
     if isinstance(features, (tuple, list)):
@@ -282,8 +283,9 @@ def concat_features(parts: list[Any]) -> Any:
     if isinstance(first, Tensor):
         return torch.cat(parts)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        return dataclasses.replace(first, **{f.name: concat_features([getattr(p, f.name) for p in parts])
-                                             for f in dataclasses.fields(first) if f.init})  # fmt: skip
+        return dataclasses.replace(
+            first, **{f.name: concat_features([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(first) if f.init}
+        )
     if isinstance(first, dict):
         return type(first)((key, concat_features([p[key] for p in parts])) for key in first)
     if isinstance(first, (tuple, list)):

@@ -12,9 +12,21 @@ from torch import Tensor
 
 # torch.nn.init's fills, which module constructors call (nn.Linear's kaiming_uniform_, nn.Embedding's normal_, ...).
 TORCH_INIT_FILLS = (
-    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
-)  # fmt: skip
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
 
 
 @contextlib.contextmanager

@@ -65,8 +65,14 @@ else:
     from lerobot.policies.smolvla.modeling_smolvla import resize_with_pad as lerobot_resize_with_pad
 
 __all__ = [
-    "LEROBOT_VERSION", "denoise_cache", "embed_whole_frames", "fill_prefix_cache", "make_att_2d_masks", "pad_vector", "resize_with_pad",
-]  # fmt: skip
+    "LEROBOT_VERSION",
+    "denoise_cache",
+    "embed_whole_frames",
+    "fill_prefix_cache",
+    "make_att_2d_masks",
+    "pad_vector",
+    "resize_with_pad",
+]
 
 KVLayers = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]  # per layer keys, per layer values, each (B, L, kv_heads, head_dim)
 

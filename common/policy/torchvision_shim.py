@@ -40,10 +40,12 @@ def plain_import_advice() -> str:
     """One line for a user who will load lerobot without the project, where plain_import_fails()."""
     from importlib.metadata import version
 
-    return (f"lerobot alone cannot import on this machine: torchvision {version('torchvision')} is a CUDA build beside "
-            f"torch {torch.__version__} (operator torchvision::nms does not exist); where lerobot loads it without this "
-            "project, install the torchvision built for that torch, e.g. pip install torchvision=="
-            f"{version('torchvision').split('+')[0]} --index-url https://download.pytorch.org/whl/cpu")  # fmt: skip
+    return (
+        f"lerobot alone cannot import on this machine: torchvision {version('torchvision')} is a CUDA build beside "
+        f"torch {torch.__version__} (operator torchvision::nms does not exist); where lerobot loads it without this "
+        "project, install the torchvision built for that torch, e.g. pip install torchvision=="
+        f"{version('torchvision').split('+')[0]} --index-url https://download.pytorch.org/whl/cpu"
+    )
 
 
 def install_cpu_torchvision_shim() -> bool:

@@ -163,8 +163,9 @@ class TaskIndicator(SuiteEnv):
         self.indicator = np.zeros(count, dtype=np.float32)
         self.indicator[position] = 1.0
         low, high = env.observation_space.low, env.observation_space.high
-        self.observation_space = gymnasium.spaces.Box(np.concatenate([low, np.zeros(count, np.float32)]),
-                                                      np.concatenate([high, np.ones(count, np.float32)]), dtype=np.float32)  # fmt: skip
+        self.observation_space = gymnasium.spaces.Box(
+            np.concatenate([low, np.zeros(count, np.float32)]), np.concatenate([high, np.ones(count, np.float32)]), dtype=np.float32
+        )
         self.action_space = env.action_space
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
@@ -285,8 +286,9 @@ class Suite(ABC):
             self._tasks = names
         return list(self._tasks)
 
-    def make_env(self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None,
-                 film: ImageConfig | None = None) -> SuiteEnv:  # fmt: skip
+    def make_env(
+        self, task: str, cameras: Sequence[ImageConfig] = (), layout: Layout | None = None, film: ImageConfig | None = None
+    ) -> SuiteEnv:
         """An env of `task` under the run's episode rules (config), rendering `cameras` on demand as env.render says,
         starting from `layout` (default: the first training layout); with `film`, it keeps that camera's view of every
         step. In a multi-task run its state ends in the task's one-hot (TaskIndicator), but for lerobot's observations,
@@ -342,19 +344,24 @@ class Suite(ABC):
         except ValueError as exc:
             raise ConfigError(f"env.task: {exc}") from None
         if self.config.reward == "shaped" and not self.offers_shaping:
-            raise ConfigError(f"env.reward 'shaped' needs a suite whose envs report a shaping potential; {self.name} has none: "
-                              "use 'success' or 'dense'")  # fmt: skip
+            raise ConfigError(
+                f"env.reward 'shaped' needs a suite whose envs report a shaping potential; {self.name} has none: use 'success' or 'dense'"
+            )
         for task in tasks:
             limit = self.episode_limit(task)
             if self.config.max_episode_steps > limit:
-                raise ConfigError(f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit "
-                                  f"for {task} ({limit}): the env would end episodes there anyway")  # fmt: skip
+                raise ConfigError(
+                    f"env.max_episode_steps ({self.config.max_episode_steps}) exceeds {self.name}'s episode limit "
+                    f"for {task} ({limit}): the env would end episodes there anyway"
+                )
         for task in tasks:
             unmapped = sorted(set(policy.rename_map) - set(self.image_sources(task)))
             if unmapped:
                 given = ", ".join(f"{key} ({camera})" for key, camera in self.image_sources(task).items()) or "no frames"
-                raise ConfigError(f"policy.rename_map maps {unmapped}, which env.observations {self.config.observations!r} of "
-                                  f"{self.name} task {task} does not give (it gives {given}): map keys it gives")  # fmt: skip
+                raise ConfigError(
+                    f"policy.rename_map maps {unmapped}, which env.observations {self.config.observations!r} of "
+                    f"{self.name} task {task} does not give (it gives {given}): map keys it gives"
+                )
         if policy.image_size > 0:
             for task in tasks:
                 unknown = [camera for camera in policy.cameras if camera not in self.cameras(task)]
@@ -363,11 +370,15 @@ class Suite(ABC):
             self.check_image_keys(policy, tasks[0])
         bounds = self.action_bounds(tasks[0])
         if policy.action_bounds and [float(value) for value in policy.action_bounds] != bounds:
-            raise ConfigError(f"policy.action_bounds {policy.action_bounds} are not the env units {self.name} task {tasks[0]} maps "
-                              f"[-1, 1] onto ({bounds or '[]: it acts in [-1, 1]'}): leave policy.action_bounds unset")  # fmt: skip
+            raise ConfigError(
+                f"policy.action_bounds {policy.action_bounds} are not the env units {self.name} task {tasks[0]} maps "
+                f"[-1, 1] onto ({bounds or '[]: it acts in [-1, 1]'}): leave policy.action_bounds unset"
+            )
         what = f"{self.name} task {tasks[0]}" if len(tasks) == 1 else f"the {len(tasks)} tasks of {self.config.task} (with their one-hot)"
-        for name, value, expected, kind in (("obs_dim", policy.obs_dim, state_dim, "state"),
-                                            ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action")):  # fmt: skip
+        for name, value, expected, kind in (
+            ("obs_dim", policy.obs_dim, state_dim, "state"),
+            ("action_dim", policy.action_dim, self.sizes(tasks[0])[1], "action"),
+        ):
             if value != expected:
                 raise ConfigError(f"policy.{name}={value} but the {kind} of {what} has {expected} elements: set policy.{name}={expected}")
 
@@ -379,8 +390,10 @@ class Suite(ABC):
         for camera, key in zip(policy.cameras, policy.image_features()):
             if sources.get(env_key.get(key, "")) != camera:
                 given = ", ".join(f"{key} ({camera})" for key, camera in sources.items())
-                raise ConfigError(f"policy reads {key} from camera {camera}, which env.observations {self.config.observations!r} of "
-                                  f"{self.name} does not give (it gives {given}): map an env key to it with policy.rename_map")  # fmt: skip
+                raise ConfigError(
+                    f"policy reads {key} from camera {camera}, which env.observations {self.config.observations!r} of "
+                    f"{self.name} does not give (it gives {given}): map an env key to it with policy.rename_map"
+                )
 
     # The layouts some suites compute before they can build an env (Metaworld simulates 50 resets per seed): built
     # once by the run's start-up, handed to the rollout actors, and read back from a cache file by later processes.

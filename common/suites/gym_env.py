@@ -58,10 +58,17 @@ class LerobotGymEnv:
 # the env's own observed frame at gym_pusht's default size (lerobot sets the size of render()'s view alone); gym_pusht
 # describes no task, so lerobot-eval's sentence is empty.
 LEROBOT_ENVS = {
-    "gym_pusht/PushT-v0": LerobotGymEnv(kwargs={"obs_type": "pixels_agent_pos"}, state_key="agent_pos", state_size=2,
-                                        images={"observation.image": "pixels"}, frame_size=96, fps=10, episode_limit=300,
-                                        instruction=""),
-}  # fmt: skip
+    "gym_pusht/PushT-v0": LerobotGymEnv(
+        kwargs={"obs_type": "pixels_agent_pos"},
+        state_key="agent_pos",
+        state_size=2,
+        images={"observation.image": "pixels"},
+        frame_size=96,
+        fps=10,
+        episode_limit=300,
+        instruction="",
+    ),
+}
 
 
 def layout_seed(layout: Layout) -> int:
@@ -123,31 +130,38 @@ class GymSuite(Suite):
         if config.lerobot_observations:
             missing = [name for name in tasks if name not in LEROBOT_ENVS]
             if missing or not self.lerobot_images:
-                raise ConfigError(f"env.observations 'lerobot' gives what lerobot's env config of an env id gives, and lerobot has "
-                                  f"one for {sorted(LEROBOT_ENVS)}, not for {missing or tasks} together: use env.observations "
-                                  "'project'")  # fmt: skip
+                raise ConfigError(
+                    f"env.observations 'lerobot' gives what lerobot's env config of an env id gives, and lerobot has "
+                    f"one for {sorted(LEROBOT_ENVS)}, not for {missing or tasks} together: use env.observations "
+                    "'project'"
+                )
             # lerobot's observation type and keys over env.gym's: the rest of its keyword arguments stay
             (camera,) = set(lerobot.images.values())
-            self.gym = dataclasses.replace(config.gym, kwargs={**config.gym.kwargs, **lerobot.kwargs}, state_key=lerobot.state_key,
-                                           camera=camera)  # fmt: skip
+            self.gym = dataclasses.replace(
+                config.gym, kwargs={**config.gym.kwargs, **lerobot.kwargs}, state_key=lerobot.state_key, camera=camera
+            )
             self._instruction = lerobot.instruction
         self.film_camera = self.gym.camera  # the env's one view
         if self.gym.module:
             try:
                 importlib.import_module(self.gym.module)
             except ImportError as exc:
-                raise ValueError(f"env.gym.module {self.gym.module!r} cannot be imported ({exc}): install the package that "
-                                 f"registers env.task {config.task!r}") from None  # fmt: skip
+                raise ValueError(
+                    f"env.gym.module {self.gym.module!r} cannot be imported ({exc}): install the package that "
+                    f"registers env.task {config.task!r}"
+                ) from None
         self._spaces: dict[str, tuple[spaces.Box, spaces.Box]] = {}  # task -> its state space and its env's action space
 
     def _spec(self, task: str) -> gymnasium.envs.registration.EnvSpec:
         if task not in gymnasium.registry:
             module = self.gym.module
-            registered = sorted(env_id for env_id, spec in gymnasium.registry.items()
-                                if isinstance(spec.entry_point, str) and spec.entry_point.startswith(f"{module}."))  # fmt: skip
+            registered = sorted(
+                env_id
+                for env_id, spec in gymnasium.registry.items()
+                if isinstance(spec.entry_point, str) and spec.entry_point.startswith(f"{module}.")
+            )
             known = f"env.gym.module {module!r} registers {registered}" if module else "env.gym.module is empty"
-            raise ValueError(f"{task!r} is not a registered gymnasium env id ({known}): is the module that registers it "
-                             "missing?")  # fmt: skip
+            raise ValueError(f"{task!r} is not a registered gymnasium env id ({known}): is the module that registers it missing?")
         return gymnasium.spec(task)
 
     def instruction(self, task: str) -> str:
@@ -201,8 +215,16 @@ class GymTaskEnv(SuiteEnv):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, task: str, instruction: str, config: EnvConfig, gym: GymSuiteConfig, cameras: Sequence[ImageConfig],
-                 layout: Layout, film: ImageConfig | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        task: str,
+        instruction: str,
+        config: EnvConfig,
+        gym: GymSuiteConfig,
+        cameras: Sequence[ImageConfig],
+        layout: Layout,
+        film: ImageConfig | None,
+    ) -> None:
         self.task, self.instruction = task, instruction
         self._gym = gym
         self._reward_mode, self._stop_on_success, self._max_episode_steps = config.reward, config.stop_on_success, config.max_episode_steps
@@ -224,8 +246,10 @@ class GymTaskEnv(SuiteEnv):
         # The camera is a frame of the Dict observation (lerobot's PushT: pixels), or else the env's render()
         self._frame_key = self._gym.camera if isinstance(observed, spaces.Dict) and self._gym.camera in observed.spaces else None
         if rendering and self._frame_key is None and "rgb_array" not in self._env.metadata.get("render_modes", []):
-            raise ValueError(f"{task} renders no rgb_array frames (its render modes: {self._env.metadata.get('render_modes', [])}), "
-                             f"so it has no camera {self._gym.camera!r}")  # fmt: skip
+            raise ValueError(
+                f"{task} renders no rgb_array frames (its render modes: {self._env.metadata.get('render_modes', [])}), "
+                f"so it has no camera {self._gym.camera!r}"
+            )
 
         action_space = self._env.action_space
         if not isinstance(action_space, spaces.Box):
@@ -237,8 +261,9 @@ class GymTaskEnv(SuiteEnv):
         self._action_high = action_space.high.astype(np.float64).reshape(-1)
         self.action_space = spaces.Box(-1.0, 1.0, shape=self._action_low.shape, dtype=np.float32)
         state_space = self._state_space(self._env.observation_space)
-        self.observation_space = spaces.Box(state_space.low.astype(np.float32).reshape(-1),
-                                            state_space.high.astype(np.float32).reshape(-1), dtype=np.float32)  # fmt: skip
+        self.observation_space = spaces.Box(
+            state_space.low.astype(np.float32).reshape(-1), state_space.high.astype(np.float32).reshape(-1), dtype=np.float32
+        )
 
         self.frames: list[np.ndarray] = []
         self._view: np.ndarray | None = None  # the env's render() of the current state, once drawn, or its observed frame
@@ -251,14 +276,17 @@ class GymTaskEnv(SuiteEnv):
         key = self._gym.state_key
         if isinstance(space, spaces.Dict):
             if not key:
-                raise ValueError(f"env.gym.state_key is empty but {self.task}'s observation is a Dict with keys {list(space.spaces)}: "
-                                 "set it to the state's key")  # fmt: skip
+                raise ValueError(
+                    f"env.gym.state_key is empty but {self.task}'s observation is a Dict with keys {list(space.spaces)}: "
+                    "set it to the state's key"
+                )
             if key not in space.spaces:
                 raise ValueError(f"env.gym.state_key {key!r} is not in {self.task}'s observation; its keys: {list(space.spaces)}")
             space = space[key]
         elif key:
-            raise ValueError(f"env.gym.state_key {key!r} is set but {self.task}'s observation is a {type(space).__name__}, "
-                             "not a Dict: leave it empty")  # fmt: skip
+            raise ValueError(
+                f"env.gym.state_key {key!r} is set but {self.task}'s observation is a {type(space).__name__}, not a Dict: leave it empty"
+            )
         if not isinstance(space, spaces.Box):
             raise ValueError(f"env.task {self.task}: its state observation is {space}, not a Box (env.gym.state_key {key!r})")
         return space
@@ -277,8 +305,9 @@ class GymTaskEnv(SuiteEnv):
 
     def _checked_frame(self, view: Any, source: str) -> np.ndarray:
         if not isinstance(view, np.ndarray) or view.ndim != 3 or view.shape[2] != 3 or view.dtype != np.uint8:
-            raise ValueError(f"{self.task}'s {source} gave {type(view).__name__} {getattr(view, 'shape', '')}, not an (H, W, 3) "
-                             "uint8 frame")  # fmt: skip
+            raise ValueError(
+                f"{self.task}'s {source} gave {type(view).__name__} {getattr(view, 'shape', '')}, not an (H, W, 3) uint8 frame"
+            )
         return view
 
     def _observed(self, observation: Any) -> np.ndarray:

@@ -130,9 +130,15 @@ def _write_config(package: Path, assets: Path) -> None:
     if own:  # one directory per install: two environments on one machine each keep their own locations
         os.environ["LIBERO_CONFIG_PATH"] = str(cache_dir("libero") / short_digest(str(package)))
     path = Path(os.environ["LIBERO_CONFIG_PATH"]) / "config.yaml"
-    content = yaml.safe_dump({"benchmark_root": str(package), "bddl_files": str(package / "bddl_files"),
-                              "init_states": str(package / "init_files"), "datasets": str(package.parent / "datasets"),
-                              "assets": str(assets)})  # fmt: skip
+    content = yaml.safe_dump(
+        {
+            "benchmark_root": str(package),
+            "bddl_files": str(package / "bddl_files"),
+            "init_states": str(package / "init_files"),
+            "datasets": str(package.parent / "datasets"),
+            "assets": str(assets),
+        }
+    )
     if path.is_file() and (not own or path.read_text() == content):
         return
     try:
@@ -179,8 +185,16 @@ def axis_angle(quaternion: np.ndarray) -> np.ndarray:
 
 # privileged_state's elements, in order, and their sizes. A box is its world-aligned bounds (low xyz, high xyz) over the
 # body's collision geoms: where a gripper can close on the object and how high the target stands.
-PRIVILEGED_FIELDS = {"eef_pos": 3, "eef_quat": 4, "gripper_qpos": 2, "object_pos": 3, "object_box": 6, "target_pos": 3,
-                     "target_box": 6, "episode_step": 1}  # fmt: skip
+PRIVILEGED_FIELDS = {
+    "eef_pos": 3,
+    "eef_quat": 4,
+    "gripper_qpos": 2,
+    "object_pos": 3,
+    "object_box": 6,
+    "target_pos": 3,
+    "target_box": 6,
+    "episode_step": 1,
+}
 RELATIONS = ("in", "on")  # BDDL goal predicates that put an object somewhere: the ones a pick-and-place expert meets
 # What the project's observations add to lerobot's state: the fields of privileged_state() that place the goal's object
 # and target, which a policy without frames cannot see otherwise.
@@ -335,8 +349,9 @@ class PickAndPlaceExpert:
 SHAPING_SCALE = 5.0  # per metre: a distance term of the shaping potential is 1 - tanh(5 d), 0.24 at 20 cm, 0.9 at 2 cm
 
 
-def pick_place_potential(hand: np.ndarray, object_box: np.ndarray, target_pos: np.ndarray, target_top: float,
-                         rest_bottom: float, lifted: float) -> tuple[float, float]:  # fmt: skip
+def pick_place_potential(
+    hand: np.ndarray, object_box: np.ndarray, target_pos: np.ndarray, target_top: float, rest_bottom: float, lifted: float
+) -> tuple[float, float]:
     """env.reward "shaped"'s potential of a pick and place, in [0, 1], and the episode's lift so far, to pass back at
     its next step (0 at its first): a quarter for the hand at the object's middle, a quarter for the highest the object
     has been lifted in the episode, from where it rested (`rest_bottom`) to the expert's carrying height above the
@@ -385,12 +400,16 @@ class LiberoSuite(Suite):
         reads_goal = not self.config.lerobot_observations or self.config.reward == "shaped"
         without = [task for task in self.tasks() if not moves_an_object(task)] if reads_goal else []
         if without and not self.config.lerobot_observations:
-            raise ConfigError(f"env.observations {self.config.observations!r} adds the goal's object and target to LIBERO's state, but "
-                              f"the goals of {without} put no object in or on a target: set env.observations: lerobot "
-                              "(the 8-element state, for any task)")  # fmt: skip
+            raise ConfigError(
+                f"env.observations {self.config.observations!r} adds the goal's object and target to LIBERO's state, but "
+                f"the goals of {without} put no object in or on a target: set env.observations: lerobot "
+                "(the 8-element state, for any task)"
+            )
         if without and self.config.reward == "shaped":
-            raise ConfigError(f"env.reward 'shaped' measures LIBERO's progress as a pick and place, but the goals of {without} put "
-                              "no object in or on a target: use env.reward 'success'")  # fmt: skip
+            raise ConfigError(
+                f"env.reward 'shaped' measures LIBERO's progress as a pick and place, but the goals of {without} put "
+                "no object in or on a target: use env.reward 'success'"
+            )
 
 
 class _View:
@@ -408,8 +427,10 @@ class _View:
         try:
             self.renderer = mujoco.Renderer(model, height=image.height, width=image.width)
         except mujoco.FatalError as error:  # MuJoCo fixes its GL backend when first imported
-            raise RuntimeError("no OpenGL context for LIBERO's cameras: mujoco was imported before MUJOCO_GL was set; "
-                               "export MUJOCO_GL=egl, or import common.suites.libero first") from error  # fmt: skip
+            raise RuntimeError(
+                "no OpenGL context for LIBERO's cameras: mujoco was imported before MUJOCO_GL was set; "
+                "export MUJOCO_GL=egl, or import common.suites.libero first"
+            ) from error
         if image.fast:
             self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
             self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
@@ -431,8 +452,9 @@ class LiberoTaskEnv(SuiteEnv):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, task: str, instruction: str, config: EnvConfig, cameras: Sequence[ImageConfig], layout: Layout,
-                 film: ImageConfig | None) -> None:  # fmt: skip
+    def __init__(
+        self, task: str, instruction: str, config: EnvConfig, cameras: Sequence[ImageConfig], layout: Layout, film: ImageConfig | None
+    ) -> None:
         self.task, self.instruction = task, instruction
         self._reward_mode, self._stop_on_success, self._max_episode_steps = config.reward, config.stop_on_success, config.max_episode_steps
         for camera in [*cameras, *([film] if film is not None else [])]:
@@ -447,8 +469,9 @@ class LiberoTaskEnv(SuiteEnv):
         # No cameras in robosuite's observations and no render context of its own: frames are drawn here, on demand.
         # A soft reset keeps one MuJoCo model for the env's life (robosuite's hard reset recompiles it every episode).
         bddl = libero().bddl_files / benchmark_of(task) / f"{task}.bddl"
-        self._env = ControlEnv(bddl_file_name=str(bddl), use_camera_obs=False, has_offscreen_renderer=False, hard_reset=False,
-                               ignore_done=True)  # fmt: skip
+        self._env = ControlEnv(
+            bddl_file_name=str(bddl), use_camera_obs=False, has_offscreen_renderer=False, hard_reset=False, ignore_done=True
+        )
         model = self._env.sim.model._model
         offsamples = model.vis.quality.offsamples
         self._cameras = [_View(model, camera, offsamples) for camera in cameras]
@@ -456,11 +479,15 @@ class LiberoTaskEnv(SuiteEnv):
 
         self._goal_in_state = not config.lerobot_observations
         if self._goal_in_state and self._goal is None:
-            raise ValueError(f"{task}'s goal puts no object in or on a target, so env.observations {config.observations!r} has no "
-                             "objects to add to its state: set env.observations: lerobot")  # fmt: skip
+            raise ValueError(
+                f"{task}'s goal puts no object in or on a target, so env.observations {config.observations!r} has no "
+                "objects to add to its state: set env.observations: lerobot"
+            )
         if self._reward_mode == "shaped" and self._goal is None:
-            raise ValueError(f"{task}'s goal puts no object in or on a target, so env.reward 'shaped' has no pick and place to "
-                             "measure: use env.reward 'success'")  # fmt: skip
+            raise ValueError(
+                f"{task}'s goal puts no object in or on a target, so env.reward 'shaped' has no pick and place to "
+                "measure: use env.reward 'success'"
+            )
         self.action_space = spaces.Box(-1.0, 1.0, shape=(ACTION_DIM,), dtype=np.float32)
         state_size = PROJECT_STATE_DIM if self._goal_in_state else STATE_DIM
         self.observation_space = spaces.Box(-np.inf, np.inf, shape=(state_size,), dtype=np.float32)
@@ -537,9 +564,13 @@ class LiberoTaskEnv(SuiteEnv):
         if self._goal is None:
             raise NotImplementedError(f"{self.task}'s goal relates no object to a target (In or On): no pick-and-place state to read")
         observation = self._observation
-        fields = {"eef_pos": observation["robot0_eef_pos"], "eef_quat": observation["robot0_eef_quat"],
-                  "gripper_qpos": observation["robot0_gripper_qpos"], **self._goal_fields(),
-                  "episode_step": [self._episode_steps]}  # fmt: skip
+        fields = {
+            "eef_pos": observation["robot0_eef_pos"],
+            "eef_quat": observation["robot0_eef_quat"],
+            "gripper_qpos": observation["robot0_gripper_qpos"],
+            **self._goal_fields(),
+            "episode_step": [self._episode_steps],
+        }
         return np.concatenate([np.ravel(fields[name]) for name in PRIVILEGED_FIELDS]).astype(np.float64)
 
     def _goal_fields(self) -> dict[str, np.ndarray]:
@@ -547,10 +578,12 @@ class LiberoTaskEnv(SuiteEnv):
         data = self._env.sim.data._data
         model = self._env.sim.model._model
         objects = self._env.env.object_states_dict
-        return {"object_pos": objects[self._goal.object].get_geom_state()["pos"],
-                "object_box": _world_box(model, data, self._goal.object_geoms),
-                "target_pos": objects[self._goal.target].get_geom_state()["pos"],
-                "target_box": _world_box(model, data, self._goal.target_geoms)}  # fmt: skip
+        return {
+            "object_pos": objects[self._goal.object].get_geom_state()["pos"],
+            "object_box": _world_box(model, data, self._goal.object_geoms),
+            "target_pos": objects[self._goal.target].get_geom_state()["pos"],
+            "target_box": _world_box(model, data, self._goal.target_geoms),
+        }
 
     def _state(self, observation: dict[str, np.ndarray], goal: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """The state a policy reads of `observation`; with the goal in it, from `goal` (_goal_fields) when given."""

@@ -141,8 +141,10 @@ def lerobot_sentences() -> dict[str, str]:
     folders = [] if spec is None else list(spec.submodule_search_locations or [])
     path = Path(folders[0]) / "envs" / "metaworld_config.json" if folders else None
     if path is None or not path.is_file():
-        raise ConfigError("env.observations 'lerobot' reads lerobot's Metaworld task sentences from its envs/metaworld_config.json, "
-                          "and no installed lerobot has one: install the smolvla or lerobot extra (docs/smolvla.md)")  # fmt: skip
+        raise ConfigError(
+            "env.observations 'lerobot' reads lerobot's Metaworld task sentences from its envs/metaworld_config.json, "
+            "and no installed lerobot has one: install the smolvla or lerobot extra (docs/smolvla.md)"
+        )
     return dict(json.loads(path.read_text())["TASK_DESCRIPTIONS"])
 
 
@@ -199,8 +201,7 @@ def _read_layout_cache(task: str, benchmark_seed: int) -> tuple[metaworld.Task, 
         if _tasks_digest(tasks) != content["tasks_sha256"]:
             raise ValueError("its goals do not rebuild the Tasks it was written from (tasks_sha256)")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        warnings.warn(f"{path} is not a layout table ({exc}): simulating {task} benchmark seed {benchmark_seed} again",
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(f"{path} is not a layout table ({exc}): simulating {task} benchmark seed {benchmark_seed} again", stacklevel=3)
         return None
     return tasks
 
@@ -220,8 +221,10 @@ def _write_layout_cache(task: str, benchmark_seed: int, tasks: tuple[metaworld.T
     try:
         write_file_atomically(path, json.dumps(content))
     except CheckpointWriteError as exc:
-        warnings.warn(f"could not keep the layouts of {task} benchmark seed {benchmark_seed} in {path} ({exc}): "
-                      "every process will simulate them", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"could not keep the layouts of {task} benchmark seed {benchmark_seed} in {path} ({exc}): every process will simulate them",
+            stacklevel=3,
+        )
 
 
 def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...]:
@@ -231,8 +234,10 @@ def benchmark_tasks(task: str, benchmark_seed: int) -> tuple[metaworld.Task, ...
         if tasks is None:
             tasks = tuple(metaworld.MT1(task, seed=benchmark_seed).train_tasks)
             if len(tasks) != LAYOUTS_PER_BENCHMARK:
-                raise RuntimeError(f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
-                                   f"{LAYOUTS_PER_BENCHMARK} that common.suites.metaworld.LAYOUTS_PER_BENCHMARK counts on")  # fmt: skip
+                raise RuntimeError(
+                    f"metaworld.MT1({task!r}, seed={benchmark_seed}) drew {len(tasks)} layouts, not the "
+                    f"{LAYOUTS_PER_BENCHMARK} that common.suites.metaworld.LAYOUTS_PER_BENCHMARK counts on"
+                )
             _write_layout_cache(task, benchmark_seed, tasks)
         _BENCHMARK_TASKS[key] = tasks
     return _BENCHMARK_TASKS[key]
@@ -364,8 +369,9 @@ class _ReplayedHandReset:
         self._env = env
         self._simulate = env._reset_hand  # Metaworld's own, bound to env
         data = env.data
-        self._names = [name for name in dir(data) if not name.startswith(("_", *_ARENA_PREFIXES))
-                       and isinstance(getattr(data, name, None), np.ndarray)]  # fmt: skip
+        self._names = [
+            name for name in dir(data) if not name.startswith(("_", *_ARENA_PREFIXES)) and isinstance(getattr(data, name, None), np.ndarray)
+        ]
         self._key: tuple[int, bytes] | None = None
         self._arrays: dict[str, np.ndarray] = {}
         self._time = 0.0
@@ -557,8 +563,16 @@ class FilmedTaskEnv(MetaworldTaskEnv):
     the goal marker is drawn where the env's first episode had it until the first step moves the scene on."""
 
     def __init__(self, config: EnvConfig, task: str, cameras: Sequence[ImageConfig], film: ImageConfig, layout: Layout) -> None:
-        super().__init__(task, config.max_episode_steps, config.stop_on_success, config.reward, image=film, cameras=cameras,
-                         layout=layout, lerobot_observations=config.lerobot_observations)  # fmt: skip
+        super().__init__(
+            task,
+            config.max_episode_steps,
+            config.stop_on_success,
+            config.reward,
+            image=film,
+            cameras=cameras,
+            layout=layout,
+            lerobot_observations=config.lerobot_observations,
+        )
         self.observation_space = self.observation_space["state"]
         self.frames: list[np.ndarray] = []
 
@@ -597,8 +611,15 @@ class MetaworldSuite(Suite):
         if film is not None:
             return FilmedTaskEnv(self.config, task, cameras, film, layout)
         c = self.config
-        return MetaworldTaskEnv(task, c.max_episode_steps, c.stop_on_success, c.reward, cameras=cameras, layout=layout,
-                                lerobot_observations=c.lerobot_observations)  # fmt: skip
+        return MetaworldTaskEnv(
+            task,
+            c.max_episode_steps,
+            c.stop_on_success,
+            c.reward,
+            cameras=cameras,
+            layout=layout,
+            lerobot_observations=c.lerobot_observations,
+        )
 
     def expert(self, task: str) -> ScriptedExpert:
         return ScriptedExpert(task)

@@ -46,8 +46,12 @@ def bc_cache_key(config: RunConfig) -> str:
     for name in ("dataset", "successful_demos_only"):
         if not relevant["pretrain"][name]:
             del relevant["pretrain"][name]
-    for section, name, unchanged in (("env", "observations", ("auto", "project")), ("env", "render", ("auto", "fast")),
-                                     ("policy", "image_keys", ([],)), ("policy", "rename_map", ({},))):  # fmt: skip
+    for section, name, unchanged in (
+        ("env", "observations", ("auto", "project")),
+        ("env", "render", ("auto", "fast")),
+        ("policy", "image_keys", ([],)),
+        ("policy", "rename_map", ({},)),
+    ):
         if relevant[section][name] in unchanged:
             del relevant[section][name]
     relevant["recipe_version"] = RECIPE_VERSION
@@ -118,34 +122,46 @@ def lerobot_start_checkpoint(config: RunConfig) -> Path:
     for name in config.policy.SAMPLING_FIELDS:
         del relevant[name]
     files = sorted(path for path in source.iterdir() if path.suffix in (".json", ".safetensors"))
-    relevant |= {"seed": config.pretrain.seed, "recipe_version": RECIPE_VERSION, "files": {path.name: file_sha256(path) for path in files},
-                 "padded_actions": "held"}  # fmt: skip
+    relevant |= {
+        "seed": config.pretrain.seed,
+        "recipe_version": RECIPE_VERSION,
+        "files": {path.name: file_sha256(path) for path in files},
+        "padded_actions": "held",
+    }
     path = cache_dir("lerobot_start") / short_digest(relevant)
     if (path / WEIGHTS_FILE).is_file():
         return path
     stats = lerobot_normalisation(source)
     if stats is None:
-        raise CheckpointError(f"init_checkpoint {source} has no normaliser in its {PREPROCESSOR_FILE} (a base model, not a trained "
-                              f"policy): name it as policy.{config.policy.vla_section()}.lerobot_checkpoint, whose weights behaviour "
-                              "cloning starts from, and leave init_checkpoint unset")  # fmt: skip
+        raise CheckpointError(
+            f"init_checkpoint {source} has no normaliser in its {PREPROCESSOR_FILE} (a base model, not a trained "
+            f"policy): name it as policy.{config.policy.vla_section()}.lerobot_checkpoint, whose weights behaviour "
+            "cloning starts from, and leave init_checkpoint unset"
+        )
     torch.manual_seed(config.pretrain.seed)
     policy = build_policy(config.policy)
     (state_mean, state_std), (action_mean, action_std) = stats["observation.state"], stats["action"]
     if state_mean.shape != (config.policy.obs_dim,) or action_mean.shape != (config.policy.action_dim,):
-        raise CheckpointError(f"{source}: its normaliser's state {state_mean.shape} and action {action_mean.shape} statistics are not the "
-                              f"policy's ({config.policy.obs_dim},) and ({config.policy.action_dim},)")  # fmt: skip
+        raise CheckpointError(
+            f"{source}: its normaliser's state {state_mean.shape} and action {action_mean.shape} statistics are not the "
+            f"policy's ({config.policy.obs_dim},) and ({config.policy.action_dim},)"
+        )
     # lerobot's actions are in the env's units, the policy's in [-1, 1] (policy.action_bounds)
     centre, half_width = config.policy.action_units()
     action_mean, action_std = (action_mean - centre) / half_width, action_std / half_width
     policy.set_normalization(*(torch.from_numpy(array) for array in (state_mean, state_std, action_mean, action_std)), exact=True)
     padded = policy.hold_padded_actions()
-    log.info(f"[start] fine-tuning the lerobot checkpoint {source} as it is (its model and normalisation; the noise head and "
-             f"critic drawn from pretrain.seed {config.pretrain.seed}): {path}")  # fmt: skip
+    log.info(
+        f"[start] fine-tuning the lerobot checkpoint {source} as it is (its model and normalisation; the noise head and "
+        f"critic drawn from pretrain.seed {config.pretrain.seed}): {path}"
+    )
     if padded:
-        log.info(f"[start] its action_in_proj read {padded} padded action elements beyond the policy's {config.policy.action_dim}, "
-                 "which lerobot's sampler integrates from noise and the run's chain holds at zero: their columns are set to "
-                 "zero, so both sample this start alike; lerobot-eval's score before RL is that of its export, "
-                 f"`python -m learner.export {path} --out DIR` (docs/lerobot.md)")  # fmt: skip
+        log.info(
+            f"[start] its action_in_proj read {padded} padded action elements beyond the policy's {config.policy.action_dim}, "
+            "which lerobot's sampler integrates from noise and the run's chain holds at zero: their columns are set to "
+            "zero, so both sample this start alike; lerobot-eval's score before RL is that of its export, "
+            f"`python -m learner.export {path} --out DIR` (docs/lerobot.md)"
+        )
     return write_directory_atomically(path, policy.save_pretrained)
 
 
@@ -204,6 +220,9 @@ def search_task_demos(config: RunConfig, counts: dict[str, int | None], searched
     outside = [task for task in searched if not low <= rates[task] <= high]
     if outside:
         summary = ", ".join(f"{task} {rates[task]:.2f} at {counts[task]} demos" for task in outside)
-        warnings.warn(f"{config.env.task}: BC held-out success outside [{low}, {high}] for {summary}. Set pretrain.task_demos "
-                      "to choose their counts yourself.", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{config.env.task}: BC held-out success outside [{low}, {high}] for {summary}. Set pretrain.task_demos "
+            "to choose their counts yourself.",
+            stacklevel=3,
+        )
     return path

@@ -108,8 +108,9 @@ def demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras:
     return expert_demonstrations(config, suite, policy, cameras, demo_counts(config.pretrain, suite.tasks()))
 
 
-def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list, counts: dict[str, int],
-                          warn_failed: Collection[str] | None = None) -> tuple[Observation, Tensor, list[Episode]]:  # fmt: skip
+def expert_demonstrations(
+    config: RunConfig, suite: Suite, policy: FlowPolicy, cameras: list, counts: dict[str, int], warn_failed: Collection[str] | None = None
+) -> tuple[Observation, Tensor, list[Episode]]:
     """counts[task] scripted episodes of each task named (the first layouts of env.demo_benchmark_seed, with
     pretrain.demo_noise; the first that succeed with pretrain.successful_demos_only), as demonstrations() gives them.
     Failed episodes among them are named in a FailedDemonstrationWarning, for the tasks in `warn_failed` only where it
@@ -124,9 +125,11 @@ def expert_demonstrations(config: RunConfig, suite: Suite, policy: FlowPolicy, c
         task_episodes = collect_demonstrations(suite, task, demo_layouts[: counts[task]], cfg.demo_noise, cfg.seed, cameras)
         failed = [episode.layout.index for episode in task_episodes if not episode.success]
         if failed and (warn_failed is None or task in warn_failed):
-            message = (f"{task}: {len(failed)} of its {len(task_episodes)} scripted demonstrations did not succeed (layouts {failed} "
-                       f"of benchmark seed {config.env.demo_benchmark_seed}) and are cloned as they are; "
-                       "pretrain.successful_demos_only: true keeps the ones that succeed")  # fmt: skip
+            message = (
+                f"{task}: {len(failed)} of its {len(task_episodes)} scripted demonstrations did not succeed (layouts {failed} "
+                f"of benchmark seed {config.env.demo_benchmark_seed}) and are cloned as they are; "
+                "pretrain.successful_demos_only: true keeps the ones that succeed"
+            )
             warnings.warn(message, FailedDemonstrationWarning, stacklevel=2)
         episodes += task_episodes
     tokens = policy.tokenize([suite.instruction(task) for task in tasks])  # one call: every row padded alike

@@ -44,8 +44,9 @@ class LearnerCheckpoint:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
 
-    def save(self, policy: FlowPolicy, state: TrainerState, reference: FlowPolicy | None,
-             policy_state: dict[str, Tensor] | None = None) -> Path:  # fmt: skip
+    def save(
+        self, policy: FlowPolicy, state: TrainerState, reference: FlowPolicy | None, policy_state: dict[str, Tensor] | None = None
+    ) -> Path:
         """Policy, trainer state and the KL reference (when there is one), written to a temp dir then renamed.
         `policy_state`: the policy's tensors to write in place of its state_dict (FlowPolicy.save_pretrained)."""
         saved = {f.name: getattr(state, f.name) for f in fields(state)}
@@ -63,12 +64,16 @@ class LearnerCheckpoint:
         known = {f.name for f in fields(TrainerState)}
         state = TrainerState(**{name: value for name, value in saved.items() if name in known})
         return replace(
-            state, iteration=int(state.iteration), version=int(state.version), env_steps=int(state.env_steps),
-            skipped_updates=int(state.skipped_updates), lr_backoff=float(state.lr_backoff),
+            state,
+            iteration=int(state.iteration),
+            version=int(state.version),
+            env_steps=int(state.env_steps),
+            skipped_updates=int(state.skipped_updates),
+            lr_backoff=float(state.lr_backoff),
             sampling_versions={int(n): int(v) for n, v in state.sampling_versions.items()},
             published={int(v): tensors for v, tensors in state.published.items()},
             demo_tasks={str(task): int(start) for task, start in state.demo_tasks.items()},
-        )  # fmt: skip
+        )
 
     def load_reference(self, reference: FlowPolicy, sampling_overrides: dict[str, Any]) -> None:
         """The saved KL reference's weights into `reference` (a frozen copy, keeping what it shares with the policy)."""

@@ -70,6 +70,6 @@ def reproducibility_manifest(config: RunConfig, init_checkpoint: Path | None, ev
             "task": config.env.task,
             "tasks": list(dict.fromkeys(x.task for x in eval_layouts)),
             "benchmark_seed_and_index": [[x.benchmark_seed, x.index] for x in eval_layouts],
-        },  # fmt: skip
+        },
         "init_checkpoint": checkpoint,
     }

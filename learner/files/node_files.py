@@ -44,10 +44,12 @@ def check_every_node_holds(paths: dict[str, str]) -> None:
     if not paths or len(nodes) < 2:
         return
     probe = ray.remote(missing_here)
-    answers = ray.get([
-        probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(paths)
-        for node in nodes
-    ])  # fmt: skip
+    answers = ray.get(
+        [
+            probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(paths)
+            for node in nodes
+        ]
+    )
     for node, missing in zip(nodes, answers):
         if missing:
             field, path = next(iter(missing.items()))

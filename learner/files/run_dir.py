@@ -35,11 +35,29 @@ CHECKPOINT_NAME = re.compile(r"iter_\d{6}")
 # Fields a resumed run may change without --allow-config-change: where and how often things are logged and saved,
 # and the resources actors and the learner ask for. Nothing here changes what is computed, beyond float rounding (the
 # learner's ranks).
-SAFE_ON_RESUME = frozenset({"eval_every", "eval_videos", "checkpoint_every", "keep_checkpoints", "wandb_project", "actors.num_cpus",
-                            "actors.num_gpus", "actors.resources", "actors.faults.max_restarts", "actors.faults.call_timeout_s",
-                            "actors.faults.min_alive", "learner.num_cpus", "learner.num_gpus", "learner.resources", "learner.num_learners",
-                            "learner.sharding", "learner.faults.max_restarts", "learner.faults.call_timeout_s",
-                            "learner.faults.call_timeout_update_factor"})  # fmt: skip
+SAFE_ON_RESUME = frozenset(
+    {
+        "eval_every",
+        "eval_videos",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "wandb_project",
+        "actors.num_cpus",
+        "actors.num_gpus",
+        "actors.resources",
+        "actors.faults.max_restarts",
+        "actors.faults.call_timeout_s",
+        "actors.faults.min_alive",
+        "learner.num_cpus",
+        "learner.num_gpus",
+        "learner.resources",
+        "learner.num_learners",
+        "learner.sharding",
+        "learner.faults.max_restarts",
+        "learner.faults.call_timeout_s",
+        "learner.faults.call_timeout_update_factor",
+    }
+)
 
 
 class RunDirLockedError(FileExistsError):
@@ -126,8 +144,11 @@ class RunDirectory:
         stored = recorded = flatten(json.loads((self.path / RUN_CONFIG_FILE).read_text()))
         current, defaults = flatten(config.to_dict()), flatten(RunConfig().to_dict())
         added_at_default = {k for k in set(current) - set(recorded) if k in defaults and current[k] == defaults[k]}
-        return {k: (stored.get(k), current.get(k)) for k in sorted(set(stored) | set(current) - added_at_default)
-                if stored.get(k) != current.get(k)}  # fmt: skip
+        return {
+            k: (stored.get(k), current.get(k))
+            for k in sorted(set(stored) | set(current) - added_at_default)
+            if stored.get(k) != current.get(k)
+        }
 
     def resume(self, config: RunConfig, allowed: frozenset[str] | set[str] = frozenset()) -> Path:
         """The checkpoint to continue from, after checking that the config is the run's own (bar allowed fields).

@@ -155,8 +155,12 @@ class FullySharded(Unsharded):
             # Every rank read the same checkpoint: each keeps its own shard, without a transfer.
             return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None)
 
-        return {**state, "state": {index: {key: shard_like(params[index], value) for key, value in values.items()}
-                                   for index, values in state["state"].items()}}  # fmt: skip
+        return {
+            **state,
+            "state": {
+                index: {key: shard_like(params[index], value) for key, value in values.items()} for index, values in state["state"].items()
+            },
+        }
 
 
 def hold(policy: nn.Module, ranks: SingleRank, sharding: str) -> Unsharded:

@@ -58,8 +58,12 @@ class ActorPool:
         # What the actors were created with (the layout tables' actor): Ray re-runs an actor's constructor with it when it
         # restarts the actor, so it must live as long as the pool, not just until the actors first start.
         self.keep_alive = list(keep_alive)
-        self.faults = {"faults/actor_restarts": 0.0, "faults/actor_timeouts": 0.0, "faults/dropped_actors": 0.0,
-                       "faults/resampled_env_steps": 0.0}  # fmt: skip
+        self.faults = {
+            "faults/actor_restarts": 0.0,
+            "faults/actor_timeouts": 0.0,
+            "faults/dropped_actors": 0.0,
+            "faults/resampled_env_steps": 0.0,
+        }
 
     def wait_started(self) -> None:
         """Wait until every actor is up, and note the process each runs in: a receipt from another process later means
@@ -68,16 +72,28 @@ class ActorPool:
         indices = list(self.actors)
         self.pids = dict(zip(indices, ray.get([self.actors[index].pid.remote() for index in indices]), strict=True))
 
-    def call(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
-             num_returns: int = 1, allowances: dict[int, int] | None = None) -> dict[int, list[ray.ObjectRef]]:  # fmt: skip
+    def call(
+        self,
+        method: str,
+        args_for: Callable[[int], tuple],
+        indices: Iterable[int] | None = None,
+        num_returns: int = 1,
+        allowances: dict[int, int] | None = None,
+    ) -> dict[int, list[ray.ObjectRef]]:
         """`method(*args_for(index))` on the live actors (or those of `indices`); returns the result refs of each call
         that succeeded, by actor index. A call's first result must be small: the driver fetches it to learn whether
         the call succeeded (a receipt), and leaves any other result in the object store. `allowances`: how many times
         actors.faults.call_timeout_s an actor's call may take, by actor index (absent: once)."""
         return self.collect(self.submit(method, args_for, indices, num_returns, allowances))
 
-    def submit(self, method: str, args_for: Callable[[int], tuple], indices: Iterable[int] | None = None,
-               num_returns: int = 1, allowances: dict[int, int] | None = None) -> PendingCall:  # fmt: skip
+    def submit(
+        self,
+        method: str,
+        args_for: Callable[[int], tuple],
+        indices: Iterable[int] | None = None,
+        num_returns: int = 1,
+        allowances: dict[int, int] | None = None,
+    ) -> PendingCall:
         """Start `call` without waiting: the actors queue it behind the calls they already have."""
         call = PendingCall(method, args_for, num_returns, {}, allowances=dict(allowances or {}))
         for index in self.actors if indices is None else indices:
@@ -144,8 +160,9 @@ class ActorPool:
                         starting.pop(index, None)
                         continue
                     except OwnerDiedError as exc:  # the weights it was given were put by a learner that has died since
-                        raise LearnerDiedError(f"the learner that published the weights of rollout actor {index}'s {call.method} "
-                                               "call died") from exc  # fmt: skip
+                        raise LearnerDiedError(
+                            f"the learner that published the weights of rollout actor {index}'s {call.method} call died"
+                        ) from exc
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
                         self.suspected.add(index)
                         time.sleep(0.5)
@@ -159,8 +176,10 @@ class ActorPool:
                 elif time.monotonic() - since[index] >= deadline(index):  # wedged: kill it, Ray restarts it, ask again
                     what = "its restart" if index in starting else call.method
                     times = "" if deadline(index) == timeout else f"{call.allowances[index]} x "
-                    log.info(f"[fault] rollout actor {index} wedged (no answer to {what} within {times}actors.faults.call_timeout_s="
-                             f"{timeout:g}s): killing it")  # fmt: skip
+                    log.info(
+                        f"[fault] rollout actor {index} wedged (no answer to {what} within {times}actors.faults.call_timeout_s="
+                        f"{timeout:g}s): killing it"
+                    )
                     self.faults["faults/actor_timeouts"] += 1
                     ray.kill(self.actors[index], no_restart=False)
                     self.suspected.add(index)
@@ -182,8 +201,10 @@ class ActorPool:
         if self.pids.get(index, pid) != pid:
             self.restarts[index] += 1
             self.faults["faults/actor_restarts"] += 1
-            log.info(f"[fault] rollout actor {index} restarted ({self.restarts[index]}/{self.cfg.faults.max_restarts} restarts): "
-                     f"it answered {method} from a new process")  # fmt: skip
+            log.info(
+                f"[fault] rollout actor {index} restarted ({self.restarts[index]}/{self.cfg.faults.max_restarts} restarts): "
+                f"it answered {method} from a new process"
+            )
         self.pids[index] = pid
 
     def health(self) -> dict[str, float]:

@@ -31,23 +31,58 @@ from learner.runtime.ray_runtime import RESOURCE_UNIT, ResourceRequest, actor_re
 
 # Top-level parameters of EC2 RunInstances, which Ray's AWS provider passes node_config to verbatim
 # (plus Ray's own SubnetIds). Anything else is a typo that EC2 would reject at launch or ignore.
-AWS_NODE_CONFIG_FIELDS = frozenset({
-    "AdditionalInfo", "BlockDeviceMappings", "CapacityReservationSpecification", "ClientToken", "CpuOptions",
-    "CreditSpecification", "DisableApiStop", "DisableApiTermination", "EbsOptimized", "ElasticGpuSpecification",
-    "ElasticInferenceAccelerators", "EnablePrimaryIpv6", "EnclaveOptions", "HibernationOptions", "IamInstanceProfile",
-    "ImageId", "InstanceInitiatedShutdownBehavior", "InstanceMarketOptions", "InstanceType", "Ipv6AddressCount",
-    "Ipv6Addresses", "KernelId", "KeyName", "LaunchTemplate", "LicenseSpecifications", "MaintenanceOptions",
-    "MetadataOptions", "Monitoring", "NetworkInterfaces", "NetworkPerformanceOptions", "Placement",
-    "PrivateDnsNameOptions", "PrivateIpAddress", "RamdiskId", "SecurityGroupIds", "SecurityGroups", "SubnetId",
-    "SubnetIds", "TagSpecifications", "UserData",
-})  # fmt: skip
+AWS_NODE_CONFIG_FIELDS = frozenset(
+    {
+        "AdditionalInfo",
+        "BlockDeviceMappings",
+        "CapacityReservationSpecification",
+        "ClientToken",
+        "CpuOptions",
+        "CreditSpecification",
+        "DisableApiStop",
+        "DisableApiTermination",
+        "EbsOptimized",
+        "ElasticGpuSpecification",
+        "ElasticInferenceAccelerators",
+        "EnablePrimaryIpv6",
+        "EnclaveOptions",
+        "HibernationOptions",
+        "IamInstanceProfile",
+        "ImageId",
+        "InstanceInitiatedShutdownBehavior",
+        "InstanceMarketOptions",
+        "InstanceType",
+        "Ipv6AddressCount",
+        "Ipv6Addresses",
+        "KernelId",
+        "KeyName",
+        "LaunchTemplate",
+        "LicenseSpecifications",
+        "MaintenanceOptions",
+        "MetadataOptions",
+        "Monitoring",
+        "NetworkInterfaces",
+        "NetworkPerformanceOptions",
+        "Placement",
+        "PrivateDnsNameOptions",
+        "PrivateIpAddress",
+        "RamdiskId",
+        "SecurityGroupIds",
+        "SecurityGroups",
+        "SubnetId",
+        "SubnetIds",
+        "TagSpecifications",
+        "UserData",
+    }
+)
 # Nested fields the project sets (disk size and type, spot market): typos here silently fall back to defaults.
 AWS_NESTED_FIELDS = {
     "BlockDeviceMappings[]": frozenset({"DeviceName", "Ebs", "NoDevice", "VirtualName"}),
-    "BlockDeviceMappings[].Ebs": frozenset({"DeleteOnTermination", "Encrypted", "Iops", "KmsKeyId", "OutpostArn", "SnapshotId",
-                                            "Throughput", "VolumeSize", "VolumeType"}),
+    "BlockDeviceMappings[].Ebs": frozenset(
+        {"DeleteOnTermination", "Encrypted", "Iops", "KmsKeyId", "OutpostArn", "SnapshotId", "Throughput", "VolumeSize", "VolumeType"}
+    ),
     "InstanceMarketOptions": frozenset({"MarketType", "SpotOptions"}),
-}  # fmt: skip
+}
 AWS_REQUIRED_FIELDS = ("InstanceType", "ImageId", "BlockDeviceMappings")  # the GPU image and a disk that holds torch
 
 # vCPUs and GPUs of the instance types the shipped configs use (AWS's published specifications), to
@@ -126,8 +161,9 @@ def check_aws_node_config(name: str, node_config: dict[str, Any], source: str) -
     for i, mapping in enumerate(node_config["BlockDeviceMappings"]):
         _unknown_fields(mapping, AWS_NESTED_FIELDS["BlockDeviceMappings[]"], f"{where}.BlockDeviceMappings[{i}]")
         _unknown_fields(mapping.get("Ebs", {}), AWS_NESTED_FIELDS["BlockDeviceMappings[].Ebs"], f"{where}.BlockDeviceMappings[{i}].Ebs")
-    _unknown_fields(node_config.get("InstanceMarketOptions", {}), AWS_NESTED_FIELDS["InstanceMarketOptions"],
-                    f"{where}.InstanceMarketOptions")  # fmt: skip
+    _unknown_fields(
+        node_config.get("InstanceMarketOptions", {}), AWS_NESTED_FIELDS["InstanceMarketOptions"], f"{where}.InstanceMarketOptions"
+    )
 
 
 def check_worker_counts(prepared: dict[str, Any], source: str) -> None:
@@ -151,8 +187,10 @@ def check_security(prepared: dict[str, Any], source: str) -> None:
             continue
         flags = ray_start_flags(prepared.get(key, []))
         if key == "head_start_ray_commands" and flags.get("--dashboard-host", "127.0.0.1") not in ("127.0.0.1", "localhost"):
-            raise ConfigError(f"{source}: {key} binds the dashboard to {flags['--dashboard-host']}: use --dashboard-host=127.0.0.1 "
-                              "and reach it with `ray dashboard <cluster.yaml>` (an SSH port-forward)")  # fmt: skip
+            raise ConfigError(
+                f"{source}: {key} binds the dashboard to {flags['--dashboard-host']}: use --dashboard-host=127.0.0.1 "
+                "and reach it with `ray dashboard <cluster.yaml>` (an SSH port-forward)"
+            )
         if "RAY_AUTH_MODE=token" not in commands or "RAY_AUTH_MODE=disabled" in commands:
             raise ConfigError(f"{source}: {key} must start Ray with RAY_AUTH_MODE=token (token auth on every node)")
     for i, rule in enumerate(prepared["provider"].get("security_group", {}).get("IpPermissions", [])):
@@ -162,8 +200,10 @@ def check_security(prepared: dict[str, Any], source: str) -> None:
         low, high = rule.get("FromPort", -1), rule.get("ToPort", -1)
         opened = [f"{port} ({what})" for port, what in PRIVATE_PORTS.items() if low == -1 or low <= port <= high]
         if opened:
-            raise ConfigError(f"{source}: provider.security_group.IpPermissions[{i}] opens {', '.join(opened)} to the internet: "
-                              "port-forward over SSH instead (`ray dashboard <cluster.yaml>`)")  # fmt: skip
+            raise ConfigError(
+                f"{source}: provider.security_group.IpPermissions[{i}] opens {', '.join(opened)} to the internet: "
+                "port-forward over SSH instead (`ray dashboard <cluster.yaml>`)"
+            )
 
 
 def ray_start_flags(commands: list[str]) -> dict[str, str]:
@@ -187,8 +227,10 @@ def ray_start_flags(commands: list[str]) -> dict[str, str]:
 def local_node_resources(flags: dict[str, str], where: str) -> dict[str, float]:
     """An on-premise node's resources, from its `ray start` flags (the local provider's node type declares none)."""
     if "--num-cpus" not in flags:
-        raise ConfigError(f"{where} must pass --num-cpus=N (and --num-gpus=G, --resources='{{...}}') to `ray start`: "
-                          "the local provider detects resources only at start, so the placement check needs them declared")  # fmt: skip
+        raise ConfigError(
+            f"{where} must pass --num-cpus=N (and --num-gpus=G, --resources='{{...}}') to `ray start`: "
+            "the local provider detects resources only at start, so the placement check needs them declared"
+        )
     try:
         custom = json.loads(flags.get("--resources", "{}"))
         resources = {"CPU": float(flags["--num-cpus"]), "GPU": float(flags.get("--num-gpus", 0)), **custom}
@@ -206,9 +248,10 @@ def node_types(prepared: dict[str, Any], source: str) -> list[NodeType]:
         workers = prepared["available_node_types"][name]["max_workers"]
         head_flags = ray_start_flags(prepared.get("head_start_ray_commands", []))
         worker_flags = ray_start_flags(prepared.get("worker_start_ray_commands", []))
-        return [NodeType("head", "on-premise", local_node_resources(head_flags, f"{source}: head_start_ray_commands"), 1, True),
-                NodeType("worker", "on-premise", local_node_resources(worker_flags, f"{source}: worker_start_ray_commands"),
-                         workers, False)]  # fmt: skip
+        return [
+            NodeType("head", "on-premise", local_node_resources(head_flags, f"{source}: head_start_ray_commands"), 1, True),
+            NodeType("worker", "on-premise", local_node_resources(worker_flags, f"{source}: worker_start_ray_commands"), workers, False),
+        ]
     if provider != "aws":
         raise ConfigError(f"{source}: provider.type {provider!r}: the project's checks cover 'aws' and 'local'")
     types = []
@@ -235,8 +278,15 @@ def _units(amounts: dict[str, float]) -> dict[str, int]:
     return {k: round(v * RESOURCE_UNIT) for k, v in amounts.items()}
 
 
-def plan_placement(types: list[NodeType], learner: ResourceRequest, actor: ResourceRequest, num_actors: int, source: str,
-                   even_split_cpus: bool = False, num_learners: int = 1) -> Placement:  # fmt: skip
+def plan_placement(
+    types: list[NodeType],
+    learner: ResourceRequest,
+    actor: ResourceRequest,
+    num_actors: int,
+    source: str,
+    even_split_cpus: bool = False,
+    num_learners: int = 1,
+) -> Placement:
     """First fit: each learner rank, then each actor, onto the first node with room (a learner group's placement group
     packs its ranks so too). Raises ConfigError naming the field.
 
@@ -245,8 +295,10 @@ def plan_placement(types: list[NodeType], learner: ResourceRequest, actor: Resou
     for section, request in (("learner", learner), ("actors", actor)):
         for name in request.resources:
             if not any(t.resources.get(name, 0) > 0 for t in types):
-                raise ConfigError(f"{section}.resources.{name}: no node type in {source} declares {name!r}; "
-                                  f"declared: {sorted({k for t in types for k in t.resources})}")  # fmt: skip
+                raise ConfigError(
+                    f"{section}.resources.{name}: no node type in {source} declares {name!r}; "
+                    f"declared: {sorted({k for t in types for k in t.resources})}"
+                )
     free = {f"{t.name}#{i}": _units(t.resources) for t in types for i in range(t.count)}
 
     def place(request: ResourceRequest, what: str, field_name: str) -> str:
@@ -260,11 +312,15 @@ def plan_placement(types: list[NodeType], learner: ResourceRequest, actor: Resou
         hint = "lower the request or raise a node type's max_workers"
         if field_name == "actors" and even_split_cpus:
             hint = "actors.num_cpus is unset, so CPUs are split evenly over the actors, leaving a fragment per node: set actors.num_cpus"
-        raise ConfigError(f"{what} does not fit: it asks {request.amounts()} ({field_name}.num_cpus/num_gpus/resources) and each node "
-                          f"lacks {short} at the cluster's largest size; {hint}")  # fmt: skip
+        raise ConfigError(
+            f"{what} does not fit: it asks {request.amounts()} ({field_name}.num_cpus/num_gpus/resources) and each node "
+            f"lacks {short} at the cluster's largest size; {hint}"
+        )
 
-    learner_nodes = [place(learner, "the learner" if num_learners == 1 else f"learner rank {rank} (of {num_learners})", "learner")
-                     for rank in range(num_learners)]  # fmt: skip
+    learner_nodes = [
+        place(learner, "the learner" if num_learners == 1 else f"learner rank {rank} (of {num_learners})", "learner")
+        for rank in range(num_learners)
+    ]
     actor_nodes = [place(actor, f"rollout actor {i} (of {num_actors})", "actors") for i in range(num_actors)]
     return Placement(learner_nodes, actor_nodes, {n: {k: v / RESOURCE_UNIT for k, v in left.items()} for n, left in free.items()})
 
@@ -311,13 +367,17 @@ def mounted_model_directories(prepared: dict[str, Any], config: RunConfig, sourc
             continue
         under = [(remote, local) for remote, local in mounts.items() if PurePosixPath(path).is_relative_to(remote)]
         if not under:
-            raise ConfigError(f"{field}={path!r} reaches no node of {source}: its file_mounts copy {sorted(map(str, mounts))}; "
-                              "put the directory under one of them (the VLA run configs use ~/flowrl-models)")  # fmt: skip
+            raise ConfigError(
+                f"{field}={path!r} reaches no node of {source}: its file_mounts copy {sorted(map(str, mounts))}; "
+                "put the directory under one of them (the VLA run configs use ~/flowrl-models)"
+            )
         remote, local = max(under, key=lambda item: len(item[0].parts))
         copied = Path(local).expanduser() / PurePosixPath(path).relative_to(remote)
         if not copied.is_dir():
-            raise ConfigError(f"{field}={path!r}: {source}'s file_mounts copy {remote} from {local} on this machine, which holds "
-                              f"no {copied.relative_to(Path(local).expanduser())}: put the directory there before `ray up`")  # fmt: skip
+            raise ConfigError(
+                f"{field}={path!r}: {source}'s file_mounts copy {remote} from {local} on this machine, which holds "
+                f"no {copied.relative_to(Path(local).expanduser())}: put the directory there before `ray up`"
+            )
         lines.append(f"  {field}: {path} <- {copied} (file_mounts)")
     return lines
 
@@ -336,8 +396,15 @@ def check_cluster(path: str | Path, config: RunConfig) -> str:
     if not any(node_cpus):
         node_cpus = [t.resources.get("CPU", 0) for t in types for _ in range(t.count)]
     learner, actor = learner_request(config, sum(node_cpus)), actor_request(config, node_cpus)
-    plan = plan_placement(types, learner, actor, config.actors.num_actors, source, even_split_cpus=config.actors.num_cpus is None,
-                          num_learners=config.learner.num_learners)  # fmt: skip
+    plan = plan_placement(
+        types,
+        learner,
+        actor,
+        config.actors.num_actors,
+        source,
+        even_split_cpus=config.actors.num_cpus is None,
+        num_learners=config.learner.num_learners,
+    )
     models = mounted_model_directories(prepared, config, source)
     printout = describe(source, prepared["provider"]["type"], types, learner, actor, plan)
     return "\n".join([printout, "model directories on every node:", *models]) if models else printout

@@ -51,8 +51,16 @@ from learner.runtime.startup import (
 )
 
 
-def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, eval_layouts: list, *, single_batch: bool = False,
-          began: float | None = None, startup: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+def train(
+    config: RunConfig,
+    directory: RunDirectory,
+    resume_dir: Path | None,
+    eval_layouts: list,
+    *,
+    single_batch: bool = False,
+    began: float | None = None,
+    startup: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The run, on the Ray that learner.main.run connected; began: when the run started (time.perf_counter), counted
     in its start-up time and cost (default: now); startup: the STARTUP_STAGES passed before train, in seconds since
     `began` (learner.main.run's Ray and input checks)."""
@@ -117,12 +125,20 @@ def train(config: RunConfig, directory: RunDirectory, resume_dir: Path | None, e
                     due = not single_batch and (done or (config.eval_every and (iteration + 1) % config.eval_every == 0))
                     evaluation = evaluator.submit(rollouts.weights_ref, f"iteration {iteration + 1}", iteration + 1) if due else None
                     env_steps += int(metrics["rollout/env_steps"])
-                    metrics.update({"iteration": iteration + 1, "rollout/total_env_steps": env_steps,
-                                    "time/iteration_seconds": iteration_seconds,
-                                    "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
-                                    "time/wall_seconds": clock.elapsed(), "faults/learner_restarts": float(learner.restarts),
-                                    "rollout/actors": float(len(pool.actors)), **pool.faults, **pool.health(),
-                                    **cost.charge(len(pool.actors))})  # fmt: skip
+                    metrics.update(
+                        {
+                            "iteration": iteration + 1,
+                            "rollout/total_env_steps": env_steps,
+                            "time/iteration_seconds": iteration_seconds,
+                            "time/env_steps_per_second": metrics["rollout/env_steps"] / iteration_seconds,
+                            "time/wall_seconds": clock.elapsed(),
+                            "faults/learner_restarts": float(learner.restarts),
+                            "rollout/actors": float(len(pool.actors)),
+                            **pool.faults,
+                            **pool.health(),
+                            **cost.charge(len(pool.actors)),
+                        }
+                    )
                     if done or (iteration + 1) % config.checkpoint_every == 0:
                         rows.keep_held(metrics)  # on disk before the checkpoint passes them
                         learner.save(iteration + 1)

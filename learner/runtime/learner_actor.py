@@ -31,9 +31,18 @@ from learner.update.learner import Learner
 class LearnerActor:
     """Ray actor around Learner: gathers rollouts, updates, publishes weights, checkpoints, exports gauges."""
 
-    def __init__(self, config: RunConfig, checkpoint_dir: str | None, resume_dir: str | None, niceness: int | None = None,
-                 state_bounds: list[list[float]] | None = None, known_digests: dict | None = None,
-                 group: tuple[str, int, int] | None = None, files: RunFiles | None = None, tasks: list[str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        checkpoint_dir: str | None,
+        resume_dir: str | None,
+        niceness: int | None = None,
+        state_bounds: list[list[float]] | None = None,
+        known_digests: dict | None = None,
+        group: tuple[str, int, int] | None = None,
+        files: RunFiles | None = None,
+        tasks: list[str] | None = None,
+    ):
         """niceness: the driver's, which the learner takes when its process runs at a higher one. A local Ray starts its
         workers at 0 (start_local_ray), a node's Ray started without RAY_worker_niceness=0 at 15, from which only a
         privileged process comes back: there the learner stays at 15, still above the actors' (learner.runtime.startup.ACTOR_NICENESS).

@@ -59,12 +59,18 @@ def start_learner_group(config: RunConfig, request: ResourceRequest, actor_class
     group = placement_group([request.amounts()] * size, strategy="PACK")
     if not group.wait(PLACEMENT_TIMEOUT_S):
         remove_placement_group(group)
-        raise ConfigError(f"the learner group of {size} ranks, each {request.amounts()}, could not be placed within "
-                          f"{PLACEMENT_TIMEOUT_S:g}s: the Ray cluster offers {ray.available_resources()} now")  # fmt: skip
+        raise ConfigError(
+            f"the learner group of {size} ranks, each {request.amounts()}, could not be placed within "
+            f"{PLACEMENT_TIMEOUT_S:g}s: the Ray cluster offers {ray.available_resources()} now"
+        )
     address = ray.get(ray.remote(rendezvous_address).options(num_cpus=0, scheduling_strategy=on_bundle(group, 0)).remote())
     options = {"num_cpus": request.num_cpus, "num_gpus": request.num_gpus, "resources": dict(request.resources)}
-    actors = [ray.remote(actor_class).options(**options, scheduling_strategy=on_bundle(group, rank))
-              .remote(*args, **kwargs, group=(address, rank, size)) for rank in range(size)]  # fmt: skip
+    actors = [
+        ray.remote(actor_class)
+        .options(**options, scheduling_strategy=on_bundle(group, rank))
+        .remote(*args, **kwargs, group=(address, rank, size))
+        for rank in range(size)
+    ]
     table = ray.util.placement_group_table(group)["bundles_to_node_id"]
     node_addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     return LearnerRanks(actors, group, [node_addresses.get(table[rank], "?") for rank in range(size)])

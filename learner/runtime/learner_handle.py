@@ -35,8 +35,9 @@ from learner.runtime.startup import start_learner
 class LearnerHandle:
     """The run's learner actor, called with a deadline and restarted from the run's checkpoints."""
 
-    def __init__(self, config: RunConfig, directory: RunDirectory, checkpoint: Path | None, resume_dir: Path | None,
-                 request: ResourceRequest):  # fmt: skip
+    def __init__(
+        self, config: RunConfig, directory: RunDirectory, checkpoint: Path | None, resume_dir: Path | None, request: ResourceRequest
+    ):
         """checkpoint: the policy the run fine-tunes (None on resume or from a random init); resume_dir: the
         checkpoint a resumed run continues from."""
         self.config, self.directory, self.request = config, directory, request
@@ -88,8 +89,10 @@ class LearnerHandle:
             ready, pending = ray.wait(pending, num_returns=1, timeout=None if ends is None else max(0.0, ends - time.monotonic()))
             if not ready:
                 self.ranks.kill()
-                raise LearnerWedgedError(f"no answer to {method} within {timeout:g}s (learner.faults.call_timeout_s, "
-                                         "learner.faults.call_timeout_update_factor); killed") from None  # fmt: skip
+                raise LearnerWedgedError(
+                    f"no answer to {method} within {timeout:g}s (learner.faults.call_timeout_s, "
+                    "learner.faults.call_timeout_update_factor); killed"
+                ) from None
             try:
                 ray.get(ready[0])
             except RayActorError as exc:
@@ -168,8 +171,10 @@ class LearnerHandle:
         restart_dir = self.directory.latest_checkpoint() if self.last_saved > 0 else self.resume_dir
         self.ranks.kill()  # what is left of it: a group's other ranks wait for the one gone, holding its placement
         what = "wedged" if isinstance(failure, LearnerWedgedError) else "died"
-        log.info(f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
-                 f"{restart_dir or self.checkpoint or 'its random initialisation'}")  # fmt: skip
+        log.info(
+            f"[fault] the learner {what} ({failure}): restarting it ({self.restarts}/{limit}) from "
+            f"{restart_dir or self.checkpoint or 'its random initialisation'}"
+        )
         self._start(None if restart_dir else self.checkpoint, restart_dir)
         if self.demo_tasks:
             self.add_demonstrations({})
@@ -183,8 +188,13 @@ class LearnerHandle:
         """Checkpoint the iterations completed since the last checkpoint, if the learner is still there to save them, and
         say which checkpoint `--resume` continues from. A run stopped before its first checkpoint saves its start
         (iter_000000), so that it too can be resumed rather than started again in a new directory."""
-        what = "stopped by SIGTERM" if stopped_by_sigterm(error) else "interrupted" if isinstance(error, KeyboardInterrupt) \
-            else f"stopped by {type(error).__name__}"  # fmt: skip
+        what = (
+            "stopped by SIGTERM"
+            if stopped_by_sigterm(error)
+            else "interrupted"
+            if isinstance(error, KeyboardInterrupt)
+            else f"stopped by {type(error).__name__}"
+        )
         try:
             with stops_held("saving the checkpoint", stopping=True):
                 completed, _ = ray.get(self.actor.progress.remote(), timeout=60)

@@ -160,16 +160,19 @@ def check_reachable(address: str, source: str, timeout_s: float | None = None) -
             pass
     except (OSError, ValueError) as exc:
         reason = f"no answer within {timeout_s:g}s" if isinstance(exc, TimeoutError) else getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError(f"{source} {address}: no Ray cluster answers at {target} ({reason}): start one there (ray start --head) "
-                          "or correct the address") from None  # fmt: skip
+        raise ConfigError(
+            f"{source} {address}: no Ray cluster answers at {target} ({reason}): start one there (ray start --head) or correct the address"
+        ) from None
     import grpc  # Ray's GCS and its client server speak gRPC: a port that takes TCP but not HTTP/2 is something else
 
     with grpc.insecure_channel(target) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            raise ConfigError(f"{source} {address}: {target} takes connections but answers no Ray handshake within {timeout_s:g}s: "
-                              "it is not a Ray head node's GCS port (6379 by default); correct the address") from None  # fmt: skip
+            raise ConfigError(
+                f"{source} {address}: {target} takes connections but answers no Ray handshake within {timeout_s:g}s: "
+                "it is not a Ray head node's GCS port (6379 by default); correct the address"
+            ) from None
 
 
 def start_local_ray(**init_kwargs: Any) -> Any:

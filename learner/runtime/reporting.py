@@ -215,14 +215,19 @@ class MetricsRows:
         if not self.held_file.is_file():
             return
         logged = {int(row["iteration"]) for row in self.log.read()}
-        kept = [row for row in json.loads(self.held_file.read_text())
-                if int(row["iteration"]) <= checkpoint_iteration and int(row["iteration"]) not in logged]  # fmt: skip
+        kept = [
+            row
+            for row in json.loads(self.held_file.read_text())
+            if int(row["iteration"]) <= checkpoint_iteration and int(row["iteration"]) not in logged
+        ]
         for row in kept:
             self.log.write(row)
         if kept:
             iterations = ", ".join(str(row["iteration"]) for row in kept)
-            log.info(f"[resume] logged iteration {iterations} as the last launch held it when it stopped (its held-out evaluation, "
-                     "unfinished then, is not in it)")  # fmt: skip
+            log.info(
+                f"[resume] logged iteration {iterations} as the last launch held it when it stopped (its held-out evaluation, "
+                "unfinished then, is not in it)"
+            )
         self.held_file.unlink()
 
     def after_learner_restart(self, iteration: int, weights_ref: ray.ObjectRef) -> None:
@@ -242,8 +247,12 @@ class MetricsRows:
                     if row["iteration"] == iteration:
                         row.update(self.evaluator.run(weights_ref, f"{evaluation.label}, again", iteration))
                     else:
-                        warnings.warn(f"the evaluation of iteration {row['iteration']} was lost with the learner that "
-                                      "published its weights: its row has none", RuntimeWarning, stacklevel=2)  # fmt: skip
+                        warnings.warn(
+                            f"the evaluation of iteration {row['iteration']} was lost with the learner that "
+                            "published its weights: its row has none",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
             self.held.append((row, None))
         self.write(wait=True)
 
@@ -310,8 +319,10 @@ class RunSummary:
         the summary (stall_demonstrations: task -> the first iteration, 1-based, whose update has them)."""
         cfg = config.algorithm
         for task in tasks:
-            log.info(f"[stall] {task}: {cfg.stall_demos} scripted demonstrations of it join every update from iteration {iteration + 1} "
-                     f"(algorithm.stall_demos; their flow-matching loss x {cfg.stall_bc_coef:g})")  # fmt: skip
+            log.info(
+                f"[stall] {task}: {cfg.stall_demos} scripted demonstrations of it join every update from iteration {iteration + 1} "
+                f"(algorithm.stall_demos; their flow-matching loss x {cfg.stall_bc_coef:g})"
+            )
             self.data.setdefault("stall_demonstrations", {})[task] = iteration + 1
         if tasks:
             self.write()
@@ -324,14 +335,29 @@ class RunSummary:
         self.data["startup"] = in_time_order(clock.stages)
         log.info(f"[start] first rollout in {clock.stages['first_rollout']:.1f}s ({clock})")
 
-    def finish(self, config: RunConfig, rows: list[dict], env_steps: int, wall_seconds: float, checkpoint: Path | None,
-               faults: dict[str, float], cost: dict[str, float]) -> None:  # fmt: skip
+    def finish(
+        self,
+        config: RunConfig,
+        rows: list[dict],
+        env_steps: int,
+        wall_seconds: float,
+        checkpoint: Path | None,
+        faults: dict[str, float],
+        cost: dict[str, float],
+    ) -> None:
         """The run's end: its totals and final evaluation (the last row's), written. wall_seconds: of this launch."""
         final_eval = {k: rows[-1][k] for k in rows[-1] if k.startswith("eval/")} if rows else {}
-        self.data.update({"iterations": config.iterations, "env_steps": env_steps, "final_eval": final_eval,
-                          "wall_seconds_this_launch": wall_seconds, "config_fingerprint": config.fingerprint(),
-                          "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
-                          "faults": faults})  # fmt: skip
+        self.data.update(
+            {
+                "iterations": config.iterations,
+                "env_steps": env_steps,
+                "final_eval": final_eval,
+                "wall_seconds_this_launch": wall_seconds,
+                "config_fingerprint": config.fingerprint(),
+                "init_checkpoint": str(checkpoint) if checkpoint else self.data.get("init_checkpoint"),
+                "faults": faults,
+            }
+        )
         self.data["cost"] = {**cost, "env_steps": env_steps, "gpu_hours_reserved": cost["gpu_seconds_reserved"] / 3600}
         if stalls := stalled_tasks(rows, config.stall_window, config.stall_compare):
             self.data["stalled_tasks"] = stalls
@@ -343,8 +369,12 @@ class RunSummary:
             self.data["success_gain"] = final_eval["eval/success_rate"] - self.data["initial_eval"]["eval/success_rate"]
             if evaluated_tasks([final_eval]):
                 placed = self.data["tasks_against_initial"] = tasks_against_start(self.data["initial_eval"], final_eval)
-                self.data["inside_tasks"] = why_inside(self.data["initial_eval"], placed["inside"], self.data.get("stalled_tasks", {}),
-                                                       self.data.get("stall_demonstrations", {}))  # fmt: skip
+                self.data["inside_tasks"] = why_inside(
+                    self.data["initial_eval"],
+                    placed["inside"],
+                    self.data.get("stalled_tasks", {}),
+                    self.data.get("stall_demonstrations", {}),
+                )
         self.write()
 
     def plot_and_print(self, config: RunConfig, rows: list[dict], run_dir: Path) -> None:
@@ -472,8 +502,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         before = f"{initial[task_key(task, 'success_rate')]:.2f} -> " if initial and task_key(task, "success_rate") in initial else ""
         log.info(f"  {task:<26}: {before}{rate:.2f} [{low:.2f}, {high:.2f}]")
     if placed := summary.get("tasks_against_initial"):
-        log.info(f"tasks          : {len(placed['above'])} of {sum(map(len, placed.values()))} above their initial interval, "
-                 f"{len(placed['below'])} below{' (' + ', '.join(placed['below']) + ')' if placed['below'] else ''}")  # fmt: skip
+        log.info(
+            f"tasks          : {len(placed['above'])} of {sum(map(len, placed.values()))} above their initial interval, "
+            f"{len(placed['below'])} below{' (' + ', '.join(placed['below']) + ')' if placed['below'] else ''}"
+        )
     for task, stall in summary.get("stalled_tasks", {}).items():
         log.info(f"stalled        : {describe_stall(task, stall)}")
     for task, reason in summary.get("inside_tasks", {}).items():
@@ -482,8 +514,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         fewest = min(counts.values())
         more = ", ".join(f"{task}: {count}" for task, count in counts.items() if count != fewest)
         clone = f"--set pretrain.num_demos={fewest}" + (f" --set 'pretrain.task_demos={{{more}}}'" if more else "")
-        log.info(f"demonstrations : {sum(counts.values())} learnt from; set the gain beside cloning them alone: "
-                 f"python -m learner.pretrain <this run's --config and --set> {clone} --out DIR")  # fmt: skip
+        log.info(
+            f"demonstrations : {sum(counts.values())} learnt from; set the gain beside cloning them alone: "
+            f"python -m learner.pretrain <this run's --config and --set> {clone} --out DIR"
+        )
     log.info(f"env steps      : {summary['env_steps']}, wall {summary['wall_seconds_this_launch']:.0f}s; curve: {summary.get('curve')}")
     if summary.get("task_curves"):
         log.info(f"per-task curves: {summary['task_curves']}")

@@ -62,12 +62,16 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
     check_task_demos(config.pretrain, tasks)
     missing = [task for task in tasks if suite.expert(task) is None] if config.algorithm.stall_demos and len(tasks) > 1 else []
     if missing:
-        raise ConfigError(f"algorithm.stall_demos gives a stalled task scripted demonstrations, but {suite.name} has no scripted expert "
-                          f"for {missing}: set algorithm.stall_demos: 0")  # fmt: skip
+        raise ConfigError(
+            f"algorithm.stall_demos gives a stalled task scripted demonstrations, but {suite.name} has no scripted expert "
+            f"for {missing}: set algorithm.stall_demos: 0"
+        )
     eval_layouts = suite.held_out(config.eval_episodes)
     if len(eval_layouts) < config.eval_episodes * len(tasks):
-        raise ConfigError(f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only "
-                          f"{len(eval_layouts) // len(tasks)} layouts per task")  # fmt: skip
+        raise ConfigError(
+            f"eval_episodes={config.eval_episodes} but env.eval_benchmark_seeds give only "
+            f"{len(eval_layouts) // len(tasks)} layouts per task"
+        )
     group = config.algorithm.group_size if config.algorithm.algo == "grpo" else 1
     groups = config.actors.num_actors * config.actors.envs_per_actor // group
     strangers = sorted(set(config.env.task_weights) - set(tasks))
@@ -75,24 +79,32 @@ def preflight(config: RunConfig, address: str | None, resume: bool) -> list:
         raise ConfigError(f"env.task_weights names {strangers}, not tasks of env.task={config.env.task} ({tasks})")
     weighted = config.env.task_weights or config.env.solved_task_weight != 1.0
     if weighted and groups < len(tasks):
-        raise ConfigError(f"actors.num_actors x actors.envs_per_actor make {groups} env groups for the {len(tasks)} tasks of "
-                          f"env.task={config.env.task}: weighted tasks need at least one each")  # fmt: skip
+        raise ConfigError(
+            f"actors.num_actors x actors.envs_per_actor make {groups} env groups for the {len(tasks)} tasks of "
+            f"env.task={config.env.task}: weighted tasks need at least one each"
+        )
     if not weighted and groups % len(tasks):
         unit = "envs" if group == 1 else f"GRPO groups of {group} envs"
-        raise ConfigError(f"actors.num_actors x actors.envs_per_actor make {groups} {unit} for the {len(tasks)} tasks of "
-                          f"env.task={config.env.task}: every iteration samples every task equally only with a multiple of "
-                          f"{len(tasks)}")  # fmt: skip
+        raise ConfigError(
+            f"actors.num_actors x actors.envs_per_actor make {groups} {unit} for the {len(tasks)} tasks of "
+            f"env.task={config.env.task}: every iteration samples every task equally only with a multiple of "
+            f"{len(tasks)}"
+        )
     local = not (address or os.environ.get("RAY_ADDRESS") or node_cluster_address())
     if local:  # the machine this runs on is the whole cluster: check the request against it now
         if (config.actors.num_gpus > 0 or config.learner.num_gpus > 0) and not torch.cuda.is_available():
-            raise ConfigError(f"actors.num_gpus={config.actors.num_gpus} / learner.num_gpus={config.learner.num_gpus} ask for GPUs "
-                              "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
-                              "with --address")  # fmt: skip
+            raise ConfigError(
+                f"actors.num_gpus={config.actors.num_gpus} / learner.num_gpus={config.learner.num_gpus} ask for GPUs "
+                "but this machine has none (torch.cuda.is_available() is False): set them to 0, or join a GPU cluster "
+                "with --address"
+            )
         check_actor_cpus(config, actor_request(config, [float(os.cpu_count() or 1)]))
-        compiles = {"actors.speed.compile_steps": (config.actors.speed.compile_steps, config.actors.num_gpus),
-                    "actors.speed.compile_vision": (config.actors.speed.compile_vision, config.actors.num_gpus),
-                    "learner.speed.compile_steps": (config.learner.speed.compile_steps, config.learner.num_gpus),
-                    "learner.speed.compile_vision": (config.learner.speed.compile_vision, config.learner.num_gpus)}  # fmt: skip
+        compiles = {
+            "actors.speed.compile_steps": (config.actors.speed.compile_steps, config.actors.num_gpus),
+            "actors.speed.compile_vision": (config.actors.speed.compile_vision, config.actors.num_gpus),
+            "learner.speed.compile_steps": (config.learner.speed.compile_steps, config.learner.num_gpus),
+            "learner.speed.compile_vision": (config.learner.speed.compile_vision, config.learner.num_gpus),
+        }
         for field, (compiled, gpus) in compiles.items():
             if compiled:
                 require_kernel_compiler("cuda" if gpus > 0 else "cpu", field)
@@ -105,9 +117,11 @@ def check_checkpoint_matches(config: RunConfig, checkpoint: Path) -> None:
         raise FileNotFoundError(f"init checkpoint {checkpoint} has no {WEIGHTS_FILE}: expected a directory written by save_pretrained")
     stored = read_policy_config(checkpoint)
     sampling = set(config.policy.SAMPLING_FIELDS)
-    differ = {name: (getattr(stored, name), getattr(config.policy, name))
-              for name in ("type", "obs_dim", "action_dim", "chunk_size", "image_size")
-              if name not in sampling and getattr(stored, name) != getattr(config.policy, name)}  # fmt: skip
+    differ = {
+        name: (getattr(stored, name), getattr(config.policy, name))
+        for name in ("type", "obs_dim", "action_dim", "chunk_size", "image_size")
+        if name not in sampling and getattr(stored, name) != getattr(config.policy, name)
+    }
     if differ:
         listing = "; ".join(f"policy.{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in differ.items())
         raise ConfigError(f"the config disagrees with the checkpoint {checkpoint}: {listing}. Make the config match the checkpoint")
@@ -165,8 +179,9 @@ def warn_of_config_traps(config: RunConfig) -> None:
     warnings are shown at every run's start."""
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        check_ratio_sensitivity(num_log_prob_elements(config.policy), config.policy.sigma_min,
-                                config.policy.log_prob_normalization, config.algorithm.clip_eps)  # fmt: skip
+        check_ratio_sensitivity(
+            num_log_prob_elements(config.policy), config.policy.sigma_min, config.policy.log_prob_normalization, config.algorithm.clip_eps
+        )
         check_rollout_length(config.actors.decisions_per_rollout, config.policy.chunk_size, config.env.max_episode_steps)
 
 
@@ -180,8 +195,10 @@ def plan_resources(config: RunConfig) -> tuple[ResourceRequest, ResourceRequest]
         missing = {k: v for k, v in request.times(count).amounts().items() if k != "CPU" and resources.get(k, 0) < v}
         if missing:  # Ray would leave the actor pending forever
             fields = f"{section}.num_gpus / {section}.resources" + (f", times learner.num_learners={count} ranks" if count > 1 else "")
-            raise ConfigError(f"{section} asks for {missing} ({fields}) but the Ray cluster "
-                              f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)")  # fmt: skip
+            raise ConfigError(
+                f"{section} asks for {missing} ({fields}) but the Ray cluster "
+                f"offers {resources}: change them, or start nodes that declare them (cluster YAML min_workers)"
+            )
     check_actor_cpus(config, actor)
     return learner, actor
 
@@ -193,8 +210,13 @@ def start_learner(config: RunConfig, checkpoint: Path | None, resume_dir: Path |
     suite = make_suite(config.env)
     bounds = suite.state_bounds() if checkpoint is None and resume_dir is None else None
     args = (config, None if checkpoint is None else str(checkpoint), None if resume_dir is None else str(resume_dir))
-    kwargs = {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "known_digests": known_digests(), "files": RunFiles.of_this_node(),
-              "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds], "tasks": suite.tasks()}  # fmt: skip
+    kwargs = {
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+        "known_digests": known_digests(),
+        "files": RunFiles.of_this_node(),
+        "state_bounds": None if bounds is None else [bound.tolist() for bound in bounds],
+        "tasks": suite.tasks(),
+    }
     if config.learner.num_learners > 1:
         return start_learner_group(config, request, LearnerActor, *args, **kwargs)
     return LearnerRanks([ray.remote(LearnerActor).options(**request.options(bundle_index=LEARNER_BUNDLE)).remote(*args, **kwargs)])
@@ -257,9 +279,16 @@ def start_actors(config: RunConfig, checkpoint_dir: str, request: ResourceReques
 # lines): Ray connected, the input checked (beside Ray's start), the initial policy found (a fresh run: the cached BC
 # checkpoint is built on first use, which can take minutes), the learner and all the rollout actors constructed, the
 # first weights published, the initial policy's held-out evaluation (a full run), and the first rollout collected.
-STARTUP_STAGES = {"ray_up": "Ray", "input_checked": "input checked", "initial_policy": "initial policy", "learner_ready": "learner",
-                  "actors_ready": "actors", "weights_published": "weights published", "initial_evaluation": "initial evaluation",
-                  "first_rollout": "first rollout"}  # fmt: skip
+STARTUP_STAGES = {
+    "ray_up": "Ray",
+    "input_checked": "input checked",
+    "initial_policy": "initial policy",
+    "learner_ready": "learner",
+    "actors_ready": "actors",
+    "weights_published": "weights published",
+    "initial_evaluation": "initial evaluation",
+    "first_rollout": "first rollout",
+}
 
 
 def in_time_order(startup: dict[str, float]) -> dict[str, float]:

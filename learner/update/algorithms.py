@@ -46,8 +46,9 @@ class PPO:
     def trains_actor(self, iteration: int) -> bool:
         return iteration >= self.cfg.critic_warmup_iters
 
-    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int,
-                   ranks: SingleRank) -> Advantages:  # fmt: skip
+    def advantages(
+        self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int, ranks: SingleRank
+    ) -> Advantages:
         cfg = self.cfg
         num_decisions, num_envs = batch.num_decisions, batch.num_envs
         b_values = policy.value(features)
@@ -95,11 +96,20 @@ class GRPO:
     def trains_actor(self, iteration: int) -> bool:
         return True
 
-    def advantages(self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int,
-                   ranks: SingleRank) -> Advantages:  # fmt: skip
+    def advantages(
+        self, policy: FlowPolicy, batch: RolloutBatch, t: dict[str, Tensor], features: Any, rows: int, ranks: SingleRank
+    ) -> Advantages:
         cfg, states = self.cfg, torch.from_numpy(np.array(batch.obs.state)).to(t["rewards"].device)
-        advantages, keep, grpo_metrics = grpo_advantages(t["rewards"], t["discounts"], t["terminated"], t["truncated"], t["valid"],
-                                                         cfg.group_size, cfg.grpo_std_normalization, states=states)  # fmt: skip
+        advantages, keep, grpo_metrics = grpo_advantages(
+            t["rewards"],
+            t["discounts"],
+            t["terminated"],
+            t["truncated"],
+            t["valid"],
+            cfg.group_size,
+            cfg.grpo_std_normalization,
+            states=states,
+        )
         metrics = {f"grpo/{key}": float(value) for key, value in grpo_metrics.items()}
         return Advantages(advantages.flatten(), None, None, keep.flatten(), metrics)
 

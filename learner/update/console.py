@@ -24,12 +24,18 @@ def head(values: Tensor | np.ndarray, count: int = 6) -> str:
 def describe(batch: RolloutBatch, data: PreparedBatch) -> str:
     """Every per-decision quantity of one iteration: shape, moments, first values."""
     quantities = {
-        "rewards": batch.rewards, "discounts": batch.discounts, "terminated": batch.terminated, "truncated": batch.truncated,
-        "behaviour log-prob (actor)": batch.log_probs, "old log-prob (learner)": data.old_log_probs,
+        "rewards": batch.rewards,
+        "discounts": batch.discounts,
+        "terminated": batch.terminated,
+        "truncated": batch.truncated,
+        "behaviour log-prob (actor)": batch.log_probs,
+        "old log-prob (learner)": data.old_log_probs,
         "behaviour log-prob (learner)": data.behaviour_log_probs,
-        "per-element log-prob (actor)": batch.log_probs_per_element, "values": data.old_values,
-        "advantages": data.advantages, "returns": data.returns,
-    }  # fmt: skip
+        "per-element log-prob (actor)": batch.log_probs_per_element,
+        "values": data.old_values,
+        "advantages": data.advantages,
+        "returns": data.returns,
+    }
     lines = [f"single batch: {batch.num_decisions} decisions x {batch.num_envs} envs, {batch.env_steps} env steps"]
     for name, values in quantities.items():
         if values is None:  # GRPO: no critic values or returns; no weight lag: behaviour = old

@@ -59,9 +59,9 @@ class DemonstrationTerm:
         self.from_iteration.update({task: int(tasks[task]) for task in new})
         count = self.config.algorithm.stall_demos
         held = list(self.from_iteration)
-        self.obs, self.chunks, episodes = expert_demonstrations(self.config, make_suite(self.config.env), policy,
-                                                                camera_configs(policy.config), dict.fromkeys(held, count),
-                                                                warn_failed=new)  # fmt: skip
+        self.obs, self.chunks, episodes = expert_demonstrations(
+            self.config, make_suite(self.config.env), policy, camera_configs(policy.config), dict.fromkeys(held, count), warn_failed=new
+        )
         self.row_tasks = np.concatenate([np.full(len(e.actions), held.index(e.layout.task)) for e in episodes])
         return new
 

@@ -155,8 +155,14 @@ def suite_tasks(config: RunConfig) -> list[str]:
 
 
 class Learner:
-    def __init__(self, config: RunConfig, policy: FlowPolicy, memory: AllocatorMemory | None = None, ranks: SingleRank | None = None,
-                 tasks: Sequence[str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        policy: FlowPolicy,
+        memory: AllocatorMemory | None = None,
+        ranks: SingleRank | None = None,
+        tasks: Sequence[str] | None = None,
+    ):
         """`memory`: what learner.speed.micro_batch_memory_gib reads (default: the CUDA allocator of the policy's device).
         `ranks`: this learner's place in a learner group (learner.group.ranks; default: alone). `tasks`: the run's tasks
         (env.task as its suite resolves it), handed over so that the learner imports no simulator; default: resolved
@@ -259,8 +265,9 @@ class Learner:
             return {None: over}
         return task_groups(batch, over, self.tasks)
 
-    def task_figures(self, batch: RolloutBatch, old: ChainLogProb, chains: Tensor, advantages: Advantages,
-                     kl_ref: Tensor | None) -> TaskFigures | None:  # fmt: skip
+    def task_figures(
+        self, batch: RolloutBatch, old: ChainLogProb, chains: Tensor, advantages: Advantages, kl_ref: Tensor | None
+    ) -> TaskFigures | None:
         """A multi-task rollout's per-decision figures, kept by task (learner.update.task_figures); None for one task."""
         if len(self.tasks) == 1 or not batch.env_tasks:
             return None
@@ -309,18 +316,25 @@ class Learner:
                 # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
                 reference = rescore(self.reference, b_obs, b_chains, features, rows, one_pass, policy.encoder_is_trainable)
                 kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
-                metrics.update({
-                    "kl_ref/mean": kl.mean().item(),
-                    "kl_ref/max": kl.max().item(),
-                    "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
-                    "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
-                })  # fmt: skip
+                metrics.update(
+                    {
+                        "kl_ref/mean": kl.mean().item(),
+                        "kl_ref/max": kl.max().item(),
+                        "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
+                        "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
+                    }
+                )
             figures = self.task_figures(batch, old, b_chains, advantages, kl if reference is not None else None)
             finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
             finite |= {} if b_values is None else {"values": b_values}
             check_finite_tensors(finite, "learner.prepare")
-            warn_on_behaviour_gap(metrics["logprob/behaviour_gap_max"], self.config.learner.behaviour_gap_warn, batch.actor_precision,
-                                  policy.precision, batch.weight_version)  # fmt: skip
+            warn_on_behaviour_gap(
+                metrics["logprob/behaviour_gap_max"],
+                self.config.learner.behaviour_gap_warn,
+                batch.actor_precision,
+                policy.precision,
+                batch.weight_version,
+            )
             if self.config.learner.speed.precision == "bfloat16":
                 metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
         # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
@@ -335,8 +349,19 @@ class Learner:
         if lag:
             weight = (old.log_prob - behaviour.log_prob).exp()
             metrics.update({"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()})
-        data = PreparedBatch(b_obs, b_chains, old.log_prob, b_values, b_advantages, b_returns, metrics, cached, reference,
-                             behaviour_log_probs=behaviour.log_prob if lag else None, task_figures=figures)  # fmt: skip
+        data = PreparedBatch(
+            b_obs,
+            b_chains,
+            old.log_prob,
+            b_values,
+            b_advantages,
+            b_returns,
+            metrics,
+            cached,
+            reference,
+            behaviour_log_probs=behaviour.log_prob if lag else None,
+            task_figures=figures,
+        )
         # Decisions of episodes an env broke (NaN/Inf output) never enter the loss, nor those the algorithm leaves out.
         keep_decisions = t["valid"].flatten().to(b_advantages.device)
         if not self.ranks.any(keep_decisions.any()):
@@ -421,8 +446,13 @@ class Learner:
             NonFiniteUpdateWarning,
             stacklevel=2,
         )
-        return {"faults/skipped_update": 1.0, "faults/skipped_updates": self.skipped_updates, "faults/lr_backoff": self.lr_backoff,
-                "ppo/actor_lr": 0.0, "ppo/critic_lr": 0.0}  # fmt: skip
+        return {
+            "faults/skipped_update": 1.0,
+            "faults/skipped_updates": self.skipped_updates,
+            "faults/lr_backoff": self.lr_backoff,
+            "ppo/actor_lr": 0.0,
+            "ppo/critic_lr": 0.0,
+        }
 
     def _update(self, batch: RolloutBatch, verbose: bool) -> dict[str, float]:
         """PPO (or GRPO) on one rollout, top to bottom: the old log-probs and advantages, the learning rates, then epochs x
@@ -438,8 +468,9 @@ class Learner:
         demos = self.demonstrations.draws(self.iteration) if train_actor else None
         steps = StepFigures()
         for where, minibatch in minibatches:
-            figures, ratio_deviation = self._minibatch_step(data, minibatch, minibatches.sizes[0], train_actor, where, steps.count == 0,
-                                                            console, demos)  # fmt: skip
+            figures, ratio_deviation = self._minibatch_step(
+                data, minibatch, minibatches.sizes[0], train_actor, where, steps.count == 0, console, demos
+            )
             steps.add(figures, ratio_deviation)
             console.minibatch(where, figures)
             # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
@@ -458,8 +489,17 @@ class Learner:
         self.optimizer.param_groups[0]["lr"] = self.cfg.actor_lr * scale if train_actor else 0.0
         self.optimizer.param_groups[1]["lr"] = self.cfg.critic_lr * scale
 
-    def _minibatch_step(self, data: PreparedBatch, minibatch: Tensor, largest: int, train_actor: bool, where: str, first_step: bool,
-                        console: UpdateConsole, demos: DemonstrationDraws | None = None) -> tuple[dict[str, float], float]:  # fmt: skip
+    def _minibatch_step(
+        self,
+        data: PreparedBatch,
+        minibatch: Tensor,
+        largest: int,
+        train_actor: bool,
+        where: str,
+        first_step: bool,
+        console: UpdateConsole,
+        demos: DemonstrationDraws | None = None,
+    ) -> tuple[dict[str, float], float]:
         """One optimiser step on `minibatch` (rows of every rank's decisions, in the order one learner holds them; `largest`:
         the update's largest minibatch, which the plan's memory sizing is for): this
         rank's share scored in the plan's micro-batches, each loss backpropagated at its share of the minibatch's mean, the
@@ -521,26 +561,38 @@ class Learner:
         if data.task_figures is not None:
             metrics.update(data.task_figures.metrics(self.ranks))
         history = steps.history
-        for key in ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "actor_grad_norm", "critic_grad_norm",
-                    "kl_ref", "demo_bc_loss"):  # fmt: skip
+        for key in (
+            "pg_loss",
+            "v_loss",
+            "entropy",
+            "approx_kl",
+            "clipfrac",
+            "explained_variance",
+            "actor_grad_norm",
+            "critic_grad_norm",
+            "kl_ref",
+            "demo_bc_loss",
+        ):
             if key in history:  # v_loss and explained_variance: PPO only; kl_ref: with kl_beta > 0; demo_bc_loss: after a stall
                 metrics[f"losses/{key}"] = float(np.mean(history[key]))
         if "kl_ref_max" in history:
             metrics["losses/kl_ref_max"] = float(np.max(history["kl_ref_max"]))
-        metrics.update({
-            "losses/approx_kl_max": float(np.max(history["approx_kl"])),
-            "ppo/ratio_min": float(np.min(history["ratio_min"])),
-            "ppo/ratio_max": float(np.max(history["ratio_max"])),
-            "ppo/first_minibatch_ratio_dev": float(self.ranks.max(steps.first_ratio_deviation)),
-            "ppo/optimizer_steps": steps.count,
-            "ppo/batch_size": minibatches.batch_size,
-            "ppo/num_minibatches": len(minibatches.sizes),
-            "ppo/minibatch_size": minibatches.sizes[0],  # the largest: the others are at most one smaller
-            "ppo/epochs_run": minibatches.epochs_started,
-            "ppo/kl_early_stop": float(steps.stopped_early),
-            "ppo/actor_lr": self.optimizer.param_groups[0]["lr"],
-            "ppo/critic_lr": self.optimizer.param_groups[1]["lr"],
-        })  # fmt: skip
+        metrics.update(
+            {
+                "losses/approx_kl_max": float(np.max(history["approx_kl"])),
+                "ppo/ratio_min": float(np.min(history["ratio_min"])),
+                "ppo/ratio_max": float(np.max(history["ratio_max"])),
+                "ppo/first_minibatch_ratio_dev": float(self.ranks.max(steps.first_ratio_deviation)),
+                "ppo/optimizer_steps": steps.count,
+                "ppo/batch_size": minibatches.batch_size,
+                "ppo/num_minibatches": len(minibatches.sizes),
+                "ppo/minibatch_size": minibatches.sizes[0],  # the largest: the others are at most one smaller
+                "ppo/epochs_run": minibatches.epochs_started,
+                "ppo/kl_early_stop": float(steps.stopped_early),
+                "ppo/actor_lr": self.optimizer.param_groups[0]["lr"],
+                "ppo/critic_lr": self.optimizer.param_groups[1]["lr"],
+            }
+        )
         return metrics
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -554,9 +606,18 @@ class Learner:
         if self.ranks.rank > 0:
             return Path(directory)
         versions = self.weight_versions
-        state = TrainerState(optimizer, self.iteration, self.version, self.env_steps, self.config.fingerprint(), self.skipped_updates,
-                             self.lr_backoff, versions.sampling_versions, versions.published,
-                             dict(self.demonstrations.from_iteration))  # fmt: skip
+        state = TrainerState(
+            optimizer,
+            self.iteration,
+            self.version,
+            self.env_steps,
+            self.config.fingerprint(),
+            self.skipped_updates,
+            self.lr_backoff,
+            versions.sampling_versions,
+            versions.published,
+            dict(self.demonstrations.from_iteration),
+        )
         return LearnerCheckpoint(directory).save(self.policy, state, self.reference, policy_state)
 
     def load_trainer_state(self, directory: str | Path) -> None:

@@ -20,8 +20,9 @@ LOSS_TERMS = ("pg_loss", "v_loss", "entropy", "kl_ref")  # checked finite before
 PRECISION_GAP_ROWS = 16  # chains a bfloat16 learner also scores in float32 each iteration (precision_gap)
 
 
-def precision_gap(policy: FlowPolicy, obs: Observation, chains: Tensor, log_probs: Tensor, steps_in_one_pass: bool,
-                  clip_eps: float) -> float:  # fmt: skip
+def precision_gap(
+    policy: FlowPolicy, obs: Observation, chains: Tensor, log_probs: Tensor, steps_in_one_pass: bool, clip_eps: float
+) -> float:
     """Max |log-prob| difference between a bfloat16 learner's scores of the first PRECISION_GAP_ROWS chains and the same
     weights' float32 scores, encode included; warns when it reaches half of PPO's clip range in log space. Rounding
     changes from one optimiser step to the next, so a gap that size swings the ratio across the clip on its own. Scored

@@ -42,12 +42,22 @@ def next_observation_values(policy: FlowPolicy, batch: RolloutBatch, features: A
 def score_in_chunks(policy: FlowPolicy, features: Any, chains: Tensor, rows: int, steps_in_one_pass: bool) -> ChainLogProb:
     """chain_log_prob over `rows` chains at a time, joined. A VLA's denoising step copies the prefix cache of every row
     it scores, so scoring a whole iteration at once would hold a second copy of the iteration's cache (docs/pi0.md)."""
-    return concat_features([chain_log_prob(policy, index_features(features, slice(start, start + rows)), chains[start : start + rows],
-                                           steps_in_one_pass=steps_in_one_pass) for start in range(0, len(chains), rows)])  # fmt: skip
+    return concat_features(
+        [
+            chain_log_prob(
+                policy,
+                index_features(features, slice(start, start + rows)),
+                chains[start : start + rows],
+                steps_in_one_pass=steps_in_one_pass,
+            )
+            for start in range(0, len(chains), rows)
+        ]
+    )
 
 
-def rescore(policy: FlowPolicy, obs: Observation, chains: Tensor, features: Any, rows: int, steps_in_one_pass: bool,
-            encode_again: bool) -> ChainLogProb:  # fmt: skip
+def rescore(
+    policy: FlowPolicy, obs: Observation, chains: Tensor, features: Any, rows: int, steps_in_one_pass: bool, encode_again: bool
+) -> ChainLogProb:
     """`chains` scored by `policy` with other weights than the current ones (a lagged rollout's version swapped in, or
     the frozen KL reference): the observations encoded again where the learner's encoder trains, its features
     differing between weights; else the current weights' `features`, since a frozen encoder is one module in them all."""

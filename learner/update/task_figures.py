@@ -80,8 +80,12 @@ class TaskFigures:
                 metrics[f"policy/task/{task}/sigma_mean"] = total["sigma"] / count
                 metrics[f"policy/task/{task}/action_abs_mean"] = total["action_abs"] / count
             if "returns" in total:
-                moments = {"returns_mean": total["returns"] / count, "returns_sq_mean": total["returns_sq"] / count,
-                           "residual_mean": total["residual"] / count, "residual_sq_mean": total["residual_sq"] / count}  # fmt: skip
+                moments = {
+                    "returns_mean": total["returns"] / count,
+                    "returns_sq_mean": total["returns_sq"] / count,
+                    "residual_mean": total["residual"] / count,
+                    "residual_sq_mean": total["residual_sq"] / count,
+                }
                 metrics[f"values/task/{task}/explained_variance"] = explained_variance_of_moments(moments, int(count))
             if "kl_ref" in total:
                 metrics[f"kl_ref/task/{task}/mean"] = total["kl_ref"] / count

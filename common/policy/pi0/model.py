@@ -290,10 +290,13 @@ class PiFlowPolicy(VLAFlowPolicy):
         if not self.is_pi05:
             return obs
         device = self.obs_device
-        tokens, mask = self.pi05_prompt(Observation(
-            state=torch.from_numpy(np.asarray(obs.state)).to(device), tokens=torch.from_numpy(np.asarray(obs.tokens)),
-            token_mask=torch.from_numpy(np.asarray(obs.token_mask)),
-        ))  # fmt: skip
+        tokens, mask = self.pi05_prompt(
+            Observation(
+                state=torch.from_numpy(np.asarray(obs.state)).to(device),
+                tokens=torch.from_numpy(np.asarray(obs.tokens)),
+                token_mask=torch.from_numpy(np.asarray(obs.token_mask)),
+            )
+        )
         return dataclasses.replace(obs, tokens=tokens.cpu().numpy(), token_mask=mask.cpu().numpy())
 
     def lerobot_inputs(self, obs: Observation) -> list[Tensor | list[Tensor]]:
@@ -324,8 +327,15 @@ class PiFlowPolicy(VLAFlowPolicy):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask)
         attention = prepare_attention_masks_4d(make_att_2d_masks(pad_mask, att_mask))  # as lerobot's sample_actions
         suffix_state = state[0] if state else None
-        return prefix_features(model.paligemma_with_expert, embeddings, pad_mask, attention, self.normalized_state(obs), suffix_state,
-                               self.kept_image_embeddings(embedded))  # fmt: skip
+        return prefix_features(
+            model.paligemma_with_expert,
+            embeddings,
+            pad_mask,
+            attention,
+            self.normalized_state(obs),
+            suffix_state,
+            self.kept_image_embeddings(embedded),
+        )
 
     def denoise(self, features: VLAFeatures, action: Tensor, lerobot_t: Tensor) -> Tensor:
         model = self.vla.model

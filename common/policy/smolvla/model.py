@@ -75,8 +75,13 @@ from common.policy.vla_common import (  # noqa: E402
 # lerobot config.json fields that fix tensor shapes or layer wiring: a lerobot checkpoint must agree with
 # policy.smolvla on each of them (field name in lerobot's config -> in policy.smolvla).
 LEROBOT_ARCHITECTURE_FIELDS = (
-    "num_vlm_layers", "num_expert_layers", "self_attn_every_n_layers", "expert_width_multiplier", "max_state_dim", "max_action_dim",
-)  # fmt: skip
+    "num_vlm_layers",
+    "num_expert_layers",
+    "self_attn_every_n_layers",
+    "expert_width_multiplier",
+    "max_state_dim",
+    "max_action_dim",
+)
 
 
 def resolve_vlm_path(config: PolicyConfig) -> Path:
@@ -243,8 +248,14 @@ class SmolVLAFlowPolicy(VLAFlowPolicy):
         with one_vision_pass(model.vlm_with_expert, images, embedded):
             embeddings, pad_mask, att_mask = model.embed_prefix(images, image_masks, tokens, token_mask, state=state)
         attention = make_att_2d_masks(pad_mask, att_mask)
-        return prefix_features(model.vlm_with_expert, embeddings, pad_mask, attention, state[:, : self.config.obs_dim],
-                               image_embeddings=self.kept_image_embeddings(embedded))  # fmt: skip
+        return prefix_features(
+            model.vlm_with_expert,
+            embeddings,
+            pad_mask,
+            attention,
+            state[:, : self.config.obs_dim],
+            image_embeddings=self.kept_image_embeddings(embedded),
+        )
 
     def denoise(self, features: VLAFeatures, action: Tensor, lerobot_t: Tensor) -> Tensor:
         model = self.vla.model

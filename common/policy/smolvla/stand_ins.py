@@ -88,9 +88,20 @@ class TinyVLMSpec:
 # image), SmolLM2-360M's text model (SmolVLA keeps its first 16 of 32 layers). Its 49k-token vocabulary is the one
 # size not reproduced: the embedding table is only looked up, so it changes memory, not compute.
 SMOLVLM2_500M_SHAPES = TinyVLMSpec(
-    image_size=512, patch_size=16, scale_factor=4, vision_hidden=768, vision_intermediate=3072, vision_layers=12, vision_heads=12,
-    vision_attention_dropout=0.0, text_hidden=960, text_layers=32, text_heads=15, text_kv_heads=5, text_intermediate=2560,
-)  # fmt: skip
+    image_size=512,
+    patch_size=16,
+    scale_factor=4,
+    vision_hidden=768,
+    vision_intermediate=3072,
+    vision_layers=12,
+    vision_heads=12,
+    vision_attention_dropout=0.0,
+    text_hidden=960,
+    text_layers=32,
+    text_heads=15,
+    text_kv_heads=5,
+    text_intermediate=2560,
+)
 
 
 def write_tiny_vlm(directory: str | Path, spec: TinyVLMSpec) -> Path:
