@@ -281,30 +281,46 @@ class EnvConfig:
 
 
 @dataclass
-class ActorSpeedConfig:
+class SpeedConfig:
+    """What the actors' decisions and the learner's update share of how they run (actors.speed, learner.speed). None
+    changes what is computed beyond float rounding."""
+
+    # "float32", or "bfloat16" (torch.autocast over float32 weights). Actors: the learner stays float32 and warns when
+    # the behaviour log-probs drift (learner.behaviour_gap_warn). Learner (for a GPU): the ratio check compares the
+    # learner with itself, so it holds in either; in bfloat16 it also scores a few chains in float32 every iteration
+    # (logprob/precision_gap_max, and a PrecisionGapWarning when rounding alone moves the log-probs by half the clip
+    # range or more).
+    precision: str = "float32"
+    # Each denoising step runs as one torch.compile graph (common.flow.compile_steps): a step's elementwise work fused
+    # into far fewer kernels, for code bound by its launches. Actors: inside the CUDA graph where there is one, compiled
+    # at the first decision of each shape (tens of seconds). Learner: forward and backward, one graph per step (or per
+    # one-pass batch), compiled at the first update (and again for a new batch size, grad or autocast mode); old and new
+    # log-probs are scored by the same compiled step, so the ratio check holds.
+    compile_steps: bool = False
+    # A VLA's vision tower runs as one torch.compile graph (VLAFlowPolicy.compile_vision): its layer norms, activations
+    # and residual sums fused into fewer kernels; the same features as eager up to float rounding. Actors: every camera's
+    # frames, one batch per decision, inside the CUDA graph where there is one. Learner: the scoring pass's encodes and
+    # each micro-batch's where the encoder trains; old and new log-probs read the same features.
+    compile_vision: bool = False
+    # A VLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of the
+    # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy), which copies keys and values per
+    # query head and holds every (query, key) score as float32 (for the backward pass too, at every layer and step, in
+    # the learner): the same attention up to float rounding, without those.
+    fused_attention: bool = False
+
+    def validate(self, path: str) -> None:
+        require_choice(self, path, "precision", ("float32", "bfloat16"))
+
+
+@dataclass
+class ActorSpeedConfig(SpeedConfig):
     """How the actors' decisions run: their arithmetic and graphs. None changes what a policy samples beyond float
     rounding (and, with CUDA graphs, which noise it draws)."""
 
-    # "float32", or "bfloat16" (torch.autocast over float32 weights; the learner stays float32 and warns when the
-    # behaviour log-probs drift: learner.behaviour_gap_warn).
-    precision: str = "float32"
     # On a CUDA device, each chunk decision is one CUDA graph replay (common.decision_graph): the same policy, its
     # noise drawn in one call per decision, so a run samples other (equally reproducible) noise than without graphs.
     # No effect on CPU.
     cuda_graphs: bool = True
-    # Each denoising step runs as one torch.compile graph (common.flow.compile_steps), inside the CUDA graph where
-    # there is one: the step's elementwise ops fused into fewer kernels. The actor's first decision of each shape
-    # compiles (tens of seconds); the chains differ from eager ones in float rounding only.
-    compile_steps: bool = False
-    # A VLA's vision tower (every camera's frames, one batch per decision) runs as one torch.compile graph
-    # (VLAFlowPolicy.compile_vision), inside the CUDA graph where there is one: its layer norms, activations and
-    # residual sums fused into fewer kernels. Compiled at the actor's first decision; the same features as eager up to
-    # float rounding.
-    compile_vision: bool = False
-    # A VLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of the
-    # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy), which copies keys and values per
-    # query head and holds every (query, key) score as float32: the same attention up to float rounding, without those.
-    fused_attention: bool = False
     # A VLA actor records each decision's vision-tower tokens (every camera's, lerobot's embed_image, as float32) in
     # place of its frames, and the learner's encodes read them instead of running the tower over the iteration's frames
     # again (the observations a chunk led to, which no decision read, keep their frames). Needs the vision tower frozen
@@ -313,7 +329,7 @@ class ActorSpeedConfig:
     send_image_embeddings: bool = False
 
     def validate(self, path: str = "actors.speed") -> None:
-        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        super().validate(path)
 
 
 @dataclass
@@ -483,15 +499,10 @@ class AlgorithmConfig:
 
 
 @dataclass
-class LearnerSpeedConfig:
+class LearnerSpeedConfig(SpeedConfig):
     """How the learner's scoring and update run: arithmetic, passes, compiled graphs, micro-batches. None changes the
     update beyond float rounding."""
 
-    # "float32", or "bfloat16" (torch.autocast over float32 weights, for a GPU). The ratio check compares the learner
-    # with itself, so it holds in either. In bfloat16 the learner also scores a few chains in float32 every iteration:
-    # logprob/precision_gap_max, and a PrecisionGapWarning when rounding alone moves the log-probs by half the clip
-    # range or more.
-    precision: str = "float32"
     # Keep no activations of the denoising steps for the backward pass: each step's forward runs again there
     # (torch.utils.checkpoint), the same numbers bit for bit. The update's activations shrink to about one step's, at
     # one more forward pass per step: for a VLA learner that does not fit its GPU otherwise (docs/pi0.md).
@@ -501,22 +512,6 @@ class LearnerSpeedConfig:
     # launches, holding K steps' inputs at once. The log-probs differ from the step-by-step ones by float rounding;
     # the learner scores old and new log-probs the same way, so the ratio check holds (common.flow.all_transitions).
     steps_in_one_pass: bool = False
-    # Score the denoising steps, forward and backward, through one torch.compile graph per step (or per one-pass
-    # batch) in place of eager ops: the compiler fuses a step's elementwise work into far fewer kernels, for a learner
-    # bound by its launches. Compiles at the first update (and again for a new batch size, grad or autocast mode).
-    # Old and new log-probs are scored by the same compiled step, so the ratio check holds; the update differs from
-    # the eager one by float rounding.
-    compile_steps: bool = False
-    # A VLA's vision tower runs as one torch.compile graph (VLAFlowPolicy.compile_vision) in the learner's encodes: the
-    # scoring pass's over the iteration's observations, and each micro-batch's where the encoder trains. Compiled at the
-    # first update; the same features as eager up to float rounding, and old and new log-probs read the same ones.
-    compile_vision: bool = False
-    # A VLA's prefix pass and denoising steps attend through torch's scaled_dot_product_attention in place of the
-    # eager attention lerobot runs (fuse_attention: SmolVLAFlowPolicy, PiFlowPolicy): the per-head copies of keys and
-    # values and the (query, key) scores, which the eager path holds for the backward pass at every layer and step, are
-    # never formed whole. The update differs from the eager one by float rounding; old and new log-probs are scored
-    # alike, so the ratio check holds.
-    fused_attention: bool = False
     # Micro-batches sized by memory (a GPU learner), in place of algorithm.grad_accum's fixed split: at its first
     # optimiser step that trains the actor, the learner reads how far its first micro-batch raised the GPU allocator's
     # peak above what was allocated before it, per decision, and from then on splits every minibatch into the fewest
@@ -525,7 +520,7 @@ class LearnerSpeedConfig:
     micro_batch_memory_gib: float = 0.0
 
     def validate(self, path: str = "learner.speed") -> None:
-        require_choice(self, path, "precision", ("float32", "bfloat16"))
+        super().validate(path)
         require(
             not (self.recompute_steps and self.steps_in_one_pass),
             f"{path}.recompute_steps and {path}.steps_in_one_pass: choose one (one pass keeps every step's activations at once)",
