@@ -23,6 +23,7 @@ import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, OwnerDiedError, RayActorError
 
+from actors.rollout_actor import RolloutActor
 from common.config import RunConfig
 from common.console import log
 from common.rollout import episode_groups
@@ -38,7 +39,7 @@ NUDGE_INTERVAL_S = 2.0
 class PendingCall:
     """One method call on every actor of a pool, submitted and not yet collected (ActorPool.collect)."""
 
-    method: str
+    method: Callable[..., Any]  # the actor class's own method (RolloutActor.sample_with_receipt), called on each actor
     args_for: Callable[[int], tuple]
     num_returns: int
     refs: dict[int, list[ray.ObjectRef]]  # the current attempt's result refs, by actor index
@@ -74,7 +75,7 @@ class ActorPool:
 
     def call(
         self,
-        method: str,
+        method: Callable[..., Any],
         args_for: Callable[[int], tuple],
         indices: Iterable[int] | None = None,
         num_returns: int = 1,
@@ -88,7 +89,7 @@ class ActorPool:
 
     def submit(
         self,
-        method: str,
+        method: Callable[..., Any],
         args_for: Callable[[int], tuple],
         indices: Iterable[int] | None = None,
         num_returns: int = 1,
@@ -101,7 +102,7 @@ class ActorPool:
         return call
 
     def _attempt(self, call: PendingCall, index: int) -> None:
-        refs = getattr(self.actors[index], call.method).options(num_returns=call.num_returns).remote(*call.args_for(index))
+        refs = getattr(self.actors[index], call.method.__name__).options(num_returns=call.num_returns).remote(*call.args_for(index))
         call.refs[index] = refs if call.num_returns > 1 else [refs]
 
     def collect(self, call: PendingCall) -> dict[int, list[ray.ObjectRef]]:
@@ -161,7 +162,7 @@ class ActorPool:
                         continue
                     except OwnerDiedError as exc:  # the weights it was given were put by a learner that has died since
                         raise LearnerDiedError(
-                            f"the learner that published the weights of rollout actor {index}'s {call.method} call died"
+                            f"the learner that published the weights of rollout actor {index}'s {call.method.__name__} call died"
                         ) from exc
                     except RayActorError:  # died and restarting (or briefly unreachable): ask the restarted actor
                         self.suspected.add(index)
@@ -170,11 +171,11 @@ class ActorPool:
                         continue
                     done[index] = pending.pop(index)
                     if isinstance(receipt, dict) and "pid" in receipt:
-                        self._note_process(index, receipt["pid"], call.method)
+                        self._note_process(index, receipt["pid"], call.method.__name__)
                     if index in retried and isinstance(receipt, dict):
                         self.faults["faults/resampled_env_steps"] += receipt.get("env_steps", 0)
                 elif time.monotonic() - since[index] >= deadline(index):  # wedged: kill it, Ray restarts it, ask again
-                    what = "its restart" if index in starting else call.method
+                    what = "its restart" if index in starting else call.method.__name__
                     times = "" if deadline(index) == timeout else f"{call.allowances[index]} x "
                     log.info(
                         f"[fault] rollout actor {index} wedged (no answer to {what} within {times}actors.faults.call_timeout_s="
@@ -185,7 +186,7 @@ class ActorPool:
                     self.suspected.add(index)
                     retry(index)
         for index in self.suspected & set(done):  # answered since a death or a kill: was it a restarted actor's answer?
-            self._ask_process(index, call.method)
+            self._ask_process(index, call.method.__name__)
             self.suspected.discard(index)
         return done
 
@@ -226,7 +227,7 @@ class ActorPool:
 
     def submit_sample(self, weights_ref: ray.ObjectRef, iteration: int) -> PendingCall:
         """Every live actor's rollout of `iteration` with the weights of `weights_ref`, started."""
-        return self.submit("sample_with_receipt", lambda index: (weights_ref, iteration), num_returns=2)
+        return self.submit(RolloutActor.sample_with_receipt, lambda index: (weights_ref, iteration), num_returns=2)
 
     def collect_sample(self, call: PendingCall) -> list[ray.ObjectRef]:
         """The rollouts of a submitted sample call (refs, in actor order)."""
@@ -240,7 +241,7 @@ class ActorPool:
         shares = {index: share for index, share in zip(sorted(self.actors), np.array_split(todo, len(self.actors))) if len(share)}
         layouts_of = {index: [eval_layouts[i] for i in share] for index, share in shares.items()}
         groups = {index: episode_groups(layouts, self.cfg.envs_per_actor) for index, layouts in layouts_of.items()}
-        call = self.submit("evaluate", lambda index: (weights_ref, layouts_of[index]), indices=shares, allowances=groups)
+        call = self.submit(RolloutActor.evaluate, lambda index: (weights_ref, layouts_of[index]), indices=shares, allowances=groups)
         return PendingEvaluation(call, shares, weights_ref, eval_layouts, np.zeros(len(eval_layouts), dtype=bool), set())
 
     def collect_evaluate(self, pending: PendingEvaluation) -> tuple[np.ndarray, set[int]]:

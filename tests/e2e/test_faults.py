@@ -62,7 +62,7 @@ def test_dead_and_wedged_actors_are_restarted_and_their_calls_retried(tmp_path) 
     # The hanging call costs the deadline; the restarted actor must answer within it too, and Ray can take seconds on a
     # busy machine to deliver the first calls to a restarted actor: a deadline well above that.
     pool = pool_of(tmp_path, ["die", "hang", "ok"], call_timeout_s=20)
-    results = pool.call("work", lambda i: (10 * (i + 1),))
+    results = pool.call(Flaky.work, lambda i: (10 * (i + 1),))
     assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 10, 1: 20, 2: 30}
     assert pool.restarts == {0: 1, 1: 1, 2: 0}
     assert pool.faults["faults/actor_timeouts"] == 1 and pool.faults["faults/actor_restarts"] == 2
@@ -73,7 +73,7 @@ def test_a_restarted_actors_start_up_and_its_call_each_have_the_whole_deadline(t
     """An actor that takes 3 s to start again and 3 s to answer, under a 5 s deadline: 6 s in all, but each within its
     own deadline, so it is restarted once and never timed out (a VLA actor reloading its model on a short deadline)."""
     pool = pool_of(tmp_path, ["slow_restart"], seconds=3.0, call_timeout_s=5)
-    results = pool.call("work", lambda i: (7,))
+    results = pool.call(Flaky.work, lambda i: (7,))
     assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 7}
     assert pool.restarts == {0: 1} and pool.faults["faults/actor_timeouts"] == 0
 
@@ -82,12 +82,12 @@ def test_a_call_of_several_pieces_of_work_has_the_deadline_once_per_piece(tmp_pa
     """A 3 s call under a 2 s deadline: given two deadlines (a held-out evaluation of two groups of episodes) it is
     answered and never timed out; given one, it is taken for a wedged actor and killed."""
     pool = pool_of(tmp_path / "a", ["slow"], seconds=3.0, call_timeout_s=2)
-    results = pool.call("work", lambda i: (5,), allowances={0: 2})
+    results = pool.call(Flaky.work, lambda i: (5,), allowances={0: 2})
     assert {i: ray.get(refs[0])["env_steps"] for i, refs in results.items()} == {0: 5}
     assert pool.faults["faults/actor_timeouts"] == 0 and pool.restarts == {0: 0}
     once = pool_of(tmp_path / "b", ["slow"], seconds=3.0, call_timeout_s=2, max_restarts=0)
     with pytest.raises(ActorsExhaustedError, match="rollout actor 0 died"):
-        once.call("work", lambda i: (5,))
+        once.call(Flaky.work, lambda i: (5,))
     assert once.faults["faults/actor_timeouts"] == 1
 
 
@@ -95,11 +95,11 @@ def test_an_actor_out_of_restarts_is_dropped_until_too_few_are_left(tmp_path) ->
     pool = pool_of(tmp_path / "a", ["die", "ok"], max_restarts=0)
     dropped = r"rollout actor 0 died \(ActorDiedError\) with its 0 restarts spent .*: dropped; training goes on with the 1 left"
     with pytest.warns(RuntimeWarning, match=dropped):
-        results = pool.call("work", lambda i: (1,))
+        results = pool.call(Flaky.work, lambda i: (1,))
     assert list(results) == [1] and list(pool.actors) == [1] and pool.faults["faults/dropped_actors"] == 1
     strict = pool_of(tmp_path / "b", ["die", "ok"], max_restarts=0, min_alive=2)
     with pytest.raises(ActorsExhaustedError, match="1 left, below actors.faults.min_alive=2"):
-        strict.call("work", lambda i: (1,))
+        strict.call(Flaky.work, lambda i: (1,))
 
 
 def test_a_call_whose_weights_owner_died_reports_the_learner_dead(tmp_path) -> None:
@@ -114,7 +114,7 @@ def test_a_call_whose_weights_owner_died_reports_the_learner_dead(tmp_path) -> N
             ray.get(weights, timeout=60)
             time.sleep(0.05)
     with pytest.raises(LearnerDiedError, match="the learner that published the weights of rollout actor 0's work call died"):
-        pool.call("work", lambda i: (weights,))
+        pool.call(Flaky.work, lambda i: (weights,))
 
 
 # ---------------------------------------------------------------------------------------------- real runs
