@@ -80,6 +80,10 @@ class Unsharded:
         """The policy whole for the duration: a pass of any rank may run alone."""
         return contextlib.nullcontext()
 
+    def rows_to_hold(self, kept: Tensor) -> Tensor:
+        """The rows of its prepared rollout a rank holds through the update, given the `kept` ones that enter the loss."""
+        return kept
+
     def padding_passes(self, micro_batches: int) -> int:
         """The zero-weight passes this rank runs after its `micro_batches` of a minibatch: none where a pass may run alone."""
         return 0
@@ -132,6 +136,10 @@ class FullySharded(Unsharded):
             for unit in self.units:
                 unit.reshard()
                 unit.set_reshard_after_forward(True)
+
+    def rows_to_hold(self, kept: Tensor) -> Tensor:
+        # Where none is kept, one row for the padding passes (no minibatch draws it: rows_here never points to it).
+        return kept if len(kept) else torch.zeros(1, dtype=torch.int64, device=kept.device)
 
     def padding_passes(self, micro_batches: int) -> int:
         return int(self.ranks.max(micro_batches)) - micro_batches

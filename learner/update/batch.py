@@ -36,3 +36,8 @@ class PreparedBatch:
     rows_here: Tensor | None = None
     # Each task's figures of a multi-task update (the decisions that enter the loss); None in a one-task run.
     task_figures: TaskFigures | None = None
+
+    def rows_held(self, minibatch: Tensor) -> Tensor:
+        """This rank's rows of `minibatch` (positions among the whole update's decisions), in the minibatch's order."""
+        here = self.rows_here[minibatch]
+        return here[here >= 0]

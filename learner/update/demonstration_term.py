@@ -44,6 +44,7 @@ class DemonstrationTerm:
         self.obs: Observation | None = None  # every held task's steps (numpy)
         self.chunks: Tensor | None = None  # (M, H, A) in env units
         self.row_tasks = np.zeros(0, dtype=np.int64)  # (M,) the index in `from_iteration` of each row's task
+        self.update_draws: DemonstrationDraws | None = None  # the draws of the update in progress (start_update)
 
     def add(self, tasks: dict[str, int], policy: FlowPolicy) -> list[str]:
         """Hold the demonstrations of `tasks` (task -> the update from which they count); a task already held keeps the
@@ -71,6 +72,20 @@ class DemonstrationTerm:
         counting = [index for index, start in enumerate(self.from_iteration.values()) if start <= iteration]
         rows = np.flatnonzero(np.isin(self.row_tasks, counting))
         return DemonstrationDraws(rows, torch.Generator().manual_seed(self.config.seed * 1_000_003 + iteration)) if rows.size else None
+
+    def start_update(self, iteration: int, trains_actor: bool) -> None:
+        """Update `iteration`'s draws for its steps to come: none while no task counts or the update leaves the actor as it is."""
+        self.update_draws = self.draws(iteration) if trains_actor else None
+
+    def backward(self, policy: FlowPolicy, ranks: int) -> dict[str, list[tuple[float, int]]]:
+        """At an optimiser step of the update: the flow-matching loss of a batch of its draws, backpropagated times
+        algorithm.stall_bc_coef, each of a learner group's `ranks` its share of the same batch. Returns its figure as a
+        step's terms hold them, (value, rows), the same on every rank; nothing without draws."""
+        if self.update_draws is None:
+            return {}
+        loss = self.loss(policy, self.update_draws)
+        (loss * (self.config.algorithm.stall_bc_coef / ranks)).backward()
+        return {"demo_bc_loss": [(float(loss.detach()), 1)]}
 
     def loss(self, policy: FlowPolicy, draws: DemonstrationDraws) -> Tensor:
         """The flow-matching loss on a batch of algorithm.stall_bc_batch of the draws' rows, drawn with their generator."""

@@ -37,14 +37,7 @@ import torch
 from torch import Tensor
 
 from common.config import AlgorithmConfig, RunConfig
-from common.diagnostics import (
-    NonFiniteError,
-    NonFiniteUpdateWarning,
-    RandomInitError,
-    check_finite_gradients,
-    check_finite_tensors,
-    check_ratio_is_one,
-)
+from common.diagnostics import NonFiniteError, NonFiniteUpdateWarning, RandomInitError, check_finite_gradients, check_finite_tensors
 from common.flow import ChainLogProb, chain_log_prob, compile_steps, num_log_prob_elements, transition_kl
 from common.policy import FlowPolicy, index_features
 from common.rl import kl_to_reference
@@ -54,13 +47,16 @@ from learner.group.ranks import SingleRank
 from learner.group.sharding import hold, local_bytes, peak_bytes
 from learner.update.algorithms import ALGORITHMS, Advantages, decision_tasks, minibatch_loss, task_groups
 from learner.update.batch import PreparedBatch
-from learner.update.console import UpdateConsole
-from learner.update.demonstration_term import DemonstrationDraws, DemonstrationTerm
+from learner.update.demonstration_term import DemonstrationTerm
 from learner.update.micro_batches import AllocatorMemory, MicroBatchPlan, micro_batch_rows
-from learner.update.numeric_checks import check_micro_batch, precision_gap, warn_on_behaviour_gap
-from learner.update.scoring import encode_in_chunks, rescore, score_in_chunks
+from learner.update.numeric_checks import precision_gap, warn_on_behaviour_gap
+from learner.update.scoring import RolloutScores, score_rollout
 from learner.update.task_figures import TaskFigures
+from learner.update.watch import UpdateWatch
 from learner.update.weight_versions import WeightVersions
+
+# The rollout's tensors the update reads, on the policy's device.
+ROLLOUT_TENSORS = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "valid")
 
 
 def lr_scale(iteration: int, total_iterations: int, cfg: AlgorithmConfig) -> float:
@@ -128,23 +124,6 @@ class Minibatches:
             self.epochs_started = epoch + 1
             for index, rows in enumerate(torch.randperm(self.batch_size, generator=self.generator).split(self.sizes)):
                 yield f"epoch {epoch} minibatch {index}", rows
-
-
-class StepFigures:
-    """Each optimiser step's figures in order, and what the metrics need of the steps as a whole."""
-
-    def __init__(self) -> None:
-        self.history: dict[str, list[float]] = {}
-        self.count = 0
-        self.first_ratio_deviation = 0.0  # max |ratio - 1| over the first step's chains
-        self.stopped_early = False
-
-    def add(self, figures: dict[str, float], ratio_deviation: float) -> None:
-        if self.count == 0:
-            self.first_ratio_deviation = ratio_deviation
-        self.count += 1
-        for key, value in figures.items():
-            self.history.setdefault(key, []).append(value)
 
 
 def suite_tasks(config: RunConfig) -> list[str]:
@@ -259,21 +238,73 @@ class Learner:
         with torch.no_grad(), self.precision(), self.sharding.whole():
             return self._prepare(batch)
 
-    def normalization_groups(self, batch: RolloutBatch, over: Tensor) -> dict[str | None, Tensor]:
-        """The decisions whose advantages are normalised together: all of `over` (key None), or each task's."""
-        if not self.cfg.normalize_advantages_per_task:
-            return {None: over}
-        return task_groups(batch, over, self.tasks)
+    def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
+        """prepare, top to bottom: this rank's rollout scored, its advantages, the reference's scores and the checks; then,
+        over every rank, the advantages normalised and the decisions that enter the loss kept."""
+        with self.ranks.together("learner.prepare"):  # this rank's rollouts, scored
+            batch.validate()  # where the rollout enters the learner: NaN/Inf in it rolls the iteration back as any other
+            tensors = {name: tensor.to(self.policy.obs_device) for name, tensor in batch.tensors(ROLLOUT_TENSORS).items()}
+            scores = self._score_rollout(batch, tensors["chains"].flatten(0, 1))  # old and behaviour log-probs
+            advantages = self.algorithm.advantages(self.policy, batch, tensors, scores.features, scores.rows, self.ranks)
+            reference, kl, reference_figures = self._score_reference(scores)
+            metrics = scores.figures(tensors["log_probs"].flatten()) | advantages.metrics | reference_figures
+            task_figures = self._task_figures(batch, scores, advantages, kl)
+            metrics |= self._check_scores(batch, scores, advantages, metrics["logprob/behaviour_gap_max"])
+        # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
+        self.algorithm.require_decisions(advantages, self.ranks)
+        normalized, task_scales = self._normalize_advantages(batch, advantages)
+        metrics |= task_scales | scores.behaviour_weight_figures()
+        data = PreparedBatch(
+            obs=scores.obs,
+            chains=scores.chains,
+            old_log_probs=scores.old.log_prob,
+            old_values=advantages.values,
+            advantages=normalized,
+            returns=advantages.returns,
+            metrics=metrics,
+            features=None if self.policy.encoder_is_trainable else scores.features,
+            reference=reference,
+            behaviour_log_probs=None if scores.behaviour is None else scores.behaviour.log_prob,
+            task_figures=task_figures,
+        )
+        return self._keep_decisions(batch, data, tensors["valid"], advantages.keep)
 
-    def task_figures(
-        self, batch: RolloutBatch, old: ChainLogProb, chains: Tensor, advantages: Advantages, kl_ref: Tensor | None
+    def _score_rollout(self, batch: RolloutBatch, chains: Tensor) -> RolloutScores:
+        """The chains (B, K+1, H, A) scored by the current weights and, where older ones sampled them, by those."""
+        obs = batch.obs.flatten_leading().to_torch(self.policy.obs_device)  # (B, ...)
+        # As many rows at once as the update's model sees, scored the way the update's passes score.
+        scores = score_rollout(self.policy, obs, chains, self.plan.rows(len(chains)), self.config.learner.speed.steps_in_one_pass)
+        # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
+        # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
+        if batch.weight_version >= 0 and batch.weight_version != self.version:
+            with self.weight_versions.weights_of(self.policy, batch.weight_version, self.version):
+                scores.behaviour = scores.rescore(self.policy)
+        return scores
+
+    def _score_reference(self, scores: RolloutScores) -> tuple[ChainLogProb | None, Tensor | None, dict[str, float]]:
+        """With a KL reference: its scores of the chains, the old policy's per-decision KL to it, and their figures."""
+        if self.reference is None:
+            return None, None, {}
+        # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
+        reference = scores.rescore(self.reference)
+        kl, _ = kl_to_reference(scores.old, reference, self.num_log_prob_elements, self.cfg.kl_estimator)
+        figures = {
+            "kl_ref/mean": kl.mean().item(),
+            "kl_ref/max": kl.max().item(),
+            "kl_ref/exact_mean": (transition_kl(scores.old, reference, "sum") / self.num_log_prob_elements).mean().item(),
+            "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
+        }
+        return reference, kl, figures
+
+    def _task_figures(
+        self, batch: RolloutBatch, scores: RolloutScores, advantages: Advantages, kl_ref: Tensor | None
     ) -> TaskFigures | None:
         """A multi-task rollout's per-decision figures, kept by task (learner.update.task_figures); None for one task."""
         if len(self.tasks) == 1 or not batch.env_tasks:
             return None
         figures = TaskFigures(self.tasks, decision_tasks(batch, self.tasks), self.cfg.clip_eps)
-        figures.add_prepared("sigma", old.std.flatten(1).mean(1))
-        figures.add_prepared("action_abs", chains[:, -1].abs().flatten(1).mean(1))
+        figures.add_prepared("sigma", scores.old.std.flatten(1).mean(1))
+        figures.add_prepared("action_abs", scores.chains[:, -1].abs().flatten(1).mean(1))
         if advantages.values is not None:
             figures.add_prepared("returns", advantages.returns)
             figures.add_prepared("residual", advantages.returns - advantages.values)
@@ -281,102 +312,51 @@ class Learner:
             figures.add_prepared("kl_ref", kl_ref)
         return figures
 
-    def _prepare(self, batch: RolloutBatch) -> PreparedBatch:
-        policy, cfg = self.policy, self.cfg
-        with self.ranks.together("learner.prepare"):  # this rank's rollouts, scored
-            batch.validate()  # where the rollout enters the learner: NaN/Inf in it rolls the iteration back as any other
-            read = ("chains", "rewards", "discounts", "terminated", "truncated", "log_probs", "valid")
-            t = {name: tensor.to(policy.obs_device) for name, tensor in batch.tensors(read).items()}
-            b_obs = batch.obs.flatten_leading().to_torch(policy.obs_device)  # (B, ...)
-            b_chains = t["chains"].flatten(0, 1)  # (B, K+1, H, A)
-            rows = self.plan.rows(len(b_chains))  # the most rows the update's model sees at once
-            one_pass = self.config.learner.speed.steps_in_one_pass  # the update's passes score the same way
-            features = encode_in_chunks(policy, b_obs, rows)
-            old = score_in_chunks(policy, features, b_chains, rows, one_pass)
-            # Version -1: an actor's weights as it loaded them from the checkpoint, before any broadcast (tests, tools);
-            # the caller vouches that they are the learner's current ones, and the behaviour gap would show otherwise.
-            lag = self.version - batch.weight_version if batch.weight_version >= 0 else 0
-            behaviour = old
-            if lag:
-                with self.weight_versions.weights_of(policy, batch.weight_version, self.version):
-                    behaviour = rescore(policy, b_obs, b_chains, features, rows, one_pass, policy.encoder_is_trainable)
-            behaviour_gap = (behaviour.log_prob - t["log_probs"].flatten()).abs()
-            metrics = {
-                "logprob/old_mean": old.log_prob.mean().item(),
-                "logprob/per_element": old.log_prob_per_element.mean().item(),
-                "logprob/behaviour_gap_max": behaviour_gap.max().item(),  # > 0: another precision or device, or a bug
-                "policy/sigma_mean": old.std.mean().item(),
-                "policy/entropy": old.entropy.mean().item(),
-            }
-            advantages = self.algorithm.advantages(policy, batch, t, features, rows, self.ranks)
-            b_values, b_advantages, b_returns = advantages.values, advantages.advantages, advantages.returns
-            metrics.update(advantages.metrics)
-            reference = None
-            if self.reference is not None:
-                # A frozen encoder is shared with the reference (frozen_reference), so its features are the policy's.
-                reference = rescore(self.reference, b_obs, b_chains, features, rows, one_pass, policy.encoder_is_trainable)
-                kl, _ = kl_to_reference(old, reference, self.num_log_prob_elements, cfg.kl_estimator)
-                metrics.update(
-                    {
-                        "kl_ref/mean": kl.mean().item(),
-                        "kl_ref/max": kl.max().item(),
-                        "kl_ref/exact_mean": (transition_kl(old, reference, "sum") / self.num_log_prob_elements).mean().item(),
-                        "logprob/reference_per_element": reference.log_prob_per_element.mean().item(),
-                    }
-                )
-            figures = self.task_figures(batch, old, b_chains, advantages, kl if reference is not None else None)
-            finite = {"old_log_probs": old.log_prob, "behaviour_log_probs": behaviour.log_prob, "advantages": b_advantages}
-            finite |= {} if b_values is None else {"values": b_values}
-            check_finite_tensors(finite, "learner.prepare")
-            warn_on_behaviour_gap(
-                metrics["logprob/behaviour_gap_max"],
-                self.config.learner.behaviour_gap_warn,
-                batch.actor_precision,
-                policy.precision,
-                batch.weight_version,
-            )
-            if self.config.learner.speed.precision == "bfloat16":
-                metrics["logprob/precision_gap_max"] = precision_gap(policy, b_obs, b_chains, old.log_prob, one_pass, cfg.clip_eps)
-        # Across the ranks: the decisions that enter the loss, and the advantages normalised over them.
-        self.algorithm.require_decisions(advantages, self.ranks)
-        if advantages.normalize_over is not None:
-            b_advantages = b_advantages.clone()
-            for task, over in self.normalization_groups(batch, advantages.normalize_over).items():
-                if task is not None:  # the scale each task's advantages had, over every rank's decisions of it
-                    metrics[f"values/task/{task}/advantage_raw_std"] = self.ranks.std(b_advantages[over])
-                b_advantages[over] = self.ranks.normalize(b_advantages[over])
-        cached = None if policy.encoder_is_trainable else features
-        if lag:
-            weight = (old.log_prob - behaviour.log_prob).exp()
-            metrics.update({"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()})
-        data = PreparedBatch(
-            b_obs,
-            b_chains,
-            old.log_prob,
-            b_values,
-            b_advantages,
-            b_returns,
-            metrics,
-            cached,
-            reference,
-            behaviour_log_probs=behaviour.log_prob if lag else None,
-            task_figures=figures,
-        )
-        # Decisions of episodes an env broke (NaN/Inf output) never enter the loss, nor those the algorithm leaves out.
-        keep_decisions = t["valid"].flatten().to(b_advantages.device)
-        if not self.ranks.any(keep_decisions.any()):
+    def _check_scores(self, batch: RolloutBatch, scores: RolloutScores, advantages: Advantages, behaviour_gap: float) -> dict[str, float]:
+        """The scores and advantages finite (NonFiniteError), a warning where the actors' behaviour log-probs lie further
+        than learner.behaviour_gap_warn from the learner's; under bfloat16, the gap to float32 scores (precision_gap)."""
+        finite = {
+            "old_log_probs": scores.old.log_prob,
+            "behaviour_log_probs": scores.behaviour_log_probs,
+            "advantages": advantages.advantages,
+        }
+        finite |= {} if advantages.values is None else {"values": advantages.values}
+        check_finite_tensors(finite, "learner.prepare")
+        threshold = self.config.learner.behaviour_gap_warn
+        warn_on_behaviour_gap(behaviour_gap, threshold, batch.actor_precision, self.policy.precision, batch.weight_version)
+        if self.config.learner.speed.precision != "bfloat16":
+            return {}
+        gap = precision_gap(self.policy, scores.obs, scores.chains, scores.old.log_prob, scores.steps_in_one_pass, self.cfg.clip_eps)
+        return {"logprob/precision_gap_max": gap}
+
+    def _normalize_advantages(self, batch: RolloutBatch, advantages: Advantages) -> tuple[Tensor, dict[str, float]]:
+        """The advantages normalised over every rank's decisions of advantages.normalize_over, each task's apart with
+        algorithm.normalize_advantages_per_task, and the scale each task's had; as they are where the algorithm says none."""
+        over = advantages.normalize_over
+        if over is None:
+            return advantages.advantages, {}
+        groups = task_groups(batch, over, self.tasks) if self.cfg.normalize_advantages_per_task else {None: over}
+        normalized, task_scales = advantages.advantages.clone(), {}
+        for task, rows in groups.items():
+            if task is not None:  # the scale each task's advantages had, over every rank's decisions of it
+                task_scales[f"values/task/{task}/advantage_raw_std"] = self.ranks.std(normalized[rows])
+            normalized[rows] = self.ranks.normalize(normalized[rows])
+        return normalized, task_scales
+
+    def _keep_decisions(self, batch: RolloutBatch, data: PreparedBatch, valid: Tensor, algorithm_keeps: Tensor | None) -> PreparedBatch:
+        """`data` cut to the decisions that enter the loss, and the place of each in the whole update (rows_here). Decisions
+        of episodes an env broke (NaN/Inf output) never enter it, nor those the algorithm leaves out."""
+        keep = valid.flatten().to(data.advantages.device)
+        if not self.ranks.any(keep.any()):
             raise NonFiniteError("every decision of this rollout belongs to an episode that an env ended with NaN/Inf output")
-        if advantages.keep is not None:
-            keep_decisions &= advantages.keep
-        if not keep_decisions.all():
-            kept = keep_decisions.nonzero().squeeze(1)
-            if figures is not None:
-                figures = figures.keep(kept)
-            if not len(kept) and self.sharding.sharded:  # a row for the zero-weight passes it runs in step with the others
-                kept = torch.zeros(1, dtype=torch.int64, device=kept.device)
-            data = index_features(data, kept)
-            data.task_figures = figures
-        positions, total = self.ranks.decision_order(keep_decisions.view(batch.num_decisions, batch.num_envs))
+        if algorithm_keeps is not None:
+            keep &= algorithm_keeps
+        if not keep.all():
+            kept = keep.nonzero().squeeze(1)
+            task_figures = None if data.task_figures is None else data.task_figures.keep(kept)
+            data = index_features(data, self.sharding.rows_to_hold(kept))
+            data.task_figures = task_figures
+        positions, total = self.ranks.decision_order(keep.view(batch.num_decisions, batch.num_envs))
         data.rows_here = torch.full((total,), -1, dtype=torch.int64)
         data.rows_here[positions.cpu()] = torch.arange(len(positions))
         return data
@@ -458,29 +438,26 @@ class Learner:
         """PPO (or GRPO) on one rollout, top to bottom: the old log-probs and advantages, the learning rates, then epochs x
         minibatches, one optimiser step each, until the epochs end or the KL to the old policy passes its target. The
         shell around it (update) rolls back."""
-        console = UpdateConsole(verbose)
         self.policy.eval()
         data = self.prepare(batch)
-        console.rollout(batch, data)
+        watch = UpdateWatch(data, self.policy, self.cfg.ratio_tolerance, verbose)
+        watch.rollout(batch)
         train_actor = self.algorithm.trains_actor(self.iteration)
         self._set_learning_rates(train_actor)
+        self.demonstrations.start_update(self.iteration, train_actor)
         minibatches = Minibatches(len(data.rows_here), self.cfg, seed=self.config.seed * 1_000_003 + self.iteration)
-        demos = self.demonstrations.draws(self.iteration) if train_actor else None
-        steps = StepFigures()
+        stopped_early = False
         for where, minibatch in minibatches:
-            figures, ratio_deviation = self._minibatch_step(
-                data, minibatch, minibatches.sizes[0], train_actor, where, steps.count == 0, console, demos
-            )
-            steps.add(figures, ratio_deviation)
-            console.minibatch(where, figures)
+            figures = self._minibatch_step(data, minibatch, where, train_actor, minibatches.sizes[0], watch)
+            watch.step(where, figures)
             # KL early stopping on this minibatch's k3 approx-KL (measured before its step), as ReinFlow does
-            steps.stopped_early = self.cfg.target_kl is not None and train_actor and figures["approx_kl"] > self.cfg.target_kl
-            if steps.stopped_early:
+            stopped_early = self.cfg.target_kl is not None and train_actor and figures["approx_kl"] > self.cfg.target_kl
+            if stopped_early:
                 break
         self.iteration += 1
         self.version += 1
         self.env_steps += self.ranks.sum(batch.env_steps)
-        return self._update_metrics(data, steps, minibatches)
+        return self._update_metrics(data, watch, minibatches, stopped_early)
 
     def _set_learning_rates(self, train_actor: bool) -> None:
         """The schedule's rates at this iteration, backed off after non-finite updates; the actor's 0 while it does not train."""
@@ -490,62 +467,46 @@ class Learner:
         self.optimizer.param_groups[1]["lr"] = self.cfg.critic_lr * scale
 
     def _minibatch_step(
-        self,
-        data: PreparedBatch,
-        minibatch: Tensor,
-        largest: int,
-        train_actor: bool,
-        where: str,
-        first_step: bool,
-        console: UpdateConsole,
-        demos: DemonstrationDraws | None = None,
-    ) -> tuple[dict[str, float], float]:
+        self, data: PreparedBatch, minibatch: Tensor, where: str, train_actor: bool, largest: int, watch: UpdateWatch
+    ) -> dict[str, float]:
         """One optimiser step on `minibatch` (rows of every rank's decisions, in the order one learner holds them; `largest`:
-        the update's largest minibatch, which the plan's memory sizing is for): this
-        rank's share scored in the plan's micro-batches, each loss backpropagated at its share of the minibatch's mean, the
-        gradients summed over the ranks, clipped and stepped; with `demos`, the stalled tasks' flow-matching term beside
-        them (each rank its 1/N share of the same batch). Returns the step's figures (over every rank's decisions) and,
-        on the update's first step, the most |ratio - 1| of its chains (the old log-probs' weights are the current ones)."""
+        the update's largest minibatch, which the plan's memory sizing is for): this rank's share in the plan's
+        micro-batches, each loss backpropagated at its share of the minibatch's mean, then the gradients summed over the
+        ranks, clipped and stepped. Returns the step's figures, over every rank's decisions."""
         self.optimizer.zero_grad(set_to_none=True)
-        here = data.rows_here[minibatch]  # this rank's share of the minibatch
         terms: dict[str, list[tuple[float, int]]] = {}  # figure -> (value, rows) per micro-batch
-        ratio_deviation = 0.0
         with self.ranks.together(where):
             checks = self.sharding.checks()
-            micro_batches = self.plan.split(here[here >= 0])
+            micro_batches = self.plan.split(data.rows_held(minibatch))
             padding = self.sharding.padding_passes(len(micro_batches))  # before any pass: a sharded group runs them in step
             for index, micro in enumerate(micro_batches):
                 with self.plan.sizing(index, len(micro), largest, train_actor):
                     loss, metrics, new = self._micro_batch_loss(data, micro, train_actor)
-                    logratio = new.log_prob - data.old_log_probs[micro]
-                    with checks:
-                        check_micro_batch(new, logratio, metrics, where)
-                        if first_step:
-                            ratio_deviation = max(ratio_deviation, check_ratio_is_one(logratio, self.policy, self.cfg.ratio_tolerance))
-                    console.micro_batch(new, logratio)
-                    if data.task_figures is not None:
-                        data.task_figures.record_step(micro, logratio)
+                    watch.micro_batch(where, micro, new, metrics, checks)
                     (loss * (len(micro) / len(minibatch))).backward()  # the minibatch's mean over every rank's decisions
                 for key, value in metrics.items():
                     terms.setdefault(key, []).append((float(value.detach()), len(micro)))
-            if demos is not None:
-                demo_loss = self.demonstrations.loss(self.policy, demos)
-                (demo_loss * (self.cfg.stall_bc_coef / self.ranks.size)).backward()  # each rank its share of the same batch
-                terms["demo_bc_loss"] = [(float(demo_loss.detach()), 1)]  # the same on every rank
-            for _ in range(padding):  # over a row it holds, weighing nothing
-                (self._micro_batch_loss(data, torch.zeros(1, dtype=torch.int64), train_actor)[0] * 0.0).backward()
+            terms |= self.demonstrations.backward(self.policy, self.ranks.size)  # once a task stalled (algorithm.stall_demos)
+            self._padding_passes(data, padding, train_actor)
             checks.raise_first()
         self.sharding.reduce_gradients(self.actor_params + self.critic_params)
         check_finite_gradients(self.policy, f"learner.update {where}")
-        actor_grad_norm = torch.nn.utils.clip_grad_norm_(self.actor_params, self.cfg.max_grad_norm) if train_actor else torch.zeros(())
-        critic_grad_norm = torch.nn.utils.clip_grad_norm_(self.critic_params, self.cfg.max_grad_norm)
+        grad_norms = self._clip_gradients(train_actor)
         self.optimizer.step()
         check_finite_tensors(self.trainable_state(), f"weights after the optimiser step of {where}")
-        figures = self.ranks.minibatch_means(terms)
-        figures["actor_grad_norm"] = float(actor_grad_norm)
-        if self.critic_params:  # none with GRPO
-            figures["critic_grad_norm"] = float(critic_grad_norm)
-        return figures, ratio_deviation
+        return self.ranks.minibatch_means(terms) | {name: float(norm) for name, norm in grad_norms.items()}
+
+    def _padding_passes(self, data: PreparedBatch, passes: int, train_actor: bool) -> None:
+        """`passes` zero-weight passes over a row this rank holds, which keep a sharded group's ranks in step."""
+        for _ in range(passes):
+            (self._micro_batch_loss(data, torch.zeros(1, dtype=torch.int64), train_actor)[0] * 0.0).backward()
+
+    def _clip_gradients(self, train_actor: bool) -> dict[str, Tensor]:
+        """Each parameter group's gradients clipped to algorithm.max_grad_norm; their norms before (the actor's 0 while
+        it does not train; the critic's where there is one to train: GRPO has none)."""
+        actor = torch.nn.utils.clip_grad_norm_(self.actor_params, self.cfg.max_grad_norm) if train_actor else torch.zeros(())
+        critic = torch.nn.utils.clip_grad_norm_(self.critic_params, self.cfg.max_grad_norm)
+        return {"actor_grad_norm": actor, "critic_grad_norm": critic} if self.critic_params else {"actor_grad_norm": actor}
 
     def _micro_batch_loss(self, data: PreparedBatch, rows: Tensor, train_actor: bool) -> tuple[Tensor, dict[str, Tensor], ChainLogProb]:
         """The loss of decisions `rows` of `data`, their metrics and their new scores, with gradients."""
@@ -555,12 +516,12 @@ class Learner:
         loss, metrics = minibatch_loss(self.policy, features, new, data, rows, self.cfg, self.algorithm.critic, train_actor)
         return loss, metrics, new
 
-    def _update_metrics(self, data: PreparedBatch, steps: StepFigures, minibatches: Minibatches) -> dict[str, float]:
+    def _update_metrics(self, data: PreparedBatch, watch: UpdateWatch, minibatches: Minibatches, stopped_early: bool) -> dict[str, float]:
         """The iteration's metrics: the rollout's as prepared (over every rank), the steps' means and extremes, the plan."""
         metrics = self.ranks.across_ranks(dict(data.metrics), int((data.rows_here >= 0).sum()), self.algorithm.counts)
         if data.task_figures is not None:
             metrics.update(data.task_figures.metrics(self.ranks))
-        history = steps.history
+        history = watch.history
         for key in (
             "pg_loss",
             "v_loss",
@@ -582,13 +543,13 @@ class Learner:
                 "losses/approx_kl_max": float(np.max(history["approx_kl"])),
                 "ppo/ratio_min": float(np.min(history["ratio_min"])),
                 "ppo/ratio_max": float(np.max(history["ratio_max"])),
-                "ppo/first_minibatch_ratio_dev": float(self.ranks.max(steps.first_ratio_deviation)),
-                "ppo/optimizer_steps": steps.count,
+                "ppo/first_minibatch_ratio_dev": float(self.ranks.max(watch.first_ratio_deviation)),
+                "ppo/optimizer_steps": watch.steps,
                 "ppo/batch_size": minibatches.batch_size,
                 "ppo/num_minibatches": len(minibatches.sizes),
                 "ppo/minibatch_size": minibatches.sizes[0],  # the largest: the others are at most one smaller
                 "ppo/epochs_run": minibatches.epochs_started,
-                "ppo/kl_early_stop": float(steps.stopped_early),
+                "ppo/kl_early_stop": float(stopped_early),
                 "ppo/actor_lr": self.optimizer.param_groups[0]["lr"],
                 "ppo/critic_lr": self.optimizer.param_groups[1]["lr"],
             }

@@ -38,7 +38,7 @@ def precision_gap(
             f"more than half of the clip range log(1 + clip_eps) = {2 * limit:.3g}: PPO clips on rounding, not on the "
             f"policy's change; set learner.speed.precision: float32",
             PrecisionGapWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return gap
 
@@ -59,7 +59,7 @@ def warn_on_behaviour_gap(gap: float, threshold: float | None, actors: str, lear
         f"behaviour log-probs differ from the learner's by up to {gap:.3g} > learner.behaviour_gap_warn={threshold} on "
         f"weight version {weight_version}: actors {actors}, learner {learner}; {cause}",
         BehaviourGapWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

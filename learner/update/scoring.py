@@ -1,10 +1,11 @@
 """Scoring recorded chains: the encode and the log-probs over the iteration a micro-batch's worth of rows at a time,
 the critic's values of the observations the chunks led to, and the scores of other weights (an older version's, the
-KL reference's) on the same chains."""
+KL reference's) on the same chains (`RolloutScores`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,3 +64,51 @@ def rescore(
     differing between weights; else the current weights' `features`, since a frozen encoder is one module in them all."""
     features = encode_in_chunks(policy, obs, rows) if encode_again else features
     return score_in_chunks(policy, features, chains, rows, steps_in_one_pass)
+
+
+@dataclass
+class RolloutScores:
+    """A rollout's recorded chains, flattened to B = T * N decisions, as the learner scores them."""
+
+    obs: Observation  # (B, ...) on the policy's device
+    chains: Tensor  # (B, K+1, H, A)
+    features: Any  # encode(obs) with the current weights
+    old: ChainLogProb  # (B,) the current weights' scores: the old log-probs
+    rows: int  # the most rows scored at once: the update's micro-batch
+    steps_in_one_pass: bool  # as the update's passes score
+    encode_again: bool  # the learner's encoder trains, so other weights encode the observations themselves
+    behaviour: ChainLogProb | None = None  # (B,) the older weights' that sampled the chains; None: the current ones did
+
+    @property
+    def behaviour_log_probs(self) -> Tensor:
+        """(B,) the log-probs of the weights that sampled the chains."""
+        return (self.old if self.behaviour is None else self.behaviour).log_prob
+
+    def rescore(self, policy: FlowPolicy) -> ChainLogProb:
+        """The chains scored by `policy` with other weights than the current ones (rescore)."""
+        return rescore(policy, self.obs, self.chains, self.features, self.rows, self.steps_in_one_pass, self.encode_again)
+
+    def figures(self, actor_log_probs: Tensor) -> dict[str, float]:
+        """The old scores' figures, and the most the actors' own behaviour log-probs (B,) differ from the learner's."""
+        return {
+            "logprob/old_mean": self.old.log_prob.mean().item(),
+            "logprob/per_element": self.old.log_prob_per_element.mean().item(),
+            # > 0: another precision or device, or a bug
+            "logprob/behaviour_gap_max": (self.behaviour_log_probs - actor_log_probs).abs().max().item(),
+            "policy/sigma_mean": self.old.std.mean().item(),
+            "policy/entropy": self.old.entropy.mean().item(),
+        }
+
+    def behaviour_weight_figures(self) -> dict[str, float]:
+        """The extremes of pi_old / pi_behaviour over the chains that older weights sampled; none for the current ones'."""
+        if self.behaviour is None:
+            return {}
+        weight = (self.old.log_prob - self.behaviour.log_prob).exp()
+        return {"ppo/behaviour_weight_min": weight.min().item(), "ppo/behaviour_weight_max": weight.max().item()}
+
+
+def score_rollout(policy: FlowPolicy, obs: Observation, chains: Tensor, rows: int, steps_in_one_pass: bool) -> RolloutScores:
+    """`chains` (B, K+1, H, A), chosen in `obs`, scored by the current weights `rows` at a time."""
+    features = encode_in_chunks(policy, obs, rows)
+    old = score_in_chunks(policy, features, chains, rows, steps_in_one_pass)
+    return RolloutScores(obs, chains, features, old, rows, steps_in_one_pass, policy.encoder_is_trainable)
